@@ -1,0 +1,44 @@
+# One entry point per habit. `make demo` and `make test` work on a fresh clone.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PYTHON  := $(BIN)/python
+STAMP   := $(VENV)/.installed
+TSTAMP  := $(VENV)/.installed-test
+MODEL   ?= data/models/demo
+PROMPT  ?= def fibonacci(n):
+MAXTOK  ?= 48
+
+.PHONY: demo test test-slow lint format bench clean
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PYTHON)
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(TSTAMP): pyproject.toml | $(PYTHON)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP) $@
+
+demo: $(STAMP)
+	$(BIN)/colibri generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens $(MAXTOK)
+
+test: $(TSTAMP)
+	$(BIN)/pytest -q
+
+test-slow: $(TSTAMP)
+	$(BIN)/pytest -q -m slow
+
+lint: $(TSTAMP)
+	$(BIN)/ruff check colibri tests experiments
+	$(BIN)/ruff format --check colibri tests experiments
+
+format: $(TSTAMP)
+	$(BIN)/ruff format colibri tests experiments
+	$(BIN)/ruff check --fix colibri tests experiments
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

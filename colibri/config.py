@@ -1,0 +1,384 @@
+"""Model configuration read from a Hugging Face `config.json`, normalised across MoE families."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A config.json that colibri cannot run, with the field and value that are wrong."""
+
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: frequencies of the rotated part of each head, and their layout."""
+
+    inv_freq: tuple[float, ...]  # [R/2] rotation frequencies, R = rotated dims per head
+    attention_scaling: float = 1.0  # cos/sin multiplier (YaRN), 1.0 otherwise
+    interleave: bool = False  # DeepSeek layout: rotated pairs are (x0, x1), (x2, x3), ...
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention sizes (DeepSeek-V3): K/V are cached as one compressed latent."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Routed experts and the routing rule of the sparse layers."""
+
+    num_experts: int
+    top_k: int
+    moe_ff: int  # F of one routed expert
+    router: str  # "softmax" (Qwen, OLMoE, Mixtral) or "sigmoid_group" (DeepSeek-V3, GLM-4.5)
+    norm_topk_prob: bool
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_ff: int = 0  # F of the shared expert(s), 0 when there is none
+    shared_gate: bool = False  # Qwen2-MoE scales the shared expert by sigmoid(x @ w)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the pure JAX model needs to know about one checkpoint's architecture."""
+
+    family: str
+    vocab_size: int
+    hidden: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dense_ff: int  # F of the dense MLP layers (first_k_dense_replace, mlp_only_layers)
+    rms_eps: float
+    rope: RopeConfig
+    moe: MoeConfig
+    moe_layers: tuple[bool, ...]  # [L] True where the MLP is a routed MoE block
+    attention: str = "gqa"  # "gqa" or "mla"
+    mla: MlaConfig | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = (
+        "none"  # "none", "head" (per head, Qwen3/GLM) or "full" (whole projection, OLMoE)
+    )
+    clip_qkv: float | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+    @property
+    def attn_scale(self) -> float:
+        if self.attention == "mla":
+            assert self.mla is not None
+            return _mla_scale(self.mla.qk_head_dim, self.raw)
+        return self.head_dim**-0.5
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Read `config.json` (and `generation_config.json` for eos) from a checkpoint folder."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no config.json in the model folder") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    gen = Path(model_dir) / "generation_config.json"
+    gen_raw = json.loads(gen.read_text()) if gen.exists() else {}
+    return config_from_dict(raw, gen_raw, source=str(path))
+
+
+def config_from_dict(
+    raw: dict[str, Any], gen: dict[str, Any] | None = None, source: str = "config.json"
+) -> ModelConfig:
+    """Normalise one Hugging Face config dict into a `ModelConfig`."""
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise ConfigError(
+            f"{source}: model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})"
+        )
+    c = _Fields(raw, source)
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
+    if raw.get("use_sliding_window"):
+        raise ConfigError(f"{source}: use_sliding_window=True is not supported")
+    builder = {
+        "qwen3_moe": _qwen_like,
+        "qwen2_moe": _qwen_like,
+        "olmoe": _qwen_like,
+        "mixtral": _mixtral,
+        "deepseek_v3": _deepseek_like,
+        "glm4_moe": _deepseek_like,
+    }[family]
+    fields = builder(c, family)
+    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
+    head_dim = raw.get("head_dim") or hidden // heads
+    eos = _eos_ids(raw, gen or {})
+    common = dict(
+        family=family,
+        vocab_size=c.int("vocab_size"),
+        hidden=hidden,
+        num_layers=c.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=eos,
+        torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        raw=raw,
+    )
+    common.update(fields)
+    cfg = ModelConfig(**common)
+    _validate(cfg, source)
+    return cfg
+
+
+class _Fields:
+    """Typed access to required config fields with errors naming the field."""
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+
+    def int(self, key: str) -> int:
+        v = self.raw.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ConfigError(f"{self.source}: {key}={v!r} must be a positive integer")
+        return v
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters (transformers 5) or rope_theta + rope_scaling (older configs)."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    if "partial_rotary_factor" in raw:
+        params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope(raw: dict[str, Any], dim: int, interleave: bool = False) -> RopeConfig:
+    """Inverse frequencies for `dim` rotated dims, following transformers' rope initialisers."""
+    p = _rope_params(raw)
+    base = float(p["rope_theta"])
+    kind = p["rope_type"]
+    inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
+    scaling = 1.0
+    if kind == "linear":
+        inv = inv / np.float32(p["factor"])
+    elif kind == "yarn":
+        inv, scaling = _yarn(p, dim, base, raw)
+    elif kind != "default":
+        raise ConfigError(f"rope_type={kind!r} is not supported (default, linear, yarn)")
+    return RopeConfig(tuple(float(x) for x in inv.astype(np.float32)), float(scaling), interleave)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(p: dict[str, Any], dim: int, base: float, raw: dict[str, Any]) -> tuple[Any, float]:
+    """YaRN frequencies and attention factor (transformers' `_compute_yarn_parameters`)."""
+    orig = p.get("original_max_position_embeddings") or raw.get("max_position_embeddings")
+    factor = p.get("factor") or raw["max_position_embeddings"] / orig
+    attn = p.get("attention_factor")
+    mscale, mscale_all = p.get("mscale"), p.get("mscale_all_dim")
+    if attn is None:
+        if mscale and mscale_all:
+            attn = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        else:
+            attn = _yarn_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos = base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extra_w = 1 - ramp
+    inv = (1.0 / (factor * pos)) * (1 - extra_w) + (1.0 / pos) * extra_w
+    return inv.astype(np.float32), float(attn)
+
+
+def _mla_scale(qk_head_dim: int, raw: dict[str, Any]) -> float:
+    """DeepSeek softmax scale, with YaRN's mscale_all_dim correction when rope is scaled."""
+    scale = qk_head_dim**-0.5
+    p = _rope_params(raw)
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        m = _yarn_mscale(p["factor"], p["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
+
+
+def _qwen_like(c: _Fields, family: str) -> dict[str, Any]:
+    """Qwen3-MoE, Qwen2-MoE and OLMoE: GQA, softmax top-k routing."""
+    raw = c.raw
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    partial = _rope_params(raw).get("partial_rotary_factor", 1.0)
+    rope = _rope(raw, int(head_dim * partial))
+    L = c.int("num_hidden_layers")
+    if family == "olmoe":
+        moe_layers = tuple(True for _ in range(L))
+    else:
+        step = int(raw.get("decoder_sparse_step", 1))
+        only = set(raw.get("mlp_only_layers") or [])
+        moe_layers = tuple((i not in only) and (i + 1) % step == 0 for i in range(L))
+    shared_ff = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    moe = MoeConfig(
+        num_experts=c.int("num_experts" if "num_experts" in raw else "num_local_experts"),
+        top_k=c.int("num_experts_per_tok"),
+        moe_ff=c.int("moe_intermediate_size") if family != "olmoe" else c.int("intermediate_size"),
+        router="softmax",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_ff=shared_ff,
+        shared_gate=shared_ff > 0,
+    )
+    qk_norm = {"qwen3_moe": "head", "olmoe": "full", "qwen2_moe": "none"}[family]
+    bias = raw.get("qkv_bias", True) if family == "qwen2_moe" else raw.get("attention_bias", False)
+    return dict(
+        rope=rope,
+        moe=moe,
+        moe_layers=moe_layers,
+        dense_ff=int(raw.get("intermediate_size") or 0),
+        qk_norm=qk_norm,
+        qkv_bias=bool(bias),
+        o_bias=bool(raw.get("attention_bias", False)) and family != "qwen2_moe",
+        clip_qkv=raw.get("clip_qkv") if family == "olmoe" else None,
+    )
+
+
+def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
+    """Mixtral: GQA, softmax top-k routing always renormalised, experts as w1/w2/w3."""
+    raw = c.raw
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    moe = MoeConfig(
+        num_experts=c.int("num_local_experts"),
+        top_k=c.int("num_experts_per_tok"),
+        moe_ff=c.int("intermediate_size"),
+        router="softmax",
+        norm_topk_prob=True,
+    )
+    L = c.int("num_hidden_layers")
+    return dict(
+        rope=_rope(raw, int(head_dim)),
+        moe=moe,
+        moe_layers=tuple(True for _ in range(L)),
+        dense_ff=c.int("intermediate_size"),
+    )
+
+
+def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
+    """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary): grouped sigmoid routing."""
+    raw = c.raw
+    n_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
+    moe = MoeConfig(
+        num_experts=int(n_experts or 0),
+        top_k=c.int("num_experts_per_tok"),
+        moe_ff=c.int("moe_intermediate_size"),
+        router="sigmoid_group",
+        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        n_group=int(raw.get("n_group") or 1),
+        topk_group=int(raw.get("topk_group") or 1),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        shared_ff=c.int("moe_intermediate_size") * int(raw.get("n_shared_experts") or 0),
+    )
+    L = c.int("num_hidden_layers")
+    first_dense = int(raw.get("first_k_dense_replace", 0))
+    out: dict[str, Any] = dict(
+        moe=moe,
+        moe_layers=tuple(i >= first_dense for i in range(L)),
+        dense_ff=c.int("intermediate_size"),
+        qkv_bias=bool(raw.get("attention_bias", False)),
+    )
+    if family == "deepseek_v3":
+        mla = MlaConfig(
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=c.int("kv_lora_rank"),
+            qk_nope_head_dim=c.int("qk_nope_head_dim"),
+            qk_rope_head_dim=c.int("qk_rope_head_dim"),
+            v_head_dim=c.int("v_head_dim"),
+        )
+        interleave = bool(raw.get("rope_interleave", True))
+        out.update(
+            attention="mla",
+            mla=mla,
+            rope=_rope(raw, mla.qk_rope_head_dim, interleave),
+            o_bias=bool(raw.get("attention_bias", False)),
+        )
+    else:
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        partial = _rope_params(raw).get("partial_rotary_factor", 0.5)
+        out.update(
+            rope=_rope(raw, int(head_dim * partial)),
+            qk_norm="head" if raw.get("use_qk_norm") else "none",
+        )
+    return out
+
+
+def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", raw.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _validate(cfg: ModelConfig, source: str) -> None:
+    m = cfg.moe
+    if cfg.num_heads % cfg.num_kv_heads:
+        raise ConfigError(
+            f"{source}: num_attention_heads={cfg.num_heads} is not a multiple of "
+            f"num_key_value_heads={cfg.num_kv_heads}"
+        )
+    if any(cfg.moe_layers) and not 0 < m.top_k <= m.num_experts:
+        raise ConfigError(
+            f"{source}: num_experts_per_tok={m.top_k} must be in 1..{m.num_experts} experts"
+        )
+    if m.router == "sigmoid_group":
+        if m.num_experts % m.n_group:
+            raise ConfigError(f"{source}: n_group={m.n_group} does not divide {m.num_experts}")
+        if not 0 < m.topk_group <= m.n_group:
+            raise ConfigError(f"{source}: topk_group={m.topk_group} must be in 1..{m.n_group}")
+    if cfg.rope.rotary_dim % 2:
+        raise ConfigError(f"{source}: rotary dim {cfg.rope.rotary_dim} must be even")

@@ -1,0 +1,1 @@
+"""Running a model: loading, KV slots, prefill, batched decode steps, sampling."""

@@ -1,0 +1,1 @@
+"""Pure JAX model code: layers, attention (GQA, MLA), routers and the transformer; no I/O."""

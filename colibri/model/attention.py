@@ -1,0 +1,128 @@
+"""Causal attention over a slot-indexed KV cache: grouped-query (GQA) and latent (MLA) variants."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from colibri.config import ModelConfig
+from colibri.model.layers import apply_rope, linear, rms_norm, rope_cos_sin
+
+# Cache layout per layer: GQA {"k", "v": [S, C, Hkv, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
+# with S slots and C cached positions. Rows of a batch name their slot; row b's token t sits
+# at position pos[b, t]. Padding rows use slot S (out of range): their writes are dropped.
+Cache = dict[str, jax.Array]
+
+
+def init_layer_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
+    """Zeroed cache of one layer for `slots` conversations of up to `capacity` positions."""
+    if cfg.attention == "mla":
+        assert cfg.mla is not None
+        return {
+            "lat": jnp.zeros((slots, capacity, cfg.mla.kv_lora_rank), jnp.float32),
+            "kr": jnp.zeros((slots, capacity, cfg.mla.qk_rope_head_dim), jnp.float32),
+        }
+    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
+
+
+def _write(buf: jax.Array, slots: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
+    """buf[slots[b], pos[b, t]] = new[b, t]; out-of-range slots or positions are dropped."""
+    return buf.at[slots[:, None], pos].set(new, mode="drop")
+
+
+def _read(buf: jax.Array, slots: jax.Array, kv_len: int) -> jax.Array:
+    """The first kv_len cached positions of each row's slot: [B, kv_len, ...]."""
+    return jnp.take(buf[:, :kv_len], slots, axis=0, mode="clip")
+
+
+def _softmax_attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, scale: float
+) -> jax.Array:
+    """q [B, T, Hkv, G, Dq], k [B, S, Hkv, Dq], v [B, S, Hkv, Dv] -> [B, T, Hkv, G, Dv]."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
+    visible = jnp.arange(k.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
+def gqa(
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+) -> tuple[jax.Array, Cache]:
+    """Grouped-query attention of x [B, T, D] at positions pos [B, T]; returns [B, T, D]."""
+    B, T, _ = x.shape
+    H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, w["q"], w.get("q_bias"))
+    k = linear(x, w["k"], w.get("k_bias"))
+    v = linear(x, w["v"], w.get("v_bias"))
+    if cfg.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+    if cfg.clip_qkv is not None:
+        q, k, v = (jnp.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+    q, k, v = q.reshape(B, T, H, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
+    if cfg.qk_norm == "head":
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
+    cos, sin = rope_cos_sin(cfg.rope, pos)
+    q, k = (
+        apply_rope(q, cos, sin, cfg.rope.interleave),
+        apply_rope(k, cos, sin, cfg.rope.interleave),
+    )
+    cache = {"k": _write(cache["k"], slots, pos, k), "v": _write(cache["v"], slots, pos, v)}
+    ks, vs = _read(cache["k"], slots, kv_len), _read(cache["v"], slots, kv_len)
+    out = _softmax_attend(q.reshape(B, T, Hkv, H // Hkv, Dh), ks, vs, pos, cfg.attn_scale)
+    return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
+
+
+def mla_expand(cfg: ModelConfig, w: dict, lat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """kv_b expansion of cached latents [B, S, r] into k_nope [B, S, H, Dn] and v [B, S, H, Dv]."""
+    m = cfg.mla
+    assert m is not None
+    B, S, _ = lat.shape
+    kv = linear(lat, w["kv_b"]).reshape(B, S, cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim)
+    return kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
+
+
+def mla(
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+) -> tuple[jax.Array, Cache]:
+    """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
+    m = cfg.mla
+    assert m is not None
+    B, T, _ = x.shape
+    H = cfg.num_heads
+    if m.q_lora_rank is None:
+        q = linear(x, w["q"])
+    else:  # transformers builds q_a_layernorm with its default eps, 1e-6
+        q = linear(rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], 1e-6), w["q_b"])
+    q = q.reshape(B, T, H, m.qk_head_dim)
+    ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))
+    lat = rms_norm(ckv[..., : m.kv_lora_rank], w["kv_a_norm"], 1e-6)
+    kr = ckv[..., m.kv_lora_rank :][:, :, None, :]  # [B, T, 1, R]: one roped key for all heads
+    cos, sin = rope_cos_sin(cfg.rope, pos)
+    q_rope = apply_rope(q[..., m.qk_nope_head_dim :], cos, sin, cfg.rope.interleave)
+    kr = apply_rope(kr, cos, sin, cfg.rope.interleave)[:, :, 0]
+    cache = {
+        "lat": _write(cache["lat"], slots, pos, lat),
+        "kr": _write(cache["kr"], slots, pos, kr),
+    }
+    k_nope, v = mla_expand(cfg, w, _read(cache["lat"], slots, kv_len))
+    k_rope = jnp.broadcast_to(
+        _read(cache["kr"], slots, kv_len)[:, :, None], (*k_nope.shape[:3], m.qk_rope_head_dim)
+    )
+    qf = jnp.concatenate([q[..., : m.qk_nope_head_dim], q_rope], axis=-1)[:, :, :, None]
+    kf = jnp.concatenate([k_nope, k_rope], axis=-1)
+    out = _softmax_attend(qf, kf, v, pos, cfg.attn_scale)  # heads act as Hkv with G = 1
+    return linear(out.reshape(B, T, H * m.v_head_dim), w["o"], w.get("o_bias")), cache

@@ -1,0 +1,50 @@
+"""Elementwise building blocks shared by every family: RMSNorm, rotary embeddings, SwiGLU."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from colibri.config import RopeConfig
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, computed in float32."""
+    x = x.astype(jnp.float32)
+    return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in]."""
+    y = jnp.einsum("...i,oi->...o", x, w)
+    return y if b is None else y + b
+
+
+def rope_cos_sin(rope: RopeConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin for integer positions [B, T] -> two [B, T, R] (R rotated dims per head)."""
+    inv = jnp.asarray(rope.inv_freq, jnp.float32)
+    freqs = pos.astype(jnp.float32)[..., None] * inv  # [B, T, R/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb) * rope.attention_scaling, jnp.sin(emb) * rope.attention_scaling
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
+    """Rotate the first R dims of each head of x [B, T, H, Dh]; the rest passes through."""
+    R = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    rot, rest = x[..., :R], x[..., R:]
+    if interleave:
+        # DeepSeek pairs (x0, x1), (x2, x3), ...; the result is laid out de-interleaved,
+        # as transformers does, which is harmless because q and k get the same layout.
+        c, s = cos[..., : R // 2], sin[..., : R // 2]
+        x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        rot = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    else:
+        half = jnp.concatenate([-rot[..., R // 2 :], rot[..., : R // 2]], axis=-1)
+        rot = rot * cos + half * sin
+    return jnp.concatenate([rot, rest], axis=-1) if rest.shape[-1] else rot
+
+
+def swiglu(x: jax.Array, w: dict[str, jax.Array]) -> jax.Array:
+    """down(silu(gate x) * up x) with HF-layout weights gate/up [F, D], down [D, F]."""
+    return linear(jax.nn.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])

@@ -1,0 +1,105 @@
+"""The decoder stack: embed, per-layer attention + MLP/MoE, final norm and head, over a KV cache."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from colibri.config import ModelConfig
+from colibri.model import attention, moe
+from colibri.model.layers import linear, rms_norm, swiglu
+
+Cache = list[attention.Cache]
+
+
+def init_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
+    return [attention.init_layer_cache(cfg, slots, capacity) for _ in range(cfg.num_layers)]
+
+
+def attention_block(
+    cfg: ModelConfig,
+    lw: dict,
+    cache: attention.Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+) -> tuple[jax.Array, attention.Cache]:
+    """x + attention(norm(x)) for x [B, T, D]."""
+    attend = attention.mla if cfg.attention == "mla" else attention.gqa
+    h, cache = attend(
+        cfg, lw["attn"], cache, rms_norm(x, lw["ln1"], cfg.rms_eps), pos, slots, kv_len
+    )
+    return x + h, cache
+
+
+def moe_route(cfg: ModelConfig, lw: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Normed rows h [N, D] of x [B, T, D] and their routing (ids [N, K], weights [N, K])."""
+    h = rms_norm(x, lw["ln2"], cfg.rms_eps).reshape(-1, cfg.hidden)
+    ids, wts = moe.route(cfg.moe, lw["moe"], h)
+    return h, ids, wts
+
+
+def moe_finish(
+    cfg: ModelConfig,
+    lw: dict,
+    experts: moe.Experts,
+    x: jax.Array,
+    h: jax.Array,
+    ids: jax.Array,
+    wts: jax.Array,
+) -> jax.Array:
+    """x + routed mix + shared expert; `ids` index into `experts` (slot ids when cached)."""
+    y = moe.mix_experts(experts, h, ids, wts) + moe.shared_expert(cfg.moe, lw["moe"], h)
+    return x + y.reshape(x.shape)
+
+
+def dense_mlp_block(cfg: ModelConfig, lw: dict, x: jax.Array) -> jax.Array:
+    return x + swiglu(rms_norm(x, lw["ln2"], cfg.rms_eps), lw["mlp"])
+
+
+def head(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
+    """Final norm and lm_head: x [..., D] -> logits [..., V]."""
+    return linear(rms_norm(x, params["final_norm"], cfg.rms_eps), params["lm_head"])
+
+
+@partial(
+    jax.jit, static_argnums=(0,), static_argnames=("kv_len", "all_logits"), donate_argnums=(3,)
+)
+def forward(
+    cfg: ModelConfig,
+    params: dict,
+    experts: list,
+    cache: Cache,
+    tokens: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    last: jax.Array,
+    *,
+    kv_len: int,
+    all_logits: bool = False,
+) -> tuple[jax.Array, Cache, jax.Array]:
+    """One forward with every routed expert resident.
+
+    tokens, pos [B, T]; slots [B] (the KV slot of each row); last [B] (the row's last real token).
+    `experts[i]` holds MoE layer i's stacked experts (by MoE-layer order). Returns logits
+    ([B, V] at `last`, or [B, T, V] with all_logits), the updated cache, and the routing
+    ids [n_moe, B, T, K] for telemetry.
+    """
+    x = params["embed"][tokens]
+    new_cache, routes = [], []
+    for i, lw in enumerate(params["layers"]):
+        x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len)
+        new_cache.append(c)
+        if "moe" in lw:
+            h, ids, wts = moe_route(cfg, lw, x)
+            x = moe_finish(cfg, lw, experts[len(routes)], x, h, ids, wts)
+            routes.append(ids.reshape(*tokens.shape, -1))
+        else:
+            x = dense_mlp_block(cfg, lw, x)
+    if not all_logits:
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    routes_arr = jnp.stack(routes) if routes else jnp.zeros((0, *tokens.shape, 1), jnp.int32)
+    return head(cfg, params, x), new_cache, routes_arr

@@ -1,0 +1,197 @@
+"""Maps each family's Hugging Face tensor names onto colibri's parameter tree and expert slabs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from colibri.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from colibri.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
+    block = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}"
+
+
+@dataclass(frozen=True)
+class ExpertSlab:
+    """Where one routed expert's three matrices live: gate [F, D], up [F, D], down [D, F].
+
+    Each part is (tensor, byte offset inside that tensor's range, byte count): one contiguous
+    range per matrix, whether the checkpoint stores experts one by one or fused as [E, ...].
+    """
+
+    parts: tuple[tuple[TensorInfo, int, int], ...]  # gate, up, down
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, _, n in self.parts)
+
+
+def expert_slab(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> ExpertSlab:
+    """Byte ranges of expert `expert` of MoE layer `layer`."""
+    p = f"{_moe_prefix(cfg, layer)}.experts"
+    names = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    per_expert = [f"{p}.{expert}.{n}.weight" for n in names]
+    if per_expert[0] in ckpt:
+        infos = [ckpt.info(n) for n in per_expert]
+        return ExpertSlab(tuple((t, 0, t.nbytes) for t in infos))
+    fused_gu = f"{_fused_prefix(cfg, layer)}.gate_up_proj"
+    if fused_gu not in ckpt:
+        ckpt.info(per_expert[0])  # raises, naming the per-expert tensor
+    gu, down = ckpt.info(fused_gu), ckpt.info(f"{_fused_prefix(cfg, layer)}.down_proj")
+    e_gu, e_down = gu.nbytes // gu.shape[0], down.nbytes // down.shape[0]
+    half = e_gu // 2
+    return ExpertSlab(
+        (
+            (gu, expert * e_gu, half),
+            (gu, expert * e_gu + half, half),
+            (down, expert * e_down, e_down),
+        )
+    )
+
+
+def _fused_prefix(cfg: ModelConfig, layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def read_expert(ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab) -> tuple[np.ndarray, ...]:
+    """One expert's (gate [F, D], up [F, D], down [D, F]) as float32."""
+    F, D = cfg.moe.moe_ff, cfg.hidden
+    shapes = ((F, D), (F, D), (D, F))
+    out = []
+    for (t, off, n), shape in zip(slab.parts, shapes, strict=True):
+        flat = ckpt.read_part(t, off, n)
+        if flat.size != shape[0] * shape[1]:
+            raise CheckpointError(
+                f"{t.path}: expert slab of {t.name!r} has {flat.size} values, expected {shape}"
+            )
+        out.append(flat.reshape(shape))
+    return tuple(out)
+
+
+def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
+    """Every weight except routed experts, as float32 numpy arrays, shape-checked."""
+    D, V = cfg.hidden, cfg.vocab_size
+    embed = ckpt.read("model.embed_tokens.weight", (V, D))
+    if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
+        head = embed
+    else:
+        head = ckpt.read("lm_head.weight", (V, D))
+    layers = [_load_layer(ckpt, cfg, i) for i in range(cfg.num_layers)]
+    return {
+        "embed": embed,
+        "lm_head": head,
+        "final_norm": ckpt.read("model.norm.weight", (D,)),
+        "layers": layers,
+    }
+
+
+def load_experts(ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
+    """All routed experts of one layer stacked: gate/up [E, F, D], down [E, D, F]."""
+    slabs = [
+        read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e)) for e in range(cfg.moe.num_experts)
+    ]
+    return {k: np.stack([s[i] for s in slabs]) for i, k in enumerate(("gate", "up", "down"))}
+
+
+def _load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:
+    p = f"model.layers.{i}"
+    D = cfg.hidden
+    layer: Params = {
+        "ln1": ckpt.read(f"{p}.input_layernorm.weight", (D,)),
+        "ln2": ckpt.read(f"{p}.post_attention_layernorm.weight", (D,)),
+        "attn": _load_mla(ckpt, cfg, p) if cfg.attention == "mla" else _load_gqa(ckpt, cfg, p),
+    }
+    if cfg.moe_layers[i]:
+        layer["moe"] = _load_moe(ckpt, cfg, i)
+    else:
+        layer["mlp"] = _load_mlp(ckpt, f"{p}.mlp", D, cfg.dense_ff)
+    return layer
+
+
+def _load_mlp(ckpt: Checkpoint, p: str, D: int, F: int) -> Params:
+    return {
+        "gate": ckpt.read(f"{p}.gate_proj.weight", (F, D)),
+        "up": ckpt.read(f"{p}.up_proj.weight", (F, D)),
+        "down": ckpt.read(f"{p}.down_proj.weight", (D, F)),
+    }
+
+
+def _load_gqa(ckpt: Checkpoint, cfg: ModelConfig, p: str) -> Params:
+    D, H, Hkv, Dh = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    a = f"{p}.self_attn"
+    w: Params = {
+        "q": ckpt.read(f"{a}.q_proj.weight", (H * Dh, D)),
+        "k": ckpt.read(f"{a}.k_proj.weight", (Hkv * Dh, D)),
+        "v": ckpt.read(f"{a}.v_proj.weight", (Hkv * Dh, D)),
+        "o": ckpt.read(f"{a}.o_proj.weight", (D, H * Dh)),
+    }
+    if cfg.qkv_bias:
+        w["q_bias"] = ckpt.read(f"{a}.q_proj.bias", (H * Dh,))
+        w["k_bias"] = ckpt.read(f"{a}.k_proj.bias", (Hkv * Dh,))
+        w["v_bias"] = ckpt.read(f"{a}.v_proj.bias", (Hkv * Dh,))
+    if cfg.o_bias:
+        w["o_bias"] = ckpt.read(f"{a}.o_proj.bias", (D,))
+    if cfg.qk_norm == "head":
+        w["q_norm"] = ckpt.read(f"{a}.q_norm.weight", (Dh,))
+        w["k_norm"] = ckpt.read(f"{a}.k_norm.weight", (Dh,))
+    elif cfg.qk_norm == "full":
+        w["q_norm"] = ckpt.read(f"{a}.q_norm.weight", (H * Dh,))
+        w["k_norm"] = ckpt.read(f"{a}.k_norm.weight")
+    return w
+
+
+def _load_mla(ckpt: Checkpoint, cfg: ModelConfig, p: str) -> Params:
+    m = cfg.mla
+    assert m is not None
+    D, H = cfg.hidden, cfg.num_heads
+    a = f"{p}.self_attn"
+    w: Params = {}
+    if m.q_lora_rank is None:
+        w["q"] = ckpt.read(f"{a}.q_proj.weight", (H * m.qk_head_dim, D))
+    else:
+        w["q_a"] = ckpt.read(f"{a}.q_a_proj.weight", (m.q_lora_rank, D))
+        w["q_a_norm"] = ckpt.read(f"{a}.q_a_layernorm.weight", (m.q_lora_rank,))
+        w["q_b"] = ckpt.read(f"{a}.q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank))
+    w["kv_a"] = ckpt.read(
+        f"{a}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, D)
+    )
+    w["kv_a_norm"] = ckpt.read(f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,))
+    w["kv_b"] = ckpt.read(
+        f"{a}.kv_b_proj.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+    )
+    w["o"] = ckpt.read(f"{a}.o_proj.weight", (D, H * m.v_head_dim))
+    if cfg.qkv_bias:
+        if m.q_lora_rank is not None:
+            w["q_a_bias"] = ckpt.read(f"{a}.q_a_proj.bias", (m.q_lora_rank,))
+        w["kv_a_bias"] = ckpt.read(
+            f"{a}.kv_a_proj_with_mqa.bias", (m.kv_lora_rank + m.qk_rope_head_dim,)
+        )
+    if cfg.o_bias:
+        w["o_bias"] = ckpt.read(f"{a}.o_proj.bias", (D,))
+    return w
+
+
+def _load_moe(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:
+    p = _moe_prefix(cfg, i)
+    m, D = cfg.moe, cfg.hidden
+    w: Params = {"router": ckpt.read(f"{p}.gate.weight", (m.num_experts, D))}
+    if m.router == "sigmoid_group":
+        bias = f"{p}.gate.e_score_correction_bias"
+        w["bias"] = (
+            ckpt.read(bias, (m.num_experts,))
+            if bias in ckpt
+            else np.zeros(m.num_experts, np.float32)
+        )
+    if cfg.family == "qwen2_moe" and m.shared_ff:
+        w["shared"] = _load_mlp(ckpt, f"{p}.shared_expert", D, m.shared_ff)
+        w["shared_gate"] = ckpt.read(f"{p}.shared_expert_gate.weight", (1, D))
+    elif m.shared_ff:
+        w["shared"] = _load_mlp(ckpt, f"{p}.shared_experts", D, m.shared_ff)
+    return w

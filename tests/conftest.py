@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny checkpoints built once per session with transformers (no network)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("COLIBRI_JAX_CACHE", str(Path(__file__).parent.parent / ".cache" / "jax"))
+
+import tiny  # noqa: E402
+
+FAMILIES = list(tiny.FAMILY_CONFIGS)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised)."""
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, dtype: str = "float32") -> Path:
+        key = (family, dtype)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{family}-{dtype}")
+            built[key] = tiny.build(family, out, dtype=dtype)
+        return built[key]
+
+    return get

@@ -1,0 +1,154 @@
+"""Tiny random checkpoints of every family, built with transformers, and a trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 320
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. ",
+    "Der schnelle braune Fuchs springt über den faulen Hund. ",
+    "Le renard brun rapide saute par-dessus le chien paresseux. ",
+    'int main(void) { printf("hello\\n"); return 0; }\n',
+    "Permission is hereby granted, free of charge, to any person obtaining a copy ",
+    "emoji 🐦 colibrì — naïve café ",
+]
+
+# Small but not degenerate: several experts per token, GQA groups, >1 MoE layer.
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    initializer_range=0.2,
+    bos_token_id=None,
+    eos_token_id=VOCAB - 1,
+)
+FAMILY_CONFIGS = {
+    "qwen3_moe": dict(
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
+    "qwen2_moe": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        qkv_bias=True,
+    ),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0),
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        rope_interleave=True,
+    ),
+    "glm4_moe": dict(
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        use_qk_norm=True,
+        partial_rotary_factor=0.5,
+        attention_bias=True,
+    ),
+}
+
+
+def train_tokenizer(out_dir: Path, vocab: int = VOCAB) -> None:
+    """Byte-level BPE over a few languages and code; eos is the last id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_special_tokens(["<|end|>"])
+    assert tok.get_vocab_size() <= vocab and tok.token_to_id("<|end|>") < vocab
+    tok.save(str(out_dir / "tokenizer.json"))
+
+
+def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
+    """Save a random `family` checkpoint with transformers into out_dir; returns out_dir."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kw = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    cfg = AutoConfig.for_model(family, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # norms away from 1 catch mix-ups
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn_like(buf))  # a bias large enough to change choices
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
+    model.save_pretrained(out_dir)
+    train_tokenizer(out_dir)
+    return out_dir
+
+
+def hf_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    m.eval()
+    return m
+
+
+def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return hf_model(model_dir)(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def saved_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
