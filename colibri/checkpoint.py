@@ -26,7 +26,7 @@ _RAW_DTYPES: dict[str, np.dtype] = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-class CheckpointError(Exception):
+class CheckpointError(ValueError):
     """A checkpoint that cannot be read as asked: the message names the file and the tensor."""
 
 

@@ -1,0 +1,109 @@
+"""The `colibri` command: generate, synth (and the engine, gateway and bench as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("colibri")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from colibri.engine.generate import generate_ids
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Runner
+
+    model = load_model(args.model)
+    if model.tokenizer is None:
+        raise ValueError(f"{args.model}: no tokenizer.json, cannot encode a text prompt")
+    ids = model.tokenizer.encode(args.prompt)
+    capacity = args.ctx or len(ids) + args.max_tokens
+    runner = Runner(model, slots=1, capacity=capacity)
+    out = sys.stdout.buffer
+    for tok in generate_ids(
+        runner,
+        ids,
+        args.max_tokens,
+        args.temperature,
+        args.top_p,
+        args.seed,
+        stop_ids=model.cfg.eos_token_ids,
+    ):
+        out.write(model.tokenizer.token_bytes(tok))
+        out.flush()
+    out.write(b"\n")
+    out.flush()
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from colibri.synth import SynthSpec, synthesize
+
+    spec = SynthSpec(
+        family=args.family,
+        layers=args.layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        moe_ff=args.moe_ff,
+        vocab=args.vocab,
+        dtype=args.dtype,
+        seed=args.seed,
+        shard_mb=args.shard_mb,
+    )
+    path = synthesize(spec, Path(args.out))
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="colibri", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (text only on stdout)")
+    g.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--ctx", type=int, default=0, help="KV capacity (default: prompt + max)")
+    g.set_defaults(run=_generate)
+
+    s = sub.add_parser("synth", help="write a random checkpoint in Hugging Face layout")
+    s.add_argument("--family", default="qwen3_moe")
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--experts", type=int, default=16)
+    s.add_argument("--top-k", type=int, default=4)
+    s.add_argument("--hidden", type=int, default=128)
+    s.add_argument("--moe-ff", type=int, default=64)
+    s.add_argument("--vocab", type=int, default=512)
+    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")
+    s.add_argument("--out", required=True)
+    s.set_defaults(run=_synth)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as e:  # ConfigError, CheckpointError and bad arguments
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

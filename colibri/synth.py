@@ -1,0 +1,328 @@
+"""Random checkpoints in Hugging Face layout (config, sharded safetensors, tokenizer), any size."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from colibri.checkpoint import write_safetensors
+from colibri.config import FAMILIES
+
+_DTYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
+_TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+
+
+@dataclass(frozen=True)
+class SynthSpec:
+    """Shape of a synthetic checkpoint; every field is validated by `check`."""
+
+    family: str = "qwen3_moe"
+    layers: int = 4
+    experts: int = 16
+    top_k: int = 4
+    hidden: int = 128
+    moe_ff: int = 64
+    vocab: int = 512
+    heads: int = 0  # 0: hidden // 64, at least 2
+    kv_heads: int = 0  # 0: heads // 2, at least 1
+    dtype: str = "f32"
+    seed: int = 0
+    shard_mb: float = 512
+
+    def check(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family={self.family!r}: one of {', '.join(FAMILIES)}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: one of {', '.join(_DTYPES)}")
+        for name in ("layers", "experts", "top_k", "hidden", "moe_ff", "vocab", "shard_mb"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if self.vocab < 260:
+            raise ValueError(f"vocab={self.vocab}: at least 260 (256 bytes + specials)")
+
+    @property
+    def n_heads(self) -> int:
+        return self.heads or max(2, self.hidden // 64)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads or max(1, self.n_heads // 2)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.n_heads
+
+
+def hf_config(s: SynthSpec) -> dict:
+    """The config.json transformers writes for this family and shape."""
+    base = dict(
+        model_type=s.family,
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.n_heads,
+        num_key_value_heads=s.n_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        rope_theta=10000.0,
+        torch_dtype=_TORCH_DTYPES[s.dtype],
+        num_experts_per_tok=s.top_k,
+        initializer_range=0.02,
+    )
+    moe = {
+        "qwen3_moe": dict(
+            architectures=["Qwen3MoeForCausalLM"],
+            head_dim=s.head_dim,
+            num_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            attention_bias=False,
+        ),
+        "qwen2_moe": dict(
+            architectures=["Qwen2MoeForCausalLM"],
+            num_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            shared_expert_intermediate_size=2 * s.moe_ff,
+            norm_topk_prob=False,
+            qkv_bias=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        "olmoe": dict(
+            architectures=["OlmoeForCausalLM"],
+            num_experts=s.experts,
+            intermediate_size=s.moe_ff,
+            norm_topk_prob=False,
+            clip_qkv=None,
+        ),
+        "mixtral": dict(
+            architectures=["MixtralForCausalLM"],
+            num_local_experts=s.experts,
+            intermediate_size=s.moe_ff,
+        ),
+        "deepseek_v3": dict(
+            architectures=["DeepseekV3ForCausalLM"],
+            n_routed_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            n_shared_experts=1,
+            n_group=_groups(s.experts),
+            topk_group=max(1, _groups(s.experts) // 2),
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            kv_lora_rank=max(16, s.hidden // 4),
+            q_lora_rank=max(16, s.hidden // 2),
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            rope_interleave=True,
+            num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
+        ),
+        "glm4_moe": dict(
+            architectures=["Glm4MoeForCausalLM"],
+            head_dim=s.head_dim,
+            n_routed_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+        ),
+    }[s.family]
+    return {**base, **moe}
+
+
+def _groups(experts: int) -> int:
+    return next(g for g in (8, 4, 2, 1) if experts % g == 0 and experts // g >= 2)
+
+
+def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
+    """Write config.json, generation_config.json, sharded safetensors and tokenizer.json."""
+    from colibri.config import config_from_dict
+
+    spec.check()
+    out.mkdir(parents=True, exist_ok=True)
+    raw = hf_config(spec)
+    cfg = config_from_dict(raw, source="synth")
+    rng = np.random.default_rng(spec.seed)
+    writer = _ShardWriter(out, int(spec.shard_mb * 2**20), _DTYPES[spec.dtype])
+    for name, shape in tqdm(
+        list(_tensor_shapes(cfg)), desc="synth", unit="tensor", disable=not progress, leave=False
+    ):
+        writer.add(name, _init(rng, name, shape))
+    writer.close()
+    eos = write_tokenizer(out / "tokenizer.json", spec.vocab)
+    raw["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n"
+    )
+    return out
+
+
+def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    std = 1.0 / np.sqrt(fan_in)
+    return (std * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+
+
+def _tensor_shapes(cfg):
+    """(name, shape) of every tensor, in the per-expert layout transformers writes."""
+    D, V = cfg.hidden, cfg.vocab_size
+    yield "model.embed_tokens.weight", (V, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (D,)
+        yield f"{p}.post_attention_layernorm.weight", (D,)
+        yield from _attn_shapes(cfg, f"{p}.self_attn")
+        if cfg.moe_layers[i]:
+            yield from _moe_shapes(cfg, i)
+        else:
+            yield from _mlp_shapes(f"{p}.mlp", D, cfg.dense_ff)
+    yield "model.norm.weight", (D,)
+    yield "lm_head.weight", (V, D)
+
+
+def _mlp_shapes(p: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj")):
+    yield f"{p}.{names[0]}.weight", (F, D)
+    yield f"{p}.{names[1]}.weight", (F, D)
+    yield f"{p}.{names[2]}.weight", (D, F)
+
+
+def _attn_shapes(cfg, a: str):
+    D, H, Hkv, Dh = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    if cfg.attention == "mla":
+        m = cfg.mla
+        yield f"{a}.q_a_proj.weight", (m.q_lora_rank, D)
+        yield f"{a}.q_a_layernorm.weight", (m.q_lora_rank,)
+        yield f"{a}.q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank)
+        yield f"{a}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, D)
+        yield f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,)
+        yield f"{a}.kv_b_proj.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        yield f"{a}.o_proj.weight", (D, H * m.v_head_dim)
+        return
+    for n, rows in (("q", H * Dh), ("k", Hkv * Dh), ("v", Hkv * Dh)):
+        yield f"{a}.{n}_proj.weight", (rows, D)
+        if cfg.qkv_bias:
+            yield f"{a}.{n}_proj.bias", (rows,)
+    yield f"{a}.o_proj.weight", (D, H * Dh)
+    if cfg.o_bias:
+        yield f"{a}.o_proj.bias", (D,)
+    if cfg.qk_norm == "head":
+        yield f"{a}.q_norm.weight", (Dh,)
+        yield f"{a}.k_norm.weight", (Dh,)
+    elif cfg.qk_norm == "full":
+        yield f"{a}.q_norm.weight", (H * Dh,)
+        yield f"{a}.k_norm.weight", (Hkv * Dh,)
+
+
+def _moe_shapes(cfg, i: int):
+    m, D = cfg.moe, cfg.hidden
+    mixtral = cfg.family == "mixtral"
+    p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    yield f"{p}.gate.weight", (m.num_experts, D)
+    if m.router == "sigmoid_group":
+        yield f"{p}.gate.e_score_correction_bias", (m.num_experts,)
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for e in range(m.num_experts):
+        yield from _mlp_shapes(f"{p}.experts.{e}", D, m.moe_ff, names)
+    if cfg.family == "qwen2_moe":
+        yield from _mlp_shapes(f"{p}.shared_expert", D, m.shared_ff)
+        yield f"{p}.shared_expert_gate.weight", (1, D)
+    elif m.shared_ff:
+        yield from _mlp_shapes(f"{p}.shared_experts", D, m.shared_ff)
+
+
+class _ShardWriter:
+    """Accumulates tensors and writes `model-0000i-of-0000n.safetensors` plus the index."""
+
+    def __init__(self, out: Path, shard_bytes: int, dtype: str):
+        self.out, self.shard_bytes, self.dtype = out, shard_bytes, dtype
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.files: list[Path] = []
+
+    def add(self, name: str, arr: np.ndarray) -> None:
+        size = arr.size * (4 if self.dtype == "F32" else 2)
+        if self.pending and self.pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self.pending[name] = arr
+        self.pending_bytes += size
+
+    def _flush(self) -> None:
+        path = self.out / f"shard-{len(self.files):05d}.safetensors"
+        write_safetensors(path, self.pending, self.dtype)
+        self.files.append(path)
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        weight_map = {}
+        for k, (path, names) in enumerate(zip(self.files, self.shards, strict=True)):
+            final = self.out / f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            weight_map.update({name: final.name for name in names})
+        if n == 1:
+            (self.out / f"model-00001-of-{n:05d}.safetensors").rename(
+                self.out / "model.safetensors"
+            )
+            return
+        index = {"metadata": {}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
+_TEXT = (
+    "def forward(x, params):\n    return x @ params['w'] + params['b']\n",
+    "The router sends every token to a few experts; the rest stay cold on disk. ",
+    "Die Experten liegen im Speicher, im Arbeitsspeicher oder auf der Platte. ",
+    "Les experts sont chargés à la demande depuis le disque. ",
+    "#include <stdio.h>\nint main(void) { return 0; }\n",
+)
+
+
+def write_tokenizer(path: Path, vocab: int) -> int:
+    """Byte-level BPE trained on a fixed text (so always the same); returns the eos id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    text = list(_TEXT) * 10
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab - 1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(text, trainer)
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(path))
+    return int(tok.token_to_id("<|endoftext|>"))

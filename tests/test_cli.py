@@ -1,0 +1,37 @@
+"""`colibri generate` prints exactly the generated text on stdout, and logs only on stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from colibri.engine.generate import generate_ids
+from colibri.engine.model import load_model
+from colibri.engine.runner import Runner
+
+
+def _generate(model_dir, *extra):
+    cmd = [sys.executable, "-m", "colibri.cli", "generate", "--model", str(model_dir), *extra]
+    return subprocess.run(cmd, capture_output=True, timeout=300)
+
+
+def test_generate_prints_only_greedy_text(checkpoints):
+    d = checkpoints("qwen3_moe")
+    r = _generate(d, "--prompt", "The quick brown", "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr.decode()
+    model = load_model(d, progress=False)
+    ids = model.tokenizer.encode("The quick brown")
+    toks = generate_ids(Runner(model, capacity=64), ids, 12, stop_ids=model.cfg.eos_token_ids)
+    expected = b"".join(model.tokenizer.token_bytes(t) for t in toks) + b"\n"
+    assert r.stdout == expected
+
+
+def test_sampling_is_seeded(checkpoints):
+    d = checkpoints("olmoe")
+    args = ("--prompt", "Der schnelle", "--max-tokens", "16", "--temperature", "1.0")
+    a = _generate(d, *args, "--top-p", "0.9", "--seed", "1")
+    b = _generate(d, *args, "--top-p", "0.9", "--seed", "1")
+    c = _generate(d, *args, "--seed", "2")
+    assert a.returncode == b.returncode == c.returncode == 0
+    assert a.stdout == b.stdout
+    assert a.stdout != c.stdout
