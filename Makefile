@@ -5,7 +5,9 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
-MODEL   ?= data/models/demo
+DEMO    := data/models/demo
+SYNTH   := .cache/synth-demo
+MODEL   ?= $(if $(wildcard $(DEMO)/config.json),$(DEMO),$(SYNTH))
 PROMPT  ?= def fibonacci(n):
 MAXTOK  ?= 48
 
@@ -23,7 +25,11 @@ $(TSTAMP): pyproject.toml | $(PYTHON)
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP) $@
 
-demo: $(STAMP)
+$(SYNTH)/config.json: | $(STAMP)
+	$(BIN)/colibri synth --family qwen3_moe --layers 4 --experts 16 --top-k 4 --hidden 128 \
+		--moe-ff 64 --vocab 512 --seed 0 --out $(SYNTH)
+
+demo: $(STAMP) $(if $(wildcard $(DEMO)/config.json),,$(SYNTH)/config.json)
 	$(BIN)/colibri generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens $(MAXTOK)
 
 test: $(TSTAMP)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from colibri.engine.model import Model
+from colibri.engine.telemetry import ExpertStats, Timers
 from colibri.model import transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
@@ -40,6 +41,18 @@ class Runner:
         self.slots = slots
         self.capacity = capacity
         self.cache = transformer.init_cache(self.cfg, slots, capacity)
+        m = self.cfg.moe
+        self.stats = ExpertStats(
+            len(self.cfg.moe_layer_ids), m.num_experts, 3 * m.moe_ff * self.cfg.hidden * 4
+        )
+        self.timers = Timers()
+
+    def _record(self, routes: np.ndarray) -> None:
+        """Telemetry for one forward's routing ids [n_moe, N, K] (real rows only)."""
+        for row, ids in enumerate(routes):
+            self.stats.record(row, ids)
+            n = len(np.unique(ids))
+            self.stats.record_lookups(n, n)  # all resident: every lookup is a device hit
 
     def _kv_len(self, max_pos: int) -> int:
         return bucket(max_pos + 1, lo=32, hi=self.capacity)
@@ -57,6 +70,7 @@ class Runner:
             chunk = tokens[at : at + PREFILL_CHUNK]
             logits, r = self._prefill_chunk(slot, chunk, start + at)
             routes.append(r[:, : len(chunk)])
+            self._record(routes[-1])
         assert logits is not None, "prefill needs at least one token"
         return logits, np.concatenate(routes, axis=1)
 
@@ -98,7 +112,9 @@ class Runner:
             kv_len=self._kv_len(max(r.pos for r in rows)),
         )
         n = len(rows)
-        return np.asarray(logits[:n]), np.asarray(routes[:, :n, 0])
+        routes = np.asarray(routes[:, :n, 0])
+        self._record(routes)
+        return np.asarray(logits[:n]), routes
 
     def full_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
