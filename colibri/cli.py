@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         return args.run(args)
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError and bad arguments

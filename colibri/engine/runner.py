@@ -116,6 +116,21 @@ class Runner:
         self._record(routes)
         return np.asarray(logits[:n]), routes
 
+    def export_slot(self, slot: int, length: int) -> dict[str, np.ndarray]:
+        """The first `length` cached positions of `slot`, per layer, as host arrays."""
+        return {
+            f"{i}.{name}": np.asarray(buf[slot, :length])
+            for i, layer in enumerate(self.cache)
+            for name, buf in layer.items()
+        }
+
+    def import_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        """Put arrays from `export_slot` back into `slot` (positions 0..length-1)."""
+        for i, layer in enumerate(self.cache):
+            for name in list(layer):
+                data = arrays[f"{i}.{name}"]
+                layer[name] = layer[name].at[slot, : data.shape[0]].set(data)
+
     def full_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
         T = bucket(len(tokens), hi=None)
