@@ -1,4 +1,4 @@
-"""Counters behind the wire telemetry: expert selections, tiers, hits, phase timers, REPIN events."""
+"""Counters behind the wire telemetry: expert selections, tiers, hits, phase timers, REPINs."""
 
 from __future__ import annotations
 
