@@ -42,6 +42,11 @@ class TensorInfo:
     nbytes: int
 
 
+def raw_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype holding a safetensors dtype's raw bytes (bf16 as uint16)."""
+    return _RAW_DTYPES[dtype]
+
+
 def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     """Widen raw tensor bytes (as read) to float32; bf16 is the top half of an f32."""
     if dtype == "BF16":

@@ -1,4 +1,4 @@
-"""A checkpoint loaded for running: config, tokenizer, dense weights and experts on device."""
+"""A checkpoint opened for running: config, tokenizer, dense weights on device, an expert store."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
 from colibri.checkpoint import Checkpoint
 from colibri.config import ModelConfig, load_config
+from colibri.experts.budget import TierConfig
+from colibri.experts.store import ExpertStore
 from colibri.jaxcache import enable_compilation_cache
 from colibri.tokenizer import Tokenizer
-from colibri.weights import load_dense, load_experts
+from colibri.weights import load_dense
 
 log = logging.getLogger("colibri")
 
@@ -24,16 +25,26 @@ class Model:
     cfg: ModelConfig
     ckpt: Checkpoint
     tokenizer: Tokenizer | None
-    params: dict  # dense weights, device arrays
-    experts: list  # per MoE layer: stacked gate/up/down, device arrays (all resident)
+    params: dict  # dense weights (embeddings, attention, norms, routers, shared experts), device
+    store: ExpertStore  # routed experts across device slots, RAM and disk
 
     @property
     def dir(self) -> Path:
         return self.ckpt.dir
 
+    @property
+    def experts(self) -> list | None:
+        """Per MoE layer stacked experts when all are resident, else None."""
+        return self.store.resident
 
-def load_model(model_dir: str | Path, progress: bool = True) -> Model:
-    """Read config, tokenizer and every weight of a Hugging Face MoE checkpoint folder."""
+
+def load_model(
+    model_dir: str | Path,
+    tiers: TierConfig | None = None,
+    usage_path: str | Path | None = None,
+    progress: bool = True,
+) -> Model:
+    """Open a Hugging Face MoE checkpoint folder; routed experts placed as `tiers` says."""
     enable_compilation_cache()
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
@@ -41,10 +52,15 @@ def load_model(model_dir: str | Path, progress: bool = True) -> Model:
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     params = jax.device_put(load_dense(ckpt, cfg))
-    layers = cfg.moe_layer_ids
-    experts = []
-    for i in tqdm(layers, desc="experts", unit="layer", disable=not progress, leave=False):
-        experts.append(jax.device_put(load_experts(ckpt, cfg, i)))
-    n_params = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves((params, experts)))
-    log.info("loaded %s (%s, %.1fM parameters)", model_dir, cfg.family, n_params / 1e6)
-    return Model(cfg, ckpt, tokenizer, params, experts)
+    store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
+    n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
+    n_routed = store.expert_bytes // 4 * store.E * len(cfg.moe_layer_ids)
+    log.info(
+        "loaded %s (%s, %.1fM dense + %.1fM routed parameters); %s",
+        model_dir,
+        cfg.family,
+        n_dense / 1e6,
+        n_routed / 1e6,
+        store.summary(),
+    )
+    return Model(cfg, ckpt, tokenizer, params, store)

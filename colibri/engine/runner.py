@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 import numpy as np
 
+from colibri.engine import steps
 from colibri.engine.model import Model
-from colibri.engine.telemetry import ExpertStats, Timers
+from colibri.engine.telemetry import Timers
 from colibri.model import transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
@@ -32,35 +33,48 @@ class Row:
     pos: int
 
 
-class Runner:
-    """A model with a KV cache of `slots` conversations of up to `capacity` positions each."""
+@dataclass(frozen=True)
+class _Batch:
+    """Padded inputs of one forward and which part of them is real."""
 
-    def __init__(self, model: Model, slots: int = 1, capacity: int = 2048):
+    tokens: np.ndarray  # [B, T] int32
+    pos: np.ndarray  # [B, T] int32
+    slots: np.ndarray  # [B] int32; padding rows name slot S (writes dropped)
+    last: np.ndarray  # [B] int32: index of each row's last real token
+    rows: int  # real rows
+    width: int  # real tokens per row
+    kv_len: int
+
+
+class Runner:
+    """A model with a KV cache of `slots` conversations of up to `capacity` positions each.
+
+    With every expert resident a forward is one compiled program. Otherwise (or with
+    `profile`) it runs layer by layer: route, stage the union of chosen experts through the
+    store, compute from device slots; phase timers are then measured per layer.
+    """
+
+    def __init__(self, model: Model, slots: int = 1, capacity: int = 2048, profile: bool = False):
         self.model = model
         self.cfg = model.cfg
+        self.store = model.store
         self.slots = slots
         self.capacity = capacity
         self.cache = transformer.init_cache(self.cfg, slots, capacity)
-        m = self.cfg.moe
-        self.stats = ExpertStats(
-            len(self.cfg.moe_layer_ids), m.num_experts, 3 * m.moe_ff * self.cfg.hidden * 4
-        )
+        self.stats = self.store.stats
         self.timers = Timers()
+        self.split = profile or not self.store.all_resident
+        self.decoded = 0
+        self._next_repin = self.store.tiers.repin
 
-    def _record(self, routes: np.ndarray) -> None:
-        """Telemetry for one forward's routing ids [n_moe, N, K] (real rows only)."""
-        for row, ids in enumerate(routes):
-            self.stats.record(row, ids)
-            n = len(np.unique(ids))
-            self.stats.record_lookups(n, n)  # all resident: every lookup is a device hit
-
-    def _kv_len(self, max_pos: int) -> int:
-        return bucket(max_pos + 1, lo=32, hi=self.capacity)
+    # -- public steps --------------------------------------------------------------------
 
     def prefill(
         self, slot: int, tokens: list[int], start: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         """Feed tokens at positions start.. into `slot`; logits [V] after the last one, routes."""
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
         if start + len(tokens) > self.capacity:
             raise ValueError(
                 f"{start + len(tokens)} positions exceed the context of {self.capacity}"
@@ -68,29 +82,22 @@ class Runner:
         logits, routes = None, []
         for at in range(0, len(tokens), PREFILL_CHUNK):
             chunk = tokens[at : at + PREFILL_CHUNK]
-            logits, r = self._prefill_chunk(slot, chunk, start + at)
-            routes.append(r[:, : len(chunk)])
-            self._record(routes[-1])
-        assert logits is not None, "prefill needs at least one token"
+            T = bucket(len(chunk), hi=PREFILL_CHUNK)
+            toks = np.zeros((1, T), np.int32)
+            toks[0, : len(chunk)] = chunk
+            batch = _Batch(
+                toks,
+                (start + at + np.arange(T, dtype=np.int32))[None],
+                np.asarray([slot], np.int32),
+                np.asarray([len(chunk) - 1], np.int32),
+                rows=1,
+                width=len(chunk),
+                kv_len=self._kv_len(start + at + len(chunk) - 1),
+            )
+            out, r = self._forward(batch)
+            logits = out[0]
+            routes.append(r[:, 0])  # [n_moe, T_real, K]
         return logits, np.concatenate(routes, axis=1)
-
-    def _prefill_chunk(self, slot: int, chunk: list[int], start: int):
-        T = bucket(len(chunk), hi=PREFILL_CHUNK)
-        toks = np.zeros((1, T), np.int32)
-        toks[0, : len(chunk)] = chunk
-        pos = (start + np.arange(T, dtype=np.int32))[None]
-        logits, self.cache, routes = transformer.forward(
-            self.cfg,
-            self.model.params,
-            self.model.experts,
-            self.cache,
-            jnp.asarray(toks),
-            jnp.asarray(pos),
-            jnp.asarray([slot], jnp.int32),
-            jnp.asarray([len(chunk) - 1], jnp.int32),
-            kv_len=self._kv_len(start + len(chunk) - 1),
-        )
-        return np.asarray(logits[0]), np.asarray(routes[:, 0])  # [V], [n_moe, T, K]
 
     def decode(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
         """One token for each row, all in one forward: logits [B, V], routes [n_moe, B, K]."""
@@ -100,21 +107,41 @@ class Runner:
         slots = np.full((B,), self.slots, np.int32)  # padding rows: out-of-range slot, dropped
         for i, r in enumerate(rows):
             toks[i, 0], pos[i, 0], slots[i] = r.token, r.pos, r.slot
-        logits, self.cache, routes = transformer.forward(
-            self.cfg,
-            self.model.params,
-            self.model.experts,
-            self.cache,
-            jnp.asarray(toks),
-            jnp.asarray(pos),
-            jnp.asarray(slots),
-            jnp.zeros((B,), jnp.int32),
+        batch = _Batch(
+            toks,
+            pos,
+            slots,
+            np.zeros((B,), np.int32),
+            rows=len(rows),
+            width=1,
             kv_len=self._kv_len(max(r.pos for r in rows)),
         )
-        n = len(rows)
-        routes = np.asarray(routes[:, :n, 0])
-        self._record(routes)
-        return np.asarray(logits[:n]), routes
+        logits, routes = self._forward(batch)
+        self._count_decoded(len(rows))
+        return logits, routes[:, :, 0]
+
+    def full_logits(self, tokens: list[int]) -> np.ndarray:
+        """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
+        T = bucket(len(tokens))
+        toks = np.zeros((1, T), np.int32)
+        toks[0, : len(tokens)] = tokens
+        batch = _Batch(
+            toks,
+            np.arange(T, dtype=np.int32)[None],
+            np.zeros(1, np.int32),
+            np.zeros(1, np.int32),
+            rows=1,
+            width=len(tokens),
+            kv_len=min(T, self.capacity),
+        )
+        logits, _ = self._forward(batch, all_logits=True)
+        return logits[0, : len(tokens)]
+
+    def end_turn(self) -> None:
+        """Persist `.coli_usage` (called at every turn end)."""
+        self.store.save_usage()
+
+    # -- KV persistence ------------------------------------------------------------------
 
     def export_slot(self, slot: int, length: int) -> dict[str, np.ndarray]:
         """The first `length` cached positions of `slot`, per layer, as host arrays."""
@@ -131,22 +158,117 @@ class Runner:
                 data = arrays[f"{i}.{name}"]
                 layer[name] = layer[name].at[slot, : data.shape[0]].set(data)
 
-    def full_logits(self, tokens: list[int]) -> np.ndarray:
-        """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
-        T = bucket(len(tokens), hi=None)
-        toks = np.zeros((1, T), np.int32)
-        toks[0, : len(tokens)] = tokens
-        pos = np.arange(T, dtype=np.int32)[None]
-        logits, self.cache, _ = transformer.forward(
-            self.cfg,
-            self.model.params,
-            self.model.experts,
-            self.cache,
-            jnp.asarray(toks),
-            jnp.asarray(pos),
-            jnp.asarray([0], jnp.int32),
-            jnp.zeros((1,), jnp.int32),
-            kv_len=min(T, self.capacity),
-            all_logits=True,
-        )
-        return np.asarray(logits[0, : len(tokens)])
+    # -- internals -----------------------------------------------------------------------
+
+    def _kv_len(self, max_pos: int) -> int:
+        return bucket(max_pos + 1, lo=32, hi=self.capacity)
+
+    def _count_decoded(self, n: int) -> None:
+        self.decoded += n
+        if self._next_repin and self.decoded >= self._next_repin:
+            self.store.repin()
+            self._next_repin = self.decoded + self.store.tiers.repin
+
+    def _forward(self, b: _Batch, all_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Logits of the real rows and routes [n_moe, rows, width, K] of real tokens."""
+        if self.split:
+            logits, routes = self._forward_split(b, all_logits)
+        else:
+            logits, self.cache, r = transformer.forward(
+                self.cfg,
+                self.model.params,
+                self.store.resident,
+                self.cache,
+                jnp.asarray(b.tokens),
+                jnp.asarray(b.pos),
+                jnp.asarray(b.slots),
+                jnp.asarray(b.last),
+                kv_len=b.kv_len,
+                all_logits=all_logits,
+            )
+            routes = np.asarray(r)[:, : b.rows, : b.width]
+            self._record(routes)
+        self.timers.total["t_edisk"] = self.store.disk.thread_seconds
+        return np.asarray(logits[: b.rows]), routes
+
+    def _record(self, routes: np.ndarray) -> None:
+        """Selection counts of real tokens; in the fused path every lookup is a device hit."""
+        for row, ids in enumerate(routes):
+            self.stats.record(row, ids)
+            if not self.split:
+                n = len(np.unique(ids))
+                self.stats.record_lookups(n, n)
+
+    def _forward_split(self, b: _Batch, all_logits: bool):
+        cfg, params, t = self.cfg, self.model.params, self.timers
+        pos, slots = jnp.asarray(b.pos), jnp.asarray(b.slots)
+        x = steps.embed(cfg, params, jnp.asarray(b.tokens))
+        routes, prediction = [], None
+        for i, lw in enumerate(params["layers"]):
+            x = self._attention(i, lw, x, pos, slots, b.kv_len)
+            if "moe" not in lw:
+                x = steps.dense_mlp(cfg, lw, x)
+                continue
+            x, ids, prediction = self._moe(len(routes), lw, x, b, prediction)
+            routes.append(ids)
+        with t.phase("t_head"):
+            logits = steps.head(cfg, params, x, jnp.asarray(b.last), all_logits=all_logits)
+            logits.block_until_ready()
+        return logits, np.stack(routes) if routes else np.zeros((0, b.rows, b.width, 1), np.int32)
+
+    def _attention(self, i: int, lw: dict, x, pos, slots, kv_len: int):
+        cfg, t = self.cfg, self.timers
+        with t.phase("t_attn"):
+            if cfg.attention != "mla":
+                x, self.cache[i] = steps.attend(
+                    cfg, lw, self.cache[i], x, pos, slots, kv_len=kv_len
+                )
+            else:
+                q, self.cache[i] = steps.mla_project(cfg, lw, self.cache[i], x, pos, slots)
+                with t.phase("t_kvb"):
+                    k_nope, v = steps.mla_expand(cfg, lw, self.cache[i], slots, kv_len=kv_len)
+                    v.block_until_ready()
+                x = steps.mla_attend(
+                    cfg, lw, self.cache[i], x, q, k_nope, v, pos, slots, kv_len=kv_len
+                )
+            x.block_until_ready()
+        return x
+
+    def _moe(self, row: int, lw: dict, x, b: _Batch, prediction):
+        """Route, stage the union of chosen experts chunk by chunk, combine."""
+        cfg, store, t = self.cfg, self.store, self.timers
+        h, ids, wts = steps.route(cfg, lw, x)
+        ids_np = np.asarray(ids)  # [B*T, K]: the one host round trip of the layer
+        real = ids_np.reshape(*b.tokens.shape, -1)[: b.rows, : b.width]  # [rows, width, K]
+        self.stats.record(row, real)
+        union = np.unique(real)
+        if prediction is not None:
+            store.score_prediction(prediction, union)
+        prediction = self._lookahead(row, h, b) if store.tiers.pilot else None
+        y = None
+        if store.all_resident:
+            maps = [np.arange(store.E, dtype=np.int32)]
+            self.stats.record_lookups(len(union), len(union))
+        else:
+            maps = store.chunks(row, union, t)
+        for slot_map in maps:
+            bufs = store.resident[row] if store.all_resident else store.slots[row].bufs
+            with t.phase("t_emm"):
+                part = steps.expert_outputs(cfg, bufs, h, jnp.asarray(slot_map), ids)
+                y = part if y is None else y + part  # disjoint chunks: adds exact zeros
+                y.block_until_ready()
+        with t.phase("t_emm"):
+            x = steps.combine(cfg, lw, x, h, y, wts)
+            x.block_until_ready()
+        return x, real, prediction
+
+    def _lookahead(self, row: int, h, b: _Batch) -> np.ndarray | None:
+        """PILOT: predict the next MoE layer's experts from this layer's input; prefetch them."""
+        nxt = row + 1
+        if nxt >= len(self.cfg.moe_layer_ids) or self.store.all_resident:
+            return None
+        lw_next = self.model.params["layers"][self.cfg.moe_layer_ids[nxt]]
+        pred = np.asarray(steps.lookahead(self.cfg, lw_next, h))
+        pred = np.unique(pred.reshape(*b.tokens.shape, -1)[: b.rows, : b.width])
+        self.store.prefetch(nxt, pred)
+        return pred

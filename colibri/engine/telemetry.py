@@ -61,6 +61,7 @@ class ExpertStats:
     hits_since: np.ndarray = field(init=False)
     lookups: int = 0
     hits: int = 0
+    misses: int = 0
     repins: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
@@ -74,9 +75,10 @@ class ExpertStats:
         np.add.at(self.counts[row], flat, 1)
         self.hits_since[row, flat] = True
 
-    def record_lookups(self, lookups: int, hits: int) -> None:
+    def record_lookups(self, lookups: int, hits: int, misses: int = 0) -> None:
         self.lookups += lookups
         self.hits += hits
+        self.misses += misses
 
     def hit_pct(self) -> float:
         return 100.0 * self.hits / self.lookups if self.lookups else 100.0

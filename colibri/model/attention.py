@@ -81,12 +81,66 @@ def gqa(
 
 
 def mla_expand(cfg: ModelConfig, w: dict, lat: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """kv_b expansion of cached latents [B, S, r] into k_nope [B, S, H, Dn] and v [B, S, H, Dv]."""
+    """kv_b expansion of latents [B, S, r] into k_nope [B, S, H, Dn] and v [B, S, H, Dv]."""
     m = cfg.mla
     assert m is not None
     B, S, _ = lat.shape
     kv = linear(lat, w["kv_b"]).reshape(B, S, cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim)
     return kv[..., : m.qk_nope_head_dim], kv[..., m.qk_nope_head_dim :]
+
+
+def mla_project(
+    cfg: ModelConfig, w: dict, cache: Cache, x: jax.Array, pos: jax.Array, slots: jax.Array
+) -> tuple[jax.Array, Cache]:
+    """Queries [B, T, H, Dn + R] (rope applied) for normed x; new latents and keys cached."""
+    m = cfg.mla
+    assert m is not None
+    B, T, _ = x.shape
+    if m.q_lora_rank is None:
+        q = linear(x, w["q"])
+    else:  # transformers builds q_a_layernorm with its default eps, 1e-6
+        q = linear(rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], 1e-6), w["q_b"])
+    q = q.reshape(B, T, cfg.num_heads, m.qk_head_dim)
+    ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))
+    lat = rms_norm(ckv[..., : m.kv_lora_rank], w["kv_a_norm"], 1e-6)
+    kr = ckv[..., m.kv_lora_rank :][:, :, None, :]  # [B, T, 1, R]: one roped key for all heads
+    cos, sin = rope_cos_sin(cfg.rope, pos)
+    q_rope = apply_rope(q[..., m.qk_nope_head_dim :], cos, sin, cfg.rope.interleave)
+    kr = apply_rope(kr, cos, sin, cfg.rope.interleave)[:, :, 0]
+    cache = {
+        "lat": _write(cache["lat"], slots, pos, lat),
+        "kr": _write(cache["kr"], slots, pos, kr),
+    }
+    return jnp.concatenate([q[..., : m.qk_nope_head_dim], q_rope], axis=-1), cache
+
+
+def mla_expand_cached(
+    cfg: ModelConfig, w: dict, cache: Cache, slots: jax.Array, kv_len: int
+) -> tuple[jax.Array, jax.Array]:
+    """k_nope and v of the first kv_len cached positions of each row's slot."""
+    return mla_expand(cfg, w, _read(cache["lat"], slots, kv_len))
+
+
+def mla_attend(
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    q: jax.Array,
+    k_nope: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+) -> jax.Array:
+    """Softmax attention of q over [k_nope, shared roped key], then o_proj: [B, T, D]."""
+    m = cfg.mla
+    assert m is not None
+    B, T = q.shape[:2]
+    kr = _read(cache["kr"], slots, kv_len)[:, :, None]
+    k_rope = jnp.broadcast_to(kr, (*k_nope.shape[:3], m.qk_rope_head_dim))
+    kf = jnp.concatenate([k_nope, k_rope], axis=-1)
+    out = _softmax_attend(q[:, :, :, None], kf, v, pos, cfg.attn_scale)  # heads as Hkv, G = 1
+    return linear(out.reshape(B, T, cfg.num_heads * m.v_head_dim), w["o"], w.get("o_bias"))
 
 
 def mla(
@@ -99,30 +153,6 @@ def mla(
     kv_len: int,
 ) -> tuple[jax.Array, Cache]:
     """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
-    m = cfg.mla
-    assert m is not None
-    B, T, _ = x.shape
-    H = cfg.num_heads
-    if m.q_lora_rank is None:
-        q = linear(x, w["q"])
-    else:  # transformers builds q_a_layernorm with its default eps, 1e-6
-        q = linear(rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], 1e-6), w["q_b"])
-    q = q.reshape(B, T, H, m.qk_head_dim)
-    ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))
-    lat = rms_norm(ckv[..., : m.kv_lora_rank], w["kv_a_norm"], 1e-6)
-    kr = ckv[..., m.kv_lora_rank :][:, :, None, :]  # [B, T, 1, R]: one roped key for all heads
-    cos, sin = rope_cos_sin(cfg.rope, pos)
-    q_rope = apply_rope(q[..., m.qk_nope_head_dim :], cos, sin, cfg.rope.interleave)
-    kr = apply_rope(kr, cos, sin, cfg.rope.interleave)[:, :, 0]
-    cache = {
-        "lat": _write(cache["lat"], slots, pos, lat),
-        "kr": _write(cache["kr"], slots, pos, kr),
-    }
-    k_nope, v = mla_expand(cfg, w, _read(cache["lat"], slots, kv_len))
-    k_rope = jnp.broadcast_to(
-        _read(cache["kr"], slots, kv_len)[:, :, None], (*k_nope.shape[:3], m.qk_rope_head_dim)
-    )
-    qf = jnp.concatenate([q[..., : m.qk_nope_head_dim], q_rope], axis=-1)[:, :, :, None]
-    kf = jnp.concatenate([k_nope, k_rope], axis=-1)
-    out = _softmax_attend(qf, kf, v, pos, cfg.attn_scale)  # heads act as Hkv with G = 1
-    return linear(out.reshape(B, T, H * m.v_head_dim), w["o"], w.get("o_bias")), cache
+    q, cache = mla_project(cfg, w, cache, x, pos, slots)
+    k_nope, v = mla_expand_cached(cfg, w, cache, slots, kv_len)
+    return mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len), cache

@@ -48,37 +48,51 @@ def _route_sigmoid_group(
     return top_i.astype(jnp.int32), top_w * m.routed_scaling_factor
 
 
-def mix_experts(experts: Experts, x: jax.Array, ids: jax.Array, wts: jax.Array) -> jax.Array:
-    """sum_k wts[n, k] * expert_{ids[n, k]}(x[n]) for x [N, D] -> [N, D].
+def expert_outputs(experts: Experts, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
+    """y [N, K, D]: expert ids[n, k] applied to x[n]; 0 where ids[n, k] == -1 (not staged).
 
-    Few rows gather just the chosen slabs; many rows stream every resident expert once, which
-    reads fewer bytes as soon as N*K reaches the number of slabs.
+    Each (n, k) output is computed once, by one expert, so outputs assembled over several staging
+    chunks are bitwise those of one pass. Few rows gather just the chosen slabs; many rows stream
+    every slot once, which reads fewer bytes as soon as N*K reaches the number of experts. The
+    choice depends on the model's expert count, not on the slot count, so every placement of
+    the same experts takes the same path.
     """
     N, K = ids.shape
-    if N * K < experts["gate"].shape[0]:
-        return _mix_gather(experts, x, ids, wts)
-    return _mix_dense(experts, x, ids, wts)
+    if N * K < num_experts:
+        return _outputs_gather(experts, x, ids)
+    return _outputs_dense(experts, x, ids)
 
 
-def _mix_gather(experts: Experts, x: jax.Array, ids: jax.Array, wts: jax.Array) -> jax.Array:
-    g, u, d = (jnp.take(experts[k], ids, axis=0) for k in ("gate", "up", "down"))  # [N, K, ...]
+def _outputs_gather(experts: Experts, x: jax.Array, ids: jax.Array) -> jax.Array:
+    idx = jnp.maximum(ids, 0)
+    g, u, d = (jnp.take(experts[k], idx, axis=0) for k in ("gate", "up", "down"))  # [N, K, ...]
     h = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", x, g)) * jnp.einsum("nd,nkfd->nkf", x, u)
     y = jnp.einsum("nkf,nkdf->nkd", h, d)
+    return jnp.where((ids >= 0)[..., None], y, 0.0)
+
+
+def _outputs_dense(experts: Experts, x: jax.Array, ids: jax.Array) -> jax.Array:
+    N, K = ids.shape
+    S = experts["gate"].shape[0]
+
+    def one(y, e):
+        slot, g, u, d = e
+        out = (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T  # [N, D]
+        return jnp.where((ids == slot)[..., None], out[:, None, :], y), None
+
+    xs = (jnp.arange(S, dtype=ids.dtype), experts["gate"], experts["up"], experts["down"])
+    y, _ = jax.lax.scan(one, jnp.zeros((N, K, x.shape[-1]), x.dtype), xs)
+    return y
+
+
+def combine(y: jax.Array, wts: jax.Array) -> jax.Array:
+    """sum_k wts[n, k] * y[n, k]: [N, K, D], [N, K] -> [N, D]."""
     return jnp.einsum("nkd,nk->nd", y, wts)
 
 
-def _mix_dense(experts: Experts, x: jax.Array, ids: jax.Array, wts: jax.Array) -> jax.Array:
-    S = experts["gate"].shape[0]
-    comb = jnp.zeros((x.shape[0], S), x.dtype).at[jnp.arange(x.shape[0])[:, None], ids].add(wts)
-
-    def one(acc, e):
-        g, u, d, c = e
-        h = jax.nn.silu(x @ g.T) * (x @ u.T)
-        return acc + c[:, None] * (h @ d.T), None
-
-    xs = (experts["gate"], experts["up"], experts["down"], comb.T)
-    out, _ = jax.lax.scan(one, jnp.zeros_like(x), xs)
-    return out
+def mix_experts(experts: Experts, x: jax.Array, ids: jax.Array, wts: jax.Array) -> jax.Array:
+    """All experts resident: sum_k wts[n, k] * expert_{ids[n, k]}(x[n]) for x [N, D] -> [N, D]."""
+    return combine(expert_outputs(experts, x, ids, experts["gate"].shape[0]), wts)
 
 
 def shared_expert(m: MoeConfig, w: dict, x: jax.Array) -> jax.Array:

@@ -42,18 +42,17 @@ def moe_route(cfg: ModelConfig, lw: dict, x: jax.Array) -> tuple[jax.Array, jax.
     return h, ids, wts
 
 
-def moe_finish(
-    cfg: ModelConfig,
-    lw: dict,
-    experts: moe.Experts,
-    x: jax.Array,
-    h: jax.Array,
-    ids: jax.Array,
-    wts: jax.Array,
+def moe_outputs(cfg: ModelConfig, experts: moe.Experts, h: jax.Array, slot_ids: jax.Array):
+    """Routed outputs y [N, K, D] from `experts` (a slot cache when slot_ids are slot numbers)."""
+    return moe.expert_outputs(experts, h, slot_ids, cfg.moe.num_experts)
+
+
+def moe_combine(
+    cfg: ModelConfig, lw: dict, x: jax.Array, h: jax.Array, y: jax.Array, wts: jax.Array
 ) -> jax.Array:
-    """x + routed mix + shared expert; `ids` index into `experts` (slot ids when cached)."""
-    y = moe.mix_experts(experts, h, ids, wts) + moe.shared_expert(cfg.moe, lw["moe"], h)
-    return x + y.reshape(x.shape)
+    """x + weighted routed outputs + shared expert, for x [B, T, D] and h, y, wts by row."""
+    out = moe.combine(y, wts) + moe.shared_expert(cfg.moe, lw["moe"], h)
+    return x + out.reshape(x.shape)
 
 
 def dense_mlp_block(cfg: ModelConfig, lw: dict, x: jax.Array) -> jax.Array:
@@ -95,7 +94,8 @@ def forward(
         new_cache.append(c)
         if "moe" in lw:
             h, ids, wts = moe_route(cfg, lw, x)
-            x = moe_finish(cfg, lw, experts[len(routes)], x, h, ids, wts)
+            y = moe_outputs(cfg, experts[len(routes)], h, ids)
+            x = moe_combine(cfg, lw, x, h, y, wts)
             routes.append(ids.reshape(*tokens.shape, -1))
         else:
             x = dense_mlp_block(cfg, lw, x)

@@ -1,0 +1,104 @@
+"""Expert tier budgets and policies, from env/flags, auto-sized from free memory when unset."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import psutil
+
+POLICIES = ("lru", "lfru")
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """How routed experts are placed. Sizes in bytes; None means auto-size from free memory."""
+
+    device_bytes: int | None = None  # DEVICE_GB: all per-layer device slot caches together
+    ram_bytes: int | None = None  # RAM_GB: host cache of expert bytes (0 = none)
+    pin_bytes: int = 0  # PIN_GB: device slots pinned to the hottest experts of .coli_usage
+    cap: int = 0  # CAP: most device slots in one layer (0 = no cap)
+    policy: str = "lru"  # POLICY: device slot eviction, "lru" or "lfru"
+    repin: int = 0  # REPIN: every n decode tokens swap a cold pin for a hot expert (0 = off)
+    pilot: bool = False  # PILOT: layer L+1's router on layer L's output prefetches from disk
+    direct_io: bool = False  # DIRECT_IO: read experts with O_DIRECT (bypass the page cache)
+    io_threads: int = 4  # IO_THREADS: disk reader pool size
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"POLICY={self.policy!r}: one of {', '.join(POLICIES)}")
+        for name in ("device_bytes", "ram_bytes", "pin_bytes", "cap", "repin"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ValueError(f"{name}={v} must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError(f"IO_THREADS={self.io_threads} must be >= 1")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TierConfig:
+        """Read DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, PILOT, DIRECT_IO, IO_THREADS."""
+        env = os.environ if env is None else env
+        return cls(
+            device_bytes=_gb(env, "DEVICE_GB"),
+            ram_bytes=_gb(env, "RAM_GB"),
+            pin_bytes=_gb(env, "PIN_GB") or 0,
+            cap=_int(env, "CAP", 0),
+            policy=env.get("POLICY", "lru").lower(),
+            repin=_int(env, "REPIN", 0),
+            pilot=_int(env, "PILOT", 0) > 0,
+            direct_io=_int(env, "DIRECT_IO", 0) > 0,
+            io_threads=_int(env, "IO_THREADS", 4),
+        )
+
+
+def _gb(env: Mapping[str, str], key: str) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r}: expected a number of GiB") from None
+    if v < 0:
+        raise ValueError(f"{key}={raw!r}: must be >= 0")
+    return int(v * GiB)
+
+
+def _int(env: Mapping[str, str], key: str, default: int) -> int:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{key}={raw!r}: expected an integer") from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Resolved placement: device slots per MoE layer, RAM cache bytes, pinned slots in all."""
+
+    slots_per_layer: int
+    ram_bytes: int
+    pins: int
+
+    def all_resident(self, num_experts: int) -> bool:
+        return self.slots_per_layer >= num_experts
+
+
+def plan(tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int) -> Plan:
+    """Turn budgets into slot counts; unset budgets take a share of available memory."""
+    total = n_layers * num_experts * expert_bytes
+    avail = psutil.virtual_memory().available
+    device = tc.device_bytes if tc.device_bytes is not None else min(total, avail // 2)
+    slots = max(1, min(num_experts, device // max(1, n_layers * expert_bytes)))
+    if tc.cap:
+        slots = min(slots, tc.cap)
+    left = max(0, total - n_layers * slots * expert_bytes)
+    ram = tc.ram_bytes if tc.ram_bytes is not None else min(left, avail // 4)
+    pins = min(tc.pin_bytes // expert_bytes, n_layers * max(0, slots - 1))
+    if slots >= num_experts:
+        pins = 0  # everything is on device already: nothing to pin
+    return Plan(slots, ram, pins)

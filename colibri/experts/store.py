@@ -1,0 +1,249 @@
+"""The expert store: where every routed expert is, and staging the ones a forward needs."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from colibri.checkpoint import Checkpoint
+from colibri.config import ModelConfig
+from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
+from colibri.experts.budget import Plan, TierConfig, plan
+from colibri.experts.disk import DiskReader
+from colibri.experts.ram import RamCache, Weights
+from colibri.experts.slots import LayerSlots
+from colibri.experts.usage import read_usage, write_usage
+from colibri.weights import load_experts
+
+log = logging.getLogger("colibri")
+
+
+class ExpertStore:
+    """Routed experts of every MoE layer across device slots, a RAM cache and the checkpoint.
+
+    Rows are MoE layers in order (row r is checkpoint layer `cfg.moe_layer_ids[r]`). When every
+    expert fits on device they are stacked once (`resident`) and nothing moves; otherwise
+    `chunks` stages what each forward needs, layer by layer.
+    """
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        cfg: ModelConfig,
+        tiers: TierConfig,
+        usage_path: str | Path | None = None,
+        progress: bool = False,
+    ):
+        self.ckpt, self.cfg, self.tiers = ckpt, cfg, tiers
+        self.layer_ids = cfg.moe_layer_ids
+        m = cfg.moe
+        self.E = m.num_experts
+        self.expert_bytes = 3 * m.moe_ff * cfg.hidden * 4  # float32 on device
+        self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes)
+        self.stats = ExpertStats(len(self.layer_ids), self.E, self.expert_bytes)
+        self.usage_path = Path(usage_path) if usage_path else None
+        if self.usage_path:
+            self.stats.counts[:] = read_usage(self.usage_path, len(self.layer_ids), self.E)
+        self.tick = 0
+        self.resident: list[dict] | None = None
+        self.pilot_predicted = 0
+        self.pilot_correct = 0
+        self.pilot_actual = 0
+        self._needed: set[tuple[int, int]] = set()
+        self._inflight: dict[tuple[int, int], Future] = {}
+        self._lock = threading.RLock()  # tier bookkeeping from the reader pool (PILOT)
+        self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io)
+        if self.all_resident:
+            self._load_resident(progress)
+        else:
+            self.ram = RamCache(self.plan.ram_bytes)
+            self.slots = [
+                LayerSlots(self.plan.slots_per_layer, self.E, m.moe_ff, cfg.hidden)
+                for _ in self.layer_ids
+            ]
+            self.stats.tier[:] = TIER_DISK
+            self._warm_start()
+
+    @property
+    def all_resident(self) -> bool:
+        return self.plan.all_resident(self.E)
+
+    def _load_resident(self, progress: bool) -> None:
+        from tqdm import tqdm
+
+        layers = tqdm(
+            self.layer_ids, desc="experts", unit="layer", disable=not progress, leave=False
+        )
+        self.resident = [jax.device_put(load_experts(self.ckpt, self.cfg, i)) for i in layers]
+        self.stats.tier[:] = TIER_DEVICE
+
+    def _warm_start(self) -> None:
+        """Pin the hottest experts of the usage history, then fill the RAM cache with the next."""
+        order = np.argsort(-self.stats.counts, axis=None, kind="stable")
+        hot = [divmod(int(i), self.E) for i in order if self.stats.counts.flat[i] > 0]
+        pins_left = self.plan.pins
+        for row, e in hot:
+            if pins_left == 0:
+                break
+            s = self.slots[row]
+            if s.pinned.sum() < s.n - 1:
+                slot = s.victim(set(), "lru", self.stats.counts[row])
+                assert slot is not None
+                self._stage(row, slot, e, self._fetch(row, e))
+                s.pinned[slot] = True
+                pins_left -= 1
+        for row, e in hot:
+            if self.ram.used + self.expert_bytes > self.ram.budget:
+                break
+            if self.slots[row].slot_of[e] < 0:
+                self._ram_put(row, e, self.disk.read(self.layer_ids[row], e))
+
+    # -- lookups -------------------------------------------------------------------------
+
+    def chunks(self, row: int, needed: np.ndarray, timers) -> Iterator[np.ndarray]:
+        """Stage the experts `needed` by MoE row `row`; yields expert->slot maps [E], -1 = absent.
+
+        Each yielded map's experts are on device together; compute with it before advancing
+        the iterator (the next chunk may reuse slots). Counts one lookup per needed expert.
+        """
+        self.tick += 1
+        s = self.slots[row]
+        needed = [int(e) for e in needed]
+        self._needed = {(row, e) for e in needed}
+        on_device = [e for e in needed if s.slot_of[e] >= 0]
+        in_ram = [e for e in needed if s.slot_of[e] < 0 and (row, e) in self.ram]
+        t0 = time.perf_counter()
+        futures = {  # a miss: neither on device nor in RAM, so it is read from disk
+            e: self._read_async(row, e) for e in needed if s.slot_of[e] < 0 and e not in in_ram
+        }
+        self.stats.record_lookups(len(needed), len(on_device) + len(in_ram), len(futures))
+        pending = sorted(needed, key=lambda e: s.slot_of[e] < 0)  # resident ones first
+        while pending:
+            protect = {int(s.slot_of[e]) for e in pending if s.slot_of[e] >= 0}
+            chunk = [e for e in pending if s.slot_of[e] >= 0]
+            for e in [e for e in pending if s.slot_of[e] < 0]:
+                slot = s.victim(protect, self.tiers.policy, self.stats.counts[row])
+                if slot is None:
+                    break
+                w = self.ram.get((row, e))
+                if w is None:
+                    w = futures[e].result() if e in futures else self._fetch(row, e)
+                    self._ram_put(row, e, w)
+                self._stage(row, slot, e, w)
+                protect.add(slot)
+                chunk.append(e)
+            if not chunk:
+                raise RuntimeError(f"MoE row {row}: no device slot to stage into (all pinned)")
+            slots = s.slot_of[chunk]
+            s.touch(slots, self.tick)
+            mapping = np.full(self.E, -1, np.int32)
+            mapping[chunk] = slots
+            timers.add("t_ewait", time.perf_counter() - t0)
+            yield mapping
+            t0 = time.perf_counter()
+            done = set(chunk)
+            pending = [e for e in pending if e not in done]
+        self._needed = set()
+
+    def _read_async(self, row: int, e: int) -> Future:
+        with self._lock:
+            f = self._inflight.get((row, e))
+            if f is None:
+                f = self.disk.submit(self.layer_ids[row], e)
+                self._inflight[(row, e)] = f
+                f.add_done_callback(lambda _f, k=(row, e): self._inflight.pop(k, None))
+        return f
+
+    def _fetch(self, row: int, e: int) -> Weights:
+        w = self.ram.get((row, e))
+        return w if w is not None else self.disk.read(self.layer_ids[row], e)
+
+    def _stage(self, row: int, slot: int, e: int, w: Weights) -> None:
+        with self._lock:
+            old = self.slots[row].stage(slot, e, w)
+            if old >= 0:
+                self.stats.tier[row, old] = TIER_RAM if (row, old) in self.ram else TIER_DISK
+            self.stats.tier[row, e] = TIER_DEVICE
+
+    def _ram_put(self, row: int, e: int, w: Weights) -> None:
+        with self._lock:
+            for r, old in self.ram.put((row, e), w, protect=self._needed):
+                if self.slots[r].slot_of[old] < 0:
+                    self.stats.tier[r, old] = TIER_DISK
+            if (row, e) in self.ram and self.slots[row].slot_of[e] < 0:
+                self.stats.tier[row, e] = TIER_RAM
+
+    # -- PILOT: router lookahead ---------------------------------------------------------
+
+    def prefetch(self, row: int, predicted: np.ndarray) -> None:
+        """Start disk reads into RAM for experts MoE row `row` is predicted to need."""
+        self.pilot_predicted += len(predicted)
+        for e in (int(x) for x in predicted):
+            if self.slots[row].slot_of[e] >= 0 or (row, e) in self.ram or self.ram.budget == 0:
+                continue
+            f = self._read_async(row, e)
+            f.add_done_callback(lambda f, k=(row, e): self._prefetched(k, f))
+
+    def _prefetched(self, key: tuple[int, int], f: Future) -> None:
+        if f.exception() is None:  # from the reader pool; never evicts what is needed now
+            self._ram_put(key[0], key[1], f.result())
+
+    def score_prediction(self, predicted: np.ndarray, actual: np.ndarray) -> None:
+        """One-layer-ahead recall: how many of the experts a layer used were predicted."""
+        self.pilot_actual += len(actual)
+        self.pilot_correct += len(np.intersect1d(predicted, actual))
+
+    def pilot_recall(self) -> float:
+        return self.pilot_correct / self.pilot_actual if self.pilot_actual else 0.0
+
+    # -- REPIN ---------------------------------------------------------------------------
+
+    def repin(self) -> list[RepinEvent]:
+        """Per layer, swap the coldest pin for the hottest unpinned expert if it is hotter."""
+        if self.all_resident:
+            return []
+        events = []
+        for row, s in enumerate(self.slots):
+            pinned = np.nonzero(s.pinned)[0]
+            if len(pinned) == 0:
+                continue
+            counts = self.stats.counts[row]
+            cold_slot = min(pinned, key=lambda sl: counts[s.expert_in[sl]])
+            pinned_experts = set(s.expert_in[pinned].tolist())
+            hot = max(
+                (e for e in range(self.E) if e not in pinned_experts), key=lambda e: counts[e]
+            )
+            if counts[hot] <= counts[s.expert_in[cold_slot]]:
+                continue
+            old_tier = int(self.stats.tier[row, hot])
+            s.pinned[cold_slot] = False
+            if s.slot_of[hot] < 0:
+                slot = s.victim(set(), self.tiers.policy, counts)
+                assert slot is not None
+                self._stage(row, slot, hot, self._fetch(row, hot))
+            s.pinned[s.slot_of[hot]] = True
+            event = RepinEvent(row, hot, old_tier, 0)
+            self.stats.repins.append(event)
+            events.append(event)
+        return events
+
+    def save_usage(self, engine_id: int = 0) -> None:
+        if self.usage_path:
+            write_usage(self.usage_path, self.stats.counts, engine_id)
+
+    def summary(self) -> str:
+        n_dev, n_ram, n_disk, _, _ = self.stats.tier_counts()
+        return (
+            f"experts: {n_dev} on device ({self.plan.slots_per_layer}/layer, "
+            f"{self.plan.pins} pinned), {n_ram} in RAM, {n_disk} on disk"
+        )
+
+    def close(self) -> None:
+        self.disk.close()

@@ -1,0 +1,122 @@
+"""Property tests of the expert store's invariants under random traffic and budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from colibri.checkpoint import Checkpoint
+from colibri.config import load_config
+from colibri.engine.telemetry import TIER_DEVICE, Timers
+from colibri.experts.budget import TierConfig
+from colibri.experts.ram import RamCache
+from colibri.experts.store import ExpertStore
+from colibri.synth import SynthSpec, synthesize
+from colibri.weights import load_experts
+
+E = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    spec = SynthSpec(layers=2, experts=E, top_k=2, hidden=32, moe_ff=16, vocab=300, dtype="bf16")
+    return synthesize(spec, tmp_path_factory.mktemp("props"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def truth(ckpt_dir):
+    ck, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
+    return [load_experts(ck, cfg, i) for i in cfg.moe_layer_ids]
+
+
+traffic = st.lists(
+    st.tuples(st.integers(0, 1), st.sets(st.integers(0, E - 1), min_size=1, max_size=E)),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    slots=st.integers(1, E - 1),
+    ram=st.integers(0, 6),
+    pins=st.integers(0, 2),
+    policy=st.sampled_from(["lru", "lfru"]),
+    steps=traffic,
+)
+def test_store_invariants(ckpt_dir, truth, slots, ram, pins, policy, steps):
+    cfg = load_config(ckpt_dir)
+    eb = 3 * cfg.moe.moe_ff * cfg.hidden * 4
+    tiers = TierConfig(
+        device_bytes=2 * slots * eb, ram_bytes=ram * eb, pin_bytes=pins * eb, policy=policy
+    )
+    store = ExpertStore(Checkpoint(ckpt_dir), cfg, tiers)
+    store.stats.counts[:] = np.arange(E)[None]  # some history so pins have something to pick
+    pinned_before = [set(s.expert_in[s.pinned]) for s in store.slots]
+    timers = Timers()
+    for row, needed in steps:
+        served = []
+        for mapping in store.chunks(row, np.array(sorted(needed)), timers):
+            layer = store.slots[row]
+            chunk = np.nonzero(mapping >= 0)[0]
+            served += chunk.tolist()
+            for e in chunk:  # the bytes on device are exactly the checkpoint's
+                slot = mapping[e]
+                for k in ("gate", "up", "down"):
+                    np.testing.assert_array_equal(np.asarray(layer.bufs[k][slot]), truth[row][k][e])
+            assert len(chunk) <= layer.n
+        assert sorted(served) == sorted(needed)  # every needed expert served exactly once
+        for r, s in enumerate(store.slots):
+            assert (store.stats.tier[r] == TIER_DEVICE).sum() <= s.n  # capacity never exceeded
+            assert set(s.expert_in[s.pinned]) == pinned_before[r]  # pins never evicted
+            occupied = s.expert_in[s.expert_in >= 0]
+            assert len(set(occupied)) == len(occupied)
+            assert all(s.slot_of[e] == i for i, e in enumerate(s.expert_in) if e >= 0)
+        assert store.ram.used <= store.ram.budget
+        st_ = store.stats
+        assert st_.hits + st_.misses == st_.lookups
+    store.close()
+
+
+@given(
+    budget=st.integers(0, 10),
+    ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), max_size=40),
+    protect=st.sets(st.integers(0, 5), max_size=3),
+)
+def test_ram_cache_respects_budget_and_protection(budget, ops, protect):
+    cache = RamCache(budget * 4)
+    prot = {(0, p) for p in protect}
+    for key, size in ops:
+        w = tuple(np.zeros(size, np.float32) for _ in range(1)) + (np.zeros(0, np.float32),) * 2
+        present = set(cache.keys())
+        evicted = cache.put((0, key), w, protect=prot)
+        assert cache.used <= cache.budget
+        assert not (set(evicted) & prot)
+        assert set(evicted) <= present
+        assert cache.used == sum(sum(a.nbytes for a in cache.get(k)) for k in cache.keys())
+
+
+def test_usage_write_is_atomic(tmp_path, monkeypatch):
+    import os
+
+    from colibri.experts.usage import read_usage, write_usage
+
+    path = tmp_path / ".coli_usage"
+    first = np.array([[0, 3], [5, 0]])
+    write_usage(path, first, engine_id=1)
+    before = path.read_bytes()
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        write_usage(path, np.array([[9, 9], [9, 9]]))
+    assert path.read_bytes() == before  # the old file is whole
+    monkeypatch.undo()
+    np.testing.assert_array_equal(read_usage(path, 2, 2), first)
+    assert read_usage(path, 3, 2).sum() == 0  # another model's shape: ignored

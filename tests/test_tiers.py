@@ -1,0 +1,143 @@
+"""Placement changes speed, never tokens: tiered experts against the all-resident run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from colibri.engine.model import load_model
+from colibri.engine.runner import Row, Runner
+from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM
+from colibri.experts.budget import TierConfig
+from colibri.experts.usage import read_usage, write_usage
+
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps",
+    "Der schnelle braune Fuchs springt über",
+    "int main(void) {",
+]
+STEPS = 10
+
+
+def batched_greedy(runner: Runner, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    """Prefill each prompt into its own slot, then decode all of them together, greedily."""
+    out: list[list[int]] = [[] for _ in prompts]
+    nxt = []
+    for slot, ids in enumerate(prompts):
+        logits, _ = runner.prefill(slot, ids)
+        nxt.append(int(np.argmax(logits)))
+    pos = [len(p) for p in prompts]
+    for _ in range(steps):
+        rows = [Row(s, nxt[s], pos[s]) for s in range(len(prompts))]
+        logits, _ = runner.decode(rows)
+        for s in range(len(prompts)):
+            out[s].append(nxt[s])
+            nxt[s] = int(np.argmax(logits[s]))
+            pos[s] += 1
+    return out
+
+
+def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
+    per_layer = eb * layers
+    return {
+        "profiled-resident": (TierConfig(), True),
+        "1-slot-no-ram": (TierConfig(device_bytes=per_layer, ram_bytes=0), False),
+        "2-slot-lru-ram": (TierConfig(device_bytes=2 * per_layer, ram_bytes=3 * eb), False),
+        "3-slot-lfru": (TierConfig(device_bytes=3 * per_layer, ram_bytes=0, policy="lfru"), False),
+        "pins+repin": (
+            TierConfig(
+                device_bytes=3 * per_layer, ram_bytes=2 * eb, pin_bytes=layers * eb, repin=4
+            ),
+            False,
+        ),
+        "pilot": (TierConfig(device_bytes=2 * per_layer, ram_bytes=6 * eb, pilot=True), False),
+        "direct-io": (TierConfig(device_bytes=per_layer, ram_bytes=0, direct_io=True), False),
+    }
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3"])
+def test_greedy_identical_under_every_policy_and_budget(family, checkpoints, tmp_path):
+    d = checkpoints(family)
+    base = load_model(d, progress=False)
+    assert base.store.all_resident
+    prompts = [base.tokenizer.encode(p) for p in PROMPTS]
+    reference = batched_greedy(Runner(base, slots=len(prompts), capacity=64), prompts)
+    eb, layers = base.store.expert_bytes, len(base.cfg.moe_layer_ids)
+    usage = tmp_path / ".coli_usage"
+    write_usage(usage, base.store.stats.counts)  # history from the reference run: pins learn
+    for name, (tiers, profile) in budgets(eb, layers).items():
+        model = load_model(d, tiers=tiers, usage_path=usage, progress=False)
+        runner = Runner(model, slots=len(prompts), capacity=64, profile=profile)
+        assert runner.split
+        got = batched_greedy(runner, prompts)
+        assert got == reference, name
+        st = model.store.stats
+        assert st.hits + st.misses == st.lookups, name
+        if not model.store.all_resident:
+            assert model.store.disk.bytes_read > 0, name  # warm start or misses read disk
+            on_device = (st.tier == TIER_DEVICE).sum(axis=1)
+            assert (on_device <= model.store.plan.slots_per_layer).all(), name
+        if tiers.pilot:
+            assert 0 < model.store.pilot_recall() <= 1
+        if tiers.repin:
+            assert all(s.pinned.sum() == 1 for s in model.store.slots), name
+        model.store.close()
+
+
+def test_resident_model_is_one_program(checkpoints):
+    model = load_model(checkpoints("qwen3_moe"), progress=False)
+    runner = Runner(model, capacity=64)
+    assert not runner.split and model.store.resident is not None
+    assert (model.store.stats.tier == TIER_DEVICE).all()
+
+
+def test_pins_come_from_usage_history(checkpoints, tmp_path):
+    d = checkpoints("olmoe")
+    probe = load_model(d, progress=False)
+    rows, E = probe.store.stats.counts.shape
+    counts = np.zeros((rows, E), np.int64)
+    counts[:, 5] = 100  # expert 5 is the hottest everywhere
+    counts[:, 2] = 50
+    usage = tmp_path / ".coli_usage"
+    write_usage(usage, counts, engine_id=7)
+    eb = probe.store.expert_bytes
+    tiers = TierConfig(device_bytes=3 * eb * rows, ram_bytes=eb * rows, pin_bytes=eb * rows)
+    model = load_model(d, tiers=tiers, usage_path=usage, progress=False)
+    for s in model.store.slots:
+        assert s.pinned.sum() == 1 and s.expert_in[s.pinned][0] == 5
+    st = model.store.stats
+    assert (st.tier[:, 5] == TIER_DEVICE).all() and (st.tier[:, 2] == TIER_RAM).all()
+    assert (st.tier[:, [0, 1, 3]] == TIER_DISK).all()
+    runner = Runner(model, capacity=64)
+    batched_greedy(runner, [model.tokenizer.encode(PROMPTS[0])], steps=6)
+    for s in model.store.slots:  # pins survive any amount of traffic
+        assert s.expert_in[s.pinned][0] == 5
+    runner.end_turn()
+    saved = read_usage(usage, rows, E)
+    assert (saved >= counts).all() and saved.sum() > counts.sum()
+    assert usage.read_text().splitlines()[:2] == [f"-1 {rows} {E}", "-2 1 0"]
+
+
+def test_repin_swaps_cold_pin_for_hot_expert(checkpoints, tmp_path):
+    d = checkpoints("qwen3_moe")
+    probe = load_model(d, progress=False)
+    rows, E = probe.store.stats.counts.shape
+    counts = np.zeros((rows, E), np.int64)
+    counts[:, 1] = 3  # pinned at start, then never hot again
+    usage = tmp_path / ".coli_usage"
+    write_usage(usage, counts)
+    eb = probe.store.expert_bytes
+    tiers = TierConfig(device_bytes=2 * eb * rows, ram_bytes=0, pin_bytes=eb * rows, repin=2)
+    model = load_model(d, tiers=tiers, usage_path=usage, progress=False)
+    runner = Runner(model, capacity=64)
+    batched_greedy(runner, [model.tokenizer.encode(p) for p in PROMPTS[:1]], steps=8)
+    events = model.store.stats.take_repins()
+    assert events, "a pin with 3 selections must lose to experts selected more often"
+    counts_now = model.store.stats.counts
+    for ev in events:
+        assert 0 <= ev.layer < rows and 0 <= ev.expert < E and ev.old_tier in (0, 1, 2)
+    for row, s in enumerate(model.store.slots):
+        pinned = s.expert_in[s.pinned][0]
+        unpinned = [e for e in range(E) if e != pinned]
+        assert counts_now[row, pinned] >= max(counts_now[row, e] for e in unpinned) - 8
