@@ -1,0 +1,468 @@
+"""Requests over KV slots: admission, serial prefill, continuously batched decode, per-turn reports.
+
+No I/O: callers hand in requests and get back engine events (the protocols turn them into lines).
+Each slot remembers the tokens whose KV it holds, so a request reuses the longest common prefix
+and prefills only the rest. A step admits waiting requests (serial prefill, within a token
+budget) and then runs one decode forward in which every active request contributes one row.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from colibri.engine.kvstore import KVStore
+from colibri.engine.runner import Row, Runner
+from colibri.engine.sampling import log_softmax, sample
+from colibri.engine.telemetry import RepinEvent
+
+log = logging.getLogger("colibri")
+
+# Error codes a request can end with (the wire names them the same way).
+DUPLICATE_ID = "DUPLICATE_ID"
+SLOT_BUSY = "SLOT_BUSY"
+EMPTY_PROMPT = "EMPTY_PROMPT"
+CONTEXT_EXCEEDED = "CONTEXT_EXCEEDED"
+NOT_FOUND = "NOT_FOUND"
+CANCELLED = "CANCELLED"
+BAD_REQUEST = "BAD_REQUEST"
+INTERNAL = "INTERNAL"
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One turn to generate: `prompt` token ids into KV slot `slot`."""
+
+    id: int
+    slot: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-engine generation policy."""
+
+    ngen: int = 0  # cap on every request's max_tokens (0 = no cap)
+    seed: int = 0  # sampling seed; each request draws from (seed, id)
+    topk: int = 0  # candidates reported with each token (0 = none)
+    hits_every: int = 6  # decode steps between HitsTick events
+    prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
+    stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
+
+    def __post_init__(self) -> None:
+        for name in ("ngen", "seed", "topk", "prefill_budget"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.hits_every < 1:
+            raise ValueError(f"hits_every={self.hits_every} must be >= 1")
+
+
+# ---------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A request passed validation and is about to be prefilled."""
+
+    id: int
+    prompt_tokens: int
+    reused_tokens: int  # prefix taken from the slot's cache
+
+
+@dataclass(frozen=True)
+class Token:
+    """One emitted token, its bytes, and (if configured) the top candidates it was drawn from."""
+
+    id: int
+    token: int
+    text: bytes
+    topk: tuple[tuple[float, bytes], ...] = ()  # (natural-log prob, token bytes), best first
+
+
+@dataclass(frozen=True)
+class TurnReport:
+    """Everything the end of a turn reports."""
+
+    emitted: int
+    tok_s: float  # over the decode window (after the first token)
+    hit_pct: float
+    prompt_tokens: int
+    length_limited: bool  # max_tokens, NGEN or the context ended it
+    dt: float  # wall seconds from acceptance to the end
+    phases: dict[str, float]  # runner timer deltas over the same window
+    entropy: tuple[float, ...]  # [n_moe] bits of this turn's expert-selection counts
+    tiers: tuple[int, int, int, float, float]
+    emap: bytes
+    hits: np.ndarray  # bool [rows, cols]: experts routed since the previous HITS
+
+
+@dataclass(frozen=True)
+class Finished:
+    id: int
+    report: TurnReport
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request ended without DONE: a refusal, a cancellation, or an internal error."""
+
+    id: int
+    code: str
+    detail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class HitsTick:
+    """Experts routed since the previous tick (every `hits_every` decode steps)."""
+
+    hits: np.ndarray  # bool [rows, cols]
+
+
+Event = Accepted | Token | Finished | Failed | HitsTick | RepinEvent
+
+
+# ---------------------------------------------------------------------------- state
+
+
+@dataclass
+class _Slot:
+    history: list[int] = field(default_factory=list)  # tokens cached at positions 0..len-1
+    owner: int | None = None  # id of the in-flight request holding the slot
+
+
+@dataclass
+class _Run:
+    """An admitted request: its limits, sampler and counters."""
+
+    req: GenRequest
+    limit: int  # tokens it may emit
+    rng: np.random.Generator
+    t_accept: float
+    timers0: dict[str, float]
+    counts: np.ndarray  # [n_moe, E] expert selections over its prefill and decode rows
+    emitted: int = 0
+    pending: int | None = None  # last sampled token, fed at the next decode step
+    t_first: float = 0.0
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def entropy_bits(counts: np.ndarray) -> tuple[float, ...]:
+    """Shannon entropy in bits of each row of counts [n_moe, E] (0 for an empty row)."""
+    out = []
+    for row in counts:
+        total = row.sum()
+        p = row[row > 0] / total if total else row[:0]
+        out.append(float(-(p * np.log2(p)).sum()) if p.size else 0.0)
+    return tuple(out)
+
+
+class Scheduler:
+    """Requests over the runner's KV slots; `step` advances every in-flight request."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        token_bytes: Callable[[int], bytes],
+        config: SchedulerConfig = SchedulerConfig(),
+        store: KVStore | None = None,
+    ):
+        self.runner = runner
+        self.token_bytes = token_bytes
+        self.config = config
+        self.store = store
+        self.slots = [_Slot() for _ in range(runner.slots)]
+        self.waiting: deque[GenRequest] = deque()
+        self.active: dict[int, _Run] = {}  # id -> run, in admission order
+        self.steps = 0  # decode steps so far
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def in_flight(self) -> list[int]:
+        return [r.id for r in self.waiting] + list(self.active)
+
+    def history(self, slot: int) -> list[int]:
+        """The tokens whose KV `slot` holds."""
+        return list(self.slots[slot].history)
+
+    def restore(self) -> int:
+        """Reload every slot the store holds; returns how many positions came back."""
+        if self.store is None:
+            return 0
+        total = 0
+        for i, slot in enumerate(self.slots):
+            total += self._restore_slot(i, slot)
+        return total
+
+    def submit(self, req: GenRequest) -> list[Event]:
+        """Validate and queue; a refusal comes back as a Failed event."""
+        refusal = self._refusal(req)
+        if refusal is not None:
+            return [refusal]
+        self.slots[req.slot].owner = req.id
+        self.waiting.append(req)
+        return []
+
+    def cancel(self, rid: int) -> list[Event]:
+        """End a request without DONE, after its slot's KV is persisted."""
+        if self._drop_waiting(rid):
+            return [Failed(rid, CANCELLED)]
+        run = self.active.pop(rid, None)
+        if run is None:
+            return [Failed(rid, NOT_FOUND)]
+        self._close(run)
+        return [Failed(rid, CANCELLED)]
+
+    def stop(self, rid: int) -> list[Event]:
+        """End a request now through the normal DONE path."""
+        for req in self.waiting:
+            if req.id == rid:
+                self._drop_waiting(rid)
+                return [Finished(rid, self._unstarted_report(req))]
+        run = self.active.pop(rid, None)
+        if run is None:
+            return [Failed(rid, NOT_FOUND)]
+        return self._finish(run, limited=False)
+
+    def stop_all(self) -> list[Event]:
+        return [ev for rid in self.in_flight() for ev in self.stop(rid)]
+
+    def step(self) -> list[Event]:
+        """Admit waiting requests (serial prefill), then one batched decode forward."""
+        events = self._admit()
+        if self.active:
+            events += self._decode()
+        return events
+
+    # ------------------------------------------------------------------ admission
+
+    def _refusal(self, req: GenRequest) -> Failed | None:
+        if req.id in self.in_flight():
+            return Failed(req.id, DUPLICATE_ID)
+        if not 0 <= req.slot < len(self.slots):
+            return Failed(req.id, BAD_REQUEST)
+        if self.slots[req.slot].owner is not None:
+            return Failed(req.id, SLOT_BUSY)
+        if not req.prompt:
+            return Failed(req.id, EMPTY_PROMPT)
+        if len(req.prompt) + 1 > self.runner.capacity:
+            detail = (str(len(req.prompt)), str(self.runner.capacity))
+            return Failed(req.id, CONTEXT_EXCEEDED, detail)
+        if req.max_tokens < 1:
+            return Failed(req.id, BAD_REQUEST)
+        return None
+
+    def _admit(self) -> list[Event]:
+        events: list[Event] = []
+        budget = self.config.prefill_budget
+        while self.waiting and (budget > 0 or not events):
+            req = self.waiting.popleft()
+            budget -= len(req.prompt) - self._reuse(req)
+            events += self._guarded(req.id, self._start, req)
+        return events
+
+    def _reuse(self, req: GenRequest) -> int:
+        """Prefix tokens taken from the slot's cache; at least one token is always prefilled."""
+        common = common_prefix(self.slots[req.slot].history, req.prompt)
+        return min(common, len(req.prompt) - 1)
+
+    def _start(self, req: GenRequest) -> list[Event]:
+        reused = self._reuse(req)
+        run = self._new_run(req)
+        self.active[req.id] = run
+        events: list[Event] = [Accepted(req.id, len(req.prompt), reused)]
+        slot = self.slots[req.slot]
+        del slot.history[reused:]
+        logits, routes = self.runner.prefill(req.slot, list(req.prompt[reused:]), start=reused)
+        slot.history.extend(req.prompt[reused:])
+        self._count(run, routes)
+        run.t_first = time.perf_counter()
+        return events + self._repins() + self._advance(run, logits)
+
+    def _new_run(self, req: GenRequest) -> _Run:
+        limit = self.runner.capacity - len(req.prompt)  # prompt + answer fit in the context
+        limit = min(limit, req.max_tokens, self.config.ngen or req.max_tokens)
+        stats = self.runner.stats
+        return _Run(
+            req=req,
+            limit=limit,
+            rng=np.random.default_rng([self.config.seed, req.id]),
+            t_accept=time.perf_counter(),
+            timers0=self.runner.timers.snapshot(),
+            counts=np.zeros((stats.rows, stats.cols), np.int64),
+        )
+
+    # ------------------------------------------------------------------ decode
+
+    def _decode(self) -> list[Event]:
+        runs = list(self.active.values())
+        rows = [Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)) for r in runs]
+        try:
+            logits, routes = self.runner.decode(rows)  # [B, V], [n_moe, B, K]
+        except Exception:
+            log.exception("decode step failed; ending its %d requests", len(runs))
+            return [ev for r in runs for ev in self._fail(r.req.id)]
+        events: list[Event] = self._repins()
+        self.steps += 1
+        if self.steps % self.config.hits_every == 0:
+            events.append(HitsTick(self.runner.stats.take_hits()))
+        for i, run in enumerate(runs):
+            self.slots[run.req.slot].history.append(run.pending)
+            run.pending = None
+            self._count(run, routes[:, i : i + 1])
+            events += self._guarded(run.req.id, self._advance, run, logits[i])
+        return events
+
+    def _advance(self, run: _Run, logits: np.ndarray) -> list[Event]:
+        """Sample the next token from logits [V]: emit it, or end the turn."""
+        req = run.req
+        tok = sample(logits, req.temperature, req.top_p, run.rng)
+        if tok in self.config.stop_ids:
+            self.active.pop(req.id)
+            return self._finish(run, limited=False)
+        events: list[Event] = [Token(req.id, tok, self.token_bytes(tok), self._topk(logits))]
+        run.emitted += 1
+        if run.emitted >= run.limit:
+            self.active.pop(req.id)
+            return events + self._finish(run, limited=True)
+        run.pending = tok
+        return events
+
+    def _topk(self, logits: np.ndarray) -> tuple[tuple[float, bytes], ...]:
+        k = min(self.config.topk, logits.shape[-1])
+        if k == 0:
+            return ()
+        lp = log_softmax(logits)
+        best = np.argpartition(-lp, k - 1)[:k]
+        best = best[np.lexsort((best, -lp[best]))]  # descending, ties by token id
+        return tuple((float(lp[t]), self.token_bytes(int(t))) for t in best)
+
+    def _count(self, run: _Run, routes: np.ndarray) -> None:
+        """Add routes [n_moe, T, K] to the run's per-layer expert-selection counts."""
+        for layer, ids in enumerate(routes):
+            run.counts[layer] += np.bincount(ids.reshape(-1), minlength=run.counts.shape[1])
+
+    def _repins(self) -> list[Event]:
+        return list(self.runner.stats.take_repins())
+
+    # ------------------------------------------------------------------ ends of turns
+
+    def _finish(self, run: _Run, limited: bool) -> list[Event]:
+        self._close(run)
+        now = time.perf_counter()
+        stats = self.runner.stats
+        after = self.runner.timers.snapshot()
+        decode_s = now - run.t_first
+        report = TurnReport(
+            emitted=run.emitted,
+            tok_s=(run.emitted - 1) / decode_s if run.emitted > 1 and decode_s > 0 else 0.0,
+            hit_pct=stats.hit_pct(),
+            prompt_tokens=len(run.req.prompt),
+            length_limited=limited,
+            dt=now - run.t_accept,
+            phases={k: after[k] - run.timers0.get(k, 0.0) for k in after},
+            entropy=entropy_bits(run.counts),
+            tiers=stats.tier_counts(),
+            emap=stats.emap(),
+            hits=stats.take_hits(),
+        )
+        return [Finished(run.req.id, report)]
+
+    def _unstarted_report(self, req: GenRequest) -> TurnReport:
+        stats = self.runner.stats
+        return TurnReport(
+            emitted=0,
+            tok_s=0.0,
+            hit_pct=stats.hit_pct(),
+            prompt_tokens=len(req.prompt),
+            length_limited=False,
+            dt=0.0,
+            phases=dict.fromkeys(self.runner.timers.snapshot(), 0.0),
+            entropy=(0.0,) * stats.rows,
+            tiers=stats.tier_counts(),
+            emap=stats.emap(),
+            hits=stats.take_hits(),
+        )
+
+    def _close(self, run: _Run) -> None:
+        """Release the run's slot at a turn end: persist its KV and the usage counts."""
+        slot_id = run.req.slot
+        self.slots[slot_id].owner = None
+        self._persist(slot_id)
+        end_turn = getattr(self.runner, "end_turn", None)
+        if end_turn is not None:
+            try:
+                end_turn()
+            except Exception:
+                log.exception("saving expert usage failed")
+
+    def _persist(self, slot_id: int) -> None:
+        if self.store is None:
+            return
+        history = self.slots[slot_id].history
+        try:
+            self.store.sync(slot_id, history, lambda n: self.runner.export_slot(slot_id, n))
+        except Exception:
+            log.exception("persisting KV slot %d failed", slot_id)
+
+    def _fail(self, rid: int) -> list[Event]:
+        """End a request on an internal error; its slot's cache is no longer trusted."""
+        run = self.active.pop(rid, None)
+        for i, slot in enumerate(self.slots):
+            if slot.owner == rid:
+                slot.history.clear()
+                slot.owner = None
+                self._persist(i)
+        if run is not None:
+            self._close(run)
+        return [Failed(rid, INTERNAL)]
+
+    def _guarded(self, rid: int, fn: Callable[..., list[Event]], *args) -> list[Event]:
+        """fn(*args); an unexpected exception ends request `rid` instead of the engine."""
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("request %d failed", rid)
+            return self._fail(rid)
+
+    def _drop_waiting(self, rid: int) -> bool:
+        for req in self.waiting:
+            if req.id == rid:
+                self.waiting.remove(req)
+                self.slots[req.slot].owner = None
+                return True
+        return False
+
+    def _restore_slot(self, i: int, slot: _Slot) -> int:
+        assert self.store is not None
+        try:
+            kv = self.store.load(i)
+            if kv is None or not kv.tokens:
+                return 0
+            if len(kv.tokens) > self.runner.capacity:
+                log.warning("KV slot %d holds %d positions > CTX; ignored", i, len(kv.tokens))
+                return 0
+            self.runner.import_slot(i, kv.arrays)
+        except Exception:
+            log.exception("restoring KV slot %d failed; it starts empty", i)
+            return 0
+        slot.history = list(kv.tokens)
+        return len(kv.tokens)

@@ -1,0 +1,237 @@
+"""The scheduler in-process: exact batching, prefix reuse, limits, refusals, failures, reports."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from colibri.engine.generate import generate_ids
+from colibri.engine.kvstore import KVStore
+from colibri.engine.model import load_model
+from colibri.engine.runner import Runner
+from colibri.engine.scheduler import (
+    Accepted,
+    Failed,
+    Finished,
+    GenRequest,
+    HitsTick,
+    Scheduler,
+    SchedulerConfig,
+    Token,
+    entropy_bits,
+)
+
+CAP = 128  # as in the engine tests, so compiled programs are shared through the cache
+PROMPTS = [
+    "def add(a, b):",
+    "The quick brown fox jumps",
+    "Der schnelle",
+    "emoji 🐦 colibrì — naïve",
+]
+
+
+@pytest.fixture(scope="module")
+def model(checkpoints):
+    return load_model(checkpoints("qwen3_moe"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy ids of a prompt alone on one slot."""
+    runner = Runner(model, slots=1, capacity=CAP)
+    memo: dict = {}
+
+    def ids(prompt: tuple[int, ...], n: int) -> list[int]:
+        key = (prompt, n)
+        if key not in memo:
+            toks = generate_ids(runner, list(prompt), n, stop_ids=model.cfg.eos_token_ids)
+            memo[key] = list(toks)
+        return memo[key]
+
+    return ids
+
+
+def _sched(model, slots: int = 4, store=None, **config) -> Scheduler:
+    config.setdefault("stop_ids", model.cfg.eos_token_ids)
+    runner = Runner(model, slots=slots, capacity=CAP)
+    return Scheduler(runner, model.tokenizer.token_bytes, SchedulerConfig(**config), store)
+
+
+def _req(model, rid: int, slot: int, prompt: str, max_tokens: int = 10, **kw) -> GenRequest:
+    return GenRequest(rid, slot, tuple(model.tokenizer.encode(prompt)), max_tokens, **kw)
+
+
+def _run(sched: Scheduler, *reqs: GenRequest, max_steps: int = 500) -> list:
+    events = [ev for r in reqs for ev in sched.submit(r)]
+    for _ in range(max_steps):
+        if not sched.busy:
+            return events
+        events += sched.step()
+    raise AssertionError("scheduler did not finish")
+
+
+def _tokens(events: list, rid: int) -> list[int]:
+    return [ev.token for ev in events if isinstance(ev, Token) and ev.id == rid]
+
+
+def _finished(events: list, rid: int) -> Finished:
+    return next(ev for ev in events if isinstance(ev, Finished) and ev.id == rid)
+
+
+def test_batched_decode_equals_each_prompt_alone(model, reference):
+    sched = _sched(model)
+    reqs = [_req(model, i + 1, i, p, 12) for i, p in enumerate(PROMPTS)]
+    events = [ev for r in reqs[:2] for ev in sched.submit(r)]
+    for _ in range(3):  # two requests decode while the others arrive
+        events += sched.step()
+    events += _run(sched, *reqs[2:])
+    for r in reqs:
+        assert _tokens(events, r.id) == reference(r.prompt, 12)
+    admitted = [ev.id for ev in events if isinstance(ev, Accepted)]
+    assert admitted == [1, 2, 3, 4]
+
+
+def test_prefix_reuse_and_truncation_keep_tokens(model, reference):
+    sched = _sched(model)
+    a = _req(model, 1, 0, "The quick brown fox", 6)
+    events = _run(sched, a)
+    assert sched.history(0) == list(a.prompt) + _tokens(events, 1)[:-1]  # the last is not fed
+    longer = _req(model, 2, 0, "The quick brown fox jumps over", 6)
+    events = _run(sched, longer)
+    accepted = next(ev for ev in events if isinstance(ev, Accepted))
+    assert accepted.reused_tokens >= len(a.prompt) - 1 > 0
+    assert _tokens(events, 2) == reference(longer.prompt, 6)
+    other = _req(model, 3, 0, "Permission", 6)
+    events = _run(sched, other)
+    assert _tokens(events, 3) == reference(other.prompt, 6)
+
+
+def test_limits_set_length_limited(model, reference):
+    sched = _sched(model, ngen=3)
+    events = _run(sched, _req(model, 1, 0, "The quick", 10))
+    assert len(_tokens(events, 1)) == 3 and _finished(events, 1).report.length_limited
+    sched = _sched(model)
+    prompt = GenRequest(2, 1, (40,) * (CAP - 4), 100)  # the context leaves room for 4 tokens
+    events = _run(sched, prompt)
+    n = len(_tokens(events, 2))
+    assert n == CAP - len(prompt.prompt) and _finished(events, 2).report.length_limited
+    assert sched.history(1) == list(prompt.prompt) + _tokens(events, 2)[:-1]
+
+
+def test_the_stop_token_ends_a_turn_unsent(model, reference):
+    req = _req(model, 1, 0, "Der schnelle", 8)
+    greedy = reference(req.prompt, 8)
+    at = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])
+    sched = _sched(model, stop_ids=(greedy[at],))
+    events = _run(sched, req)
+    assert _tokens(events, 1) == greedy[:at]
+    report = _finished(events, 1).report
+    assert report.emitted == at and not report.length_limited
+
+
+def test_refusals(model):
+    sched = _sched(model, slots=2)
+    assert sched.submit(_req(model, 1, 0, "The quick", 20)) == []
+    assert sched.submit(_req(model, 1, 1, "x")) == [Failed(1, "DUPLICATE_ID")]
+    assert sched.submit(_req(model, 2, 0, "x")) == [Failed(2, "SLOT_BUSY")]
+    assert sched.submit(GenRequest(3, 1, (), 5)) == [Failed(3, "EMPTY_PROMPT")]
+    assert sched.submit(_req(model, 4, 5, "x")) == [Failed(4, "BAD_REQUEST")]
+    too_long = GenRequest(5, 1, (7,) * CAP, 5)
+    assert sched.submit(too_long) == [Failed(5, "CONTEXT_EXCEEDED", (str(CAP), str(CAP)))]
+    assert sched.cancel(6) == [Failed(6, "NOT_FOUND")]
+    assert sched.stop(6) == [Failed(6, "NOT_FOUND")]
+    assert sched.cancel(1) == [Failed(1, "CANCELLED")]  # still waiting: no prefill at all
+    assert not sched.busy
+
+
+def test_cancel_and_stop_between_steps(model):
+    sched = _sched(model, slots=2)
+    sched.submit(_req(model, 1, 0, "The quick", 30))
+    sched.submit(_req(model, 2, 1, "Der schnelle", 30))
+    events = sched.step() + sched.step()
+    assert sched.cancel(1) == [Failed(1, "CANCELLED")]
+    stopped = sched.stop(2)
+    assert [type(ev) for ev in stopped] == [Finished]
+    assert stopped[0].report.emitted == len(_tokens(events, 2)) and not sched.busy
+    # the slot keeps what was fed, so the conversation can go on from there
+    fed = len(_tokens(events, 1)) - 1  # the last sampled token was never fed
+    assert len(sched.history(0)) == len(_req(model, 0, 0, "The quick").prompt) + fed
+
+
+def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(model, reference, monkeypatch):
+    sched = _sched(model, slots=2)
+    sched.submit(_req(model, 1, 0, "The quick", 10))
+    sched.submit(_req(model, 2, 1, "Der schnelle", 10))
+    sched.step()
+
+    def broken(rows):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(sched.runner, "decode", broken)
+    events = sched.step()
+    assert sorted(events, key=lambda ev: ev.id) == [Failed(1, "INTERNAL"), Failed(2, "INTERNAL")]
+    assert not sched.busy and sched.history(0) == []
+    monkeypatch.undo()
+    req = _req(model, 3, 0, "The quick", 6)
+    assert _tokens(_run(sched, req), 3) == reference(req.prompt, 6)
+
+
+def test_reports_hits_and_usage_at_every_turn_end(model):
+    sched = _sched(model, slots=2, topk=5, hits_every=4)
+    ends = []
+    sched.runner.end_turn = lambda: ends.append(1)
+    first = _req(model, 1, 0, "The quick", 14)
+    events = _run(sched, first, _req(model, 2, 1, "Der", 9))
+    steps = sched.steps
+    sched.submit(_req(model, 3, 0, "Le renard", 5))
+    sched.step()
+    sched.cancel(3)
+    assert len(ends) == 3  # two DONEs and a cancellation
+    ticks = [ev for ev in events if isinstance(ev, HitsTick)]
+    assert len(ticks) == steps // 4
+    assert all(t.hits.shape == (sched.runner.stats.rows, sched.runner.stats.cols) for t in ticks)
+    for ev in events:
+        if isinstance(ev, Token):
+            lps = [lp for lp, _ in ev.topk]
+            assert len(lps) == 5 and lps == sorted(lps, reverse=True)
+            assert ev.topk[0][1] == ev.text
+    r = _finished(events, 1).report
+    assert r.emitted == len(_tokens(events, 1)) and r.prompt_tokens == len(first.prompt)
+    assert len(r.entropy) == sched.runner.stats.rows and r.dt > 0
+    assert set(r.phases) >= {"t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head"}
+
+
+def test_sampling_is_seeded_by_seed_and_id(model):
+    def sample(seed: int, rid: int) -> list[int]:
+        sched = _sched(model, seed=seed)
+        req = _req(model, rid, 0, "The quick", 12, temperature=1.0, top_p=0.9)
+        return _tokens(_run(sched, req), rid)
+
+    assert sample(0, 5) == sample(0, 5)
+    assert sample(0, 5) != sample(0, 6)
+    assert sample(0, 5) != sample(1, 5)
+
+
+def test_restored_slots_continue_as_if_never_stopped(model, tmp_path):
+    turn = _req(model, 1, 2, "The quick brown fox", 8)
+    follow = _req(model, 2, 2, "The quick brown fox jumps over the lazy dog", 8)
+    before = _sched(model, store=KVStore(tmp_path, "m"))
+    _run(before, turn)
+    restored = _sched(model, store=KVStore(tmp_path, "m"))  # a new process, as it were
+    assert restored.restore() == len(before.history(2)) > len(turn.prompt)
+    got = _run(restored, follow)
+    unbroken = _sched(model)
+    _run(unbroken, turn)
+    expected = _run(unbroken, follow)
+    assert _tokens(got, 2) == _tokens(expected, 2)
+    reused = [ev.reused_tokens for ev in got if isinstance(ev, Accepted)]
+    assert reused == [ev.reused_tokens for ev in expected if isinstance(ev, Accepted)]
+
+
+def test_entropy_bits():
+    counts = np.array([[1, 1, 1, 1], [5, 0, 0, 0], [0, 0, 0, 0], [3, 1, 0, 0]])
+    h = entropy_bits(counts)
+    assert h[:3] == (2.0, 0.0, 0.0)
+    assert math.isclose(h[3], -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
