@@ -51,38 +51,35 @@ def _route_sigmoid_group(
 def expert_outputs(experts: Experts, x: jax.Array, ids: jax.Array, num_experts: int) -> jax.Array:
     """y [N, K, D]: expert ids[n, k] applied to x[n]; 0 where ids[n, k] == -1 (not staged).
 
-    Each (n, k) output is computed once, by one expert, so outputs assembled over several staging
-    chunks are bitwise those of one pass. Few rows gather just the chosen slabs; many rows stream
-    every slot once, which reads fewer bytes as soon as N*K reaches the number of experts. The
-    choice depends on the model's expert count, not on the slot count, so every placement of
-    the same experts takes the same path.
+    Streams each distinct chosen expert once (its slabs read by one dynamic slice, which XLA
+    feeds to the matmul without a gather copy) and applies it to all N rows. Each (n, k) output
+    is row n of one [N, D] x [D, F] product, whichever slot or staging chunk the expert sits
+    in, so outputs assembled over several chunks are bitwise those of one pass.
     """
     N, K = ids.shape
-    if N * K < num_experts:
-        return _outputs_gather(experts, x, ids)
-    return _outputs_dense(experts, x, ids)
-
-
-def _outputs_gather(experts: Experts, x: jax.Array, ids: jax.Array) -> jax.Array:
-    idx = jnp.maximum(ids, 0)
-    g, u, d = (jnp.take(experts[k], idx, axis=0) for k in ("gate", "up", "down"))  # [N, K, ...]
-    h = jax.nn.silu(jnp.einsum("nd,nkfd->nkf", x, g)) * jnp.einsum("nd,nkfd->nkf", x, u)
-    y = jnp.einsum("nkf,nkdf->nkd", h, d)
-    return jnp.where((ids >= 0)[..., None], y, 0.0)
-
-
-def _outputs_dense(experts: Experts, x: jax.Array, ids: jax.Array) -> jax.Array:
-    N, K = ids.shape
-    S = experts["gate"].shape[0]
+    # The trip count depends on the model, never on the slot count: the same compiled loop
+    # serves every placement. Padding entries (-1) skip their matmuls.
+    U = min(num_experts, N * K)
+    distinct = jnp.unique(ids, size=U, fill_value=-1)
 
     def one(y, e):
-        slot, g, u, d = e
-        out = (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T  # [N, D]
-        return jnp.where((ids == slot)[..., None], out[:, None, :], y), None
+        def apply(y):
+            out = _expert_mlp(experts, x, e)  # [N, D]
+            return jnp.where((ids == e)[..., None], out[:, None, :], y)
 
-    xs = (jnp.arange(S, dtype=ids.dtype), experts["gate"], experts["up"], experts["down"])
-    y, _ = jax.lax.scan(one, jnp.zeros((N, K, x.shape[-1]), x.dtype), xs)
+        return jax.lax.cond(e >= 0, apply, lambda y: y, y), None
+
+    y, _ = jax.lax.scan(one, jnp.zeros((N, K, x.shape[-1]), x.dtype), distinct)
     return y
+
+
+def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
+    """SwiGLU of slot `slot` over every row of x [N, D]."""
+    F, D = experts["gate"].shape[1:]
+    g = jax.lax.dynamic_slice(experts["gate"], (slot, 0, 0), (1, F, D))[0]
+    u = jax.lax.dynamic_slice(experts["up"], (slot, 0, 0), (1, F, D))[0]
+    d = jax.lax.dynamic_slice(experts["down"], (slot, 0, 0), (1, D, F))[0]
+    return (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T
 
 
 def combine(y: jax.Array, wts: jax.Array) -> jax.Array:
