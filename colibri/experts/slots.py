@@ -56,6 +56,8 @@ class LayerSlots:
         old = int(self.expert_in[slot])
         if old >= 0:
             self.slot_of[old] = -1
+        dev = self.bufs["gate"].sharding
+        w = tuple(jax.device_put(a, dev) for a in w)  # host (or pinned host) -> device
         self.bufs = _put(self.bufs, jnp.int32(slot), *w)
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert

@@ -60,6 +60,7 @@ class ExpertStore:
         self._inflight: dict[tuple[int, int], Future] = {}
         self._lock = threading.RLock()  # tier bookkeeping from the reader pool (PILOT)
         self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io)
+        self._pinned = _pinned_host()
         if self.all_resident:
             self._load_resident(progress)
         else:
@@ -173,6 +174,8 @@ class ExpertStore:
             self.stats.tier[row, e] = TIER_DEVICE
 
     def _ram_put(self, row: int, e: int, w: Weights) -> None:
+        if self._pinned is not None and isinstance(w[0], np.ndarray):
+            w = tuple(jax.device_put(a, self._pinned) for a in w)  # staging becomes one DMA
         with self._lock:
             for r, old in self.ram.put((row, e), w, protect=self._needed):
                 if self.slots[r].slot_of[old] < 0:
@@ -247,3 +250,14 @@ class ExpertStore:
 
     def close(self) -> None:
         self.disk.close()
+
+
+def _pinned_host() -> jax.sharding.Sharding | None:
+    """Page-locked host memory next to a GPU (JAX memory kinds); None on CPU, where RAM is RAM."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu":
+        return None
+    try:
+        return jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    except (ValueError, RuntimeError):  # a backend without memory kinds: plain host arrays
+        return None
