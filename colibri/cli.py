@@ -58,6 +58,20 @@ def _synth(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    import os
+
+    from colibri.protocol.serve import run_engine
+
+    return run_engine(args.model, os.environ)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from colibri.chat import chat
+
+    return chat(args.model, verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -86,6 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")
     s.add_argument("--out", required=True)
     s.set_defaults(run=_synth)
+
+    e = sub.add_parser(
+        "engine",
+        help="the stdio engine: mux protocol with SERVE_BATCH=1, else legacy (settings from env)",
+    )
+    e.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    e.set_defaults(run=_engine)
+
+    c = sub.add_parser("chat", help="chat in the terminal with an engine on the legacy protocol")
+    c.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    c.set_defaults(run=_chat)
     return p
 
 

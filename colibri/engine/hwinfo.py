@@ -1,0 +1,99 @@
+"""Host and accelerator snapshots for the HWINFO and GPUS telemetry lines, and peak RSS."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+
+import jax
+import psutil
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Host:
+    """What HWINFO reports."""
+
+    cores: int
+    ram_total_gb: float
+    ram_avail_gb: float
+    ngpu: int
+    vram_total_gb: float
+    cpu_name: str
+    gpu_name: str
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator for GPUS: memory in use, its total, resident experts."""
+
+    used_gb: float
+    total_gb: float
+    experts: int
+
+
+def peak_rss_gb() -> float:
+    """Peak resident set size of this process, GiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / GIB if sys.platform == "darwin" else peak / (1 << 20)
+
+
+def host() -> Host:
+    mem = psutil.virtual_memory()
+    gpus = _gpus()
+    return Host(
+        cores=psutil.cpu_count(logical=True) or os.cpu_count() or 1,
+        ram_total_gb=mem.total / GIB,
+        ram_avail_gb=mem.available / GIB,
+        ngpu=len(gpus),
+        vram_total_gb=sum(_memory(d)[1] for d in gpus) / GIB,
+        cpu_name=cpu_name(),
+        gpu_name=" ".join(gpus[0].device_kind.split()) if gpus else "",
+    )
+
+
+def devices(resident_experts: int) -> list[Device]:
+    """Every GPU; the resident experts are counted on the first (one device per engine today)."""
+    out = []
+    for i, d in enumerate(_gpus()):
+        used, total = _memory(d)
+        out.append(Device(used / GIB, total / GIB, resident_experts if i == 0 else 0))
+    return out
+
+
+@lru_cache(maxsize=1)
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo (platform's guess elsewhere), without '|' or newlines."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("model name", "Hardware", "Processor"):
+                    name = value.strip()
+                    break
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "cpu"
+    return " ".join(name.replace("|", "/").split())
+
+
+def _gpus() -> list:
+    try:
+        return [d for d in jax.devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def _memory(device) -> tuple[int, int]:
+    """(bytes in use, byte limit) of a device, zeros where the backend does not say."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:
+        stats = {}
+    return int(stats.get("bytes_in_use", 0)), int(stats.get("bytes_limit", 0))

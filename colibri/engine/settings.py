@@ -1,0 +1,101 @@
+"""Engine settings from the environment (DESIGN.md section 5), validated where they are built."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_SLOTS = 16
+
+
+class SettingsError(ValueError):
+    """An environment variable the engine cannot use; the message names it and its value."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How `colibri engine` runs; every field comes from one environment variable."""
+
+    serve_batch: bool = False  # SERVE_BATCH=1: mux protocol; otherwise legacy
+    kv_slots: int = 1  # KV_SLOTS: conversations held at once, 1..16
+    ctx: int | None = None  # CTX: positions per slot; None = min(2048, the model's maximum)
+    ngen: int = 0  # NGEN: cap on tokens per answer (0 = only max_tokens caps)
+    serve_topk: bool = False  # SERVE_TOPK=1: a TOPK line after every DATA
+    repin: int = 0  # REPIN: swap a cold pin for a hot expert every n tokens (0 = off)
+    kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
+    seed: int = 0  # SEED: sampling seed, combined with each request id
+    device_gb: float | None = None  # DEVICE_GB: device expert budget (None = auto)
+    ram_gb: float | None = None  # RAM_GB: host RAM expert budget (None = auto)
+    pin_gb: float | None = None  # PIN_GB: budget of pinned experts (None = auto)
+    cap: int | None = None  # CAP: per-layer device expert cap (None = auto)
+    state_dir: Path | None = None  # STATE_DIR: .coli_usage and KV files (None = model folder)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
+        """Parse and validate; unset or empty variables keep their defaults."""
+        r = _Reader(env)
+        return cls(
+            serve_batch=r.flag("SERVE_BATCH"),
+            kv_slots=r.int("KV_SLOTS", 1, lo=1, hi=MAX_SLOTS),
+            ctx=r.opt_int("CTX", lo=2),
+            ngen=r.int("NGEN", 0, lo=0),
+            serve_topk=r.flag("SERVE_TOPK"),
+            repin=r.int("REPIN", 0, lo=0),
+            kvsave=r.flag("KVSAVE"),
+            seed=r.int("SEED", 0, lo=0),
+            device_gb=r.opt_gb("DEVICE_GB"),
+            ram_gb=r.opt_gb("RAM_GB"),
+            pin_gb=r.opt_gb("PIN_GB"),
+            cap=r.opt_int("CAP", lo=0),
+            state_dir=Path(env["STATE_DIR"]) if env.get("STATE_DIR") else None,
+        )
+
+
+class _Reader:
+    """Typed access to environment variables, with errors that name the variable and value."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self.env = env
+
+    def _raw(self, name: str) -> str | None:
+        value = self.env.get(name, "").strip()
+        return value or None
+
+    def _fail(self, name: str, want: str) -> SettingsError:
+        return SettingsError(f"{name}={self.env.get(name)!r}: expected {want}")
+
+    def flag(self, name: str) -> bool:
+        value = self._raw(name)
+        if value not in (None, "0", "1"):
+            raise self._fail(name, "0 or 1")
+        return value == "1"
+
+    def opt_int(self, name: str, lo: int, hi: int | None = None) -> int | None:
+        value = self._raw(name)
+        if value is None:
+            return None
+        span = f"an integer >= {lo}" if hi is None else f"an integer in {lo}..{hi}"
+        try:
+            n = int(value)
+        except ValueError:
+            raise self._fail(name, span) from None
+        if n < lo or (hi is not None and n > hi):
+            raise self._fail(name, span)
+        return n
+
+    def int(self, name: str, default: int, lo: int, hi: int | None = None) -> int:
+        n = self.opt_int(name, lo, hi)
+        return default if n is None else n
+
+    def opt_gb(self, name: str) -> float | None:
+        value = self._raw(name)
+        if value is None:
+            return None
+        try:
+            gb = float(value)
+        except ValueError:
+            raise self._fail(name, "a number of GB >= 0") from None
+        if not gb >= 0 or gb == float("inf"):  # rejects nan too
+            raise self._fail(name, "a number of GB >= 0")
+        return gb

@@ -1,0 +1,191 @@
+"""The mux protocol loop: requests from stdin, continuously batched turns, protocol lines out.
+
+One thread reads and parses frames (`Inbox`); the main thread alternates between handling every
+frame that has arrived (submit, cancel, stop: they take effect between steps) and one scheduler
+step (admission with serial prefill, then one decode forward over all active slots), and is the
+only writer of stdout. End of input or a fatal frame stops the reading; in-flight requests
+finish, then `serve` returns 0. SIGTERM stops every in-flight request through DONE at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from colibri.engine import hwinfo
+from colibri.engine.scheduler import (
+    INTERNAL,
+    Accepted,
+    Event,
+    Failed,
+    Finished,
+    GenRequest,
+    HitsTick,
+    Scheduler,
+    Token,
+    TurnReport,
+)
+from colibri.engine.telemetry import ExpertStats, RepinEvent
+from colibri.protocol import codec
+from colibri.protocol.codec import (
+    Accept,
+    ByteStream,
+    Cancel,
+    Data,
+    Done,
+    Emap,
+    Entropy,
+    Error,
+    FrameError,
+    Gpus,
+    Hits,
+    HwInfo,
+    Perf,
+    Ready,
+    Repin,
+    Stat,
+    Submit,
+    Tiers,
+    TopK,
+    format_event,
+)
+from colibri.protocol.stdio import Inbox, LineWriter, Termination
+from colibri.tokenizer import Tokenizer
+
+log = logging.getLogger("colibri")
+
+IDLE_POLL_S = 0.1  # how often an idle loop looks at the SIGTERM flag
+
+
+def serve(
+    sched: Scheduler, tokenizer: Tokenizer, kv_slots: int, stdin: ByteStream, out: LineWriter
+) -> int:
+    """Run the mux protocol until input ends and every request is done; the exit status."""
+    loop = _Loop(sched, tokenizer, out)
+    loop.send(*handshake(sched.runner.stats))
+    inbox: Inbox[codec.Request | FrameError] = Inbox(
+        lambda: codec.read_request(stdin, kv_slots), last=_loses_framing
+    )
+    term = Termination()
+    while loop.reading or sched.busy:
+        if term.requested() and loop.reading:
+            log.info("SIGTERM: stopping %d requests", len(sched.in_flight()))
+            loop.reading = False
+            loop.emit(sched.stop_all())
+        if loop.reading:
+            for item in inbox.take(0.0 if sched.busy else IDLE_POLL_S):
+                loop.handle(item)
+        loop.emit(sched.step())
+    return 0
+
+
+def handshake(stats: ExpertStats) -> list[codec.Event]:
+    """READY, STAT, HWINFO, TIERS, EMAP: the startup lines, in the order the spec fixes."""
+    return [
+        Ready(),
+        Stat(0, 0.0, 0.0, hwinfo.peak_rss_gb()),
+        hwinfo_line(),
+        Tiers(*stats.tier_counts()),
+        Emap(stats.rows, stats.cols, stats.emap()),
+    ]
+
+
+def hwinfo_line() -> HwInfo:
+    h = hwinfo.host()
+    return HwInfo(
+        h.cores, h.ram_total_gb, h.ram_avail_gb, h.ngpu, h.vram_total_gb, h.cpu_name, h.gpu_name
+    )
+
+
+def turn_block(rid: int, r: TurnReport) -> list[codec.Event]:
+    """HWINFO PERF ENTROPY GPUS TIERS EMAP HITS, then DONE: the end of one request."""
+    ph = r.phases
+    phases = [ph.get(k, 0.0) for k in ("t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head")]
+    rows, cols = r.hits.shape
+    gpus = tuple((d.used_gb, d.total_gb, d.experts) for d in hwinfo.devices(r.tiers[0]))
+    return [
+        hwinfo_line(),
+        Perf(rid, r.dt, *phases),
+        Entropy(r.entropy),
+        Gpus(gpus),
+        Tiers(*r.tiers),
+        Emap(rows, cols, r.emap),
+        hits_line(r.hits),
+        Done(
+            rid,
+            r.emitted,
+            r.tok_s,
+            r.hit_pct,
+            hwinfo.peak_rss_gb(),
+            r.prompt_tokens,
+            r.length_limited,
+        ),
+    ]
+
+
+def hits_line(hits: np.ndarray) -> Hits:
+    """HITS from bool [rows, cols]; packbits is row-major, most significant bit first."""
+    rows, cols = hits.shape
+    return Hits(rows, cols, np.packbits(hits.reshape(-1)).tobytes())
+
+
+def lines(ev: Event) -> list[codec.Event]:
+    """The wire lines of one engine event."""
+    if isinstance(ev, Token):
+        return [Data(ev.id, ev.text), *([TopK(ev.id, ev.topk)] if ev.topk else [])]
+    if isinstance(ev, Accepted):
+        return [Accept(ev.id, ev.prompt_tokens, ev.reused_tokens)]
+    if isinstance(ev, Finished):
+        return turn_block(ev.id, ev.report)
+    if isinstance(ev, Failed):
+        return [Error(ev.id, ev.code, ev.detail)]
+    if isinstance(ev, HitsTick):
+        return [hits_line(ev.hits)]
+    if isinstance(ev, RepinEvent):
+        return [Repin(ev.layer, ev.expert, ev.old_tier, ev.gpu)]
+    raise TypeError(f"unknown engine event {ev!r}")
+
+
+def _loses_framing(item: codec.Request | FrameError) -> bool:
+    return isinstance(item, FrameError) and item.fatal
+
+
+class _Loop:
+    """The main thread's state: whether input is still read, and the one stdout writer."""
+
+    def __init__(self, sched: Scheduler, tokenizer: Tokenizer, out: LineWriter):
+        self.sched, self.tokenizer, self.out = sched, tokenizer, out
+        self.reading = True
+
+    def send(self, *events: codec.Event) -> None:
+        for ev in events:
+            self.out.send(format_event(ev))
+
+    def emit(self, events: list[Event]) -> None:
+        for ev in events:
+            self.send(*lines(ev))
+
+    def handle(self, item: codec.Request | FrameError | None) -> None:
+        """One frame from the reader; nothing here may end the loop but the end of input."""
+        if item is None:
+            self.reading = False
+        elif isinstance(item, FrameError):
+            log.warning("refused frame (%s): %s", item.code, item.reason)
+            self.send(item.to_event())
+            self.reading = self.reading and not item.fatal
+        elif isinstance(item, Submit):
+            self.emit(self._submit(item))
+        elif isinstance(item, Cancel):
+            self.emit(self.sched.cancel(item.id))
+        else:
+            self.emit(self.sched.stop(item.id))
+
+    def _submit(self, s: Submit) -> list[Event]:
+        try:
+            prompt = tuple(self.tokenizer.encode(s.payload.decode("utf-8")))
+        except Exception:
+            log.exception("request %d: tokenizing the prompt failed", s.id)
+            return [Failed(s.id, INTERNAL)]
+        req = GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p)
+        return self.sched.submit(req)

@@ -1,0 +1,80 @@
+"""`colibri engine`: build the engine from the environment, run the mux or legacy loop on stdio."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
+
+from colibri.config import load_config
+from colibri.engine.factory import default_ctx, make_runner
+from colibri.engine.kvstore import KVStore, fingerprint
+from colibri.engine.scheduler import Scheduler, SchedulerConfig
+from colibri.engine.settings import EngineSettings
+from colibri.protocol import legacy, mux
+from colibri.protocol.stdio import LineWriter, claim_stdout
+from colibri.tokenizer import Tokenizer
+
+log = logging.getLogger("colibri")
+
+TOPK = 5  # candidates per TOPK line
+
+
+def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
+    """Serve on stdin/stdout until input ends, then exit the process (status 0).
+
+    Bad settings or an unloadable model raise ValueError/OSError before anything is served.
+    """
+    model_dir = Path(model_dir)
+    settings = EngineSettings.from_env(env)
+    cfg = load_config(model_dir)
+    tok_path = model_dir / "tokenizer.json"
+    if not tok_path.exists():
+        raise ValueError(f"{model_dir}: no tokenizer.json, the engine cannot encode prompts")
+    tokenizer = Tokenizer(tok_path)
+    out = LineWriter(claim_stdout())
+    ctx = settings.ctx or default_ctx(cfg.max_position_embeddings)
+    runner = make_runner(model_dir, settings.kv_slots, ctx, env)
+    sched = Scheduler(
+        runner,
+        tokenizer.token_bytes,
+        SchedulerConfig(
+            ngen=settings.ngen,
+            seed=settings.seed,
+            topk=TOPK if settings.serve_topk else 0,
+            stop_ids=cfg.eos_token_ids,
+        ),
+        store=_store(settings, model_dir),
+    )
+    restored = sched.restore()
+    log.info(
+        "engine: %s protocol, %d slots x %d positions%s",
+        "mux" if settings.serve_batch else "legacy",
+        settings.kv_slots,
+        ctx,
+        f", {restored} cached positions restored" if restored else "",
+    )
+    stdin = sys.stdin.buffer
+    if settings.serve_batch:
+        status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out)
+    else:
+        status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
+    _exit(status)
+
+
+def _exit(status: int) -> NoReturn:
+    """Leave without interpreter teardown: after SIGTERM the stdin reader thread is still blocked
+    in a read that holds stdin's lock, and finalizing stdin under it aborts the process."""
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _store(settings: EngineSettings, model_dir: Path) -> KVStore | None:
+    if not settings.kvsave:
+        return None
+    state = settings.state_dir or model_dir
+    return KVStore(state / "kv", fingerprint(model_dir))

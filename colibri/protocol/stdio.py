@@ -1,0 +1,94 @@
+"""Process plumbing both stdio protocols share: the claimed stdout, a stdin reader, SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from typing import BinaryIO, Generic, TypeVar
+
+log = logging.getLogger("colibri")
+
+T = TypeVar("T")
+
+
+def claim_stdout() -> BinaryIO:
+    """The protocol stream on stdout's pipe; fd 1 then points at stderr, so that nothing else
+    (a stray print, a C library's message) can land between protocol lines."""
+    sys.stdout.flush()
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(fd, "wb")
+
+
+class LineWriter:
+    """Writes each protocol line with one write and one flush; a vanished reader is not fatal."""
+
+    def __init__(self, stream: BinaryIO):
+        self.stream = stream
+        self.broken = False
+
+    def send(self, line: bytes) -> None:
+        if self.broken:
+            return
+        try:
+            self.stream.write(line)
+            self.stream.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:
+            self.broken = True  # the server is gone; finish quietly (EOF on stdin follows)
+            log.warning("stdout closed (%s); output dropped from now on", e)
+
+
+class Inbox(Generic[T]):
+    """Frames read on a daemon thread, so the engine keeps decoding while the server is silent.
+
+    `read()` returns the next frame or None at end of input; the thread stops after None or a
+    frame for which `last(frame)` is true (the stream lost its framing).
+    """
+
+    def __init__(self, read: Callable[[], T | None], last: Callable[[T], bool] = lambda _: False):
+        self._read, self._last = read, last
+        self._queue: queue.Queue[T | None] = queue.Queue()
+        threading.Thread(target=self._run, name="stdin-reader", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._read()
+            except Exception:  # an unreadable stdin ends the input like EOF does
+                log.exception("reading stdin failed")
+                item = None
+            self._queue.put(item)
+            if item is None or self._last(item):
+                return
+
+    def take(self, timeout: float) -> list[T | None]:
+        """Every frame already read, waiting up to `timeout` seconds for the first one."""
+        try:
+            items = [self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+
+class Termination:
+    """SIGTERM raises a flag that the loops check between steps (the handler does nothing else)."""
+
+    def __init__(self) -> None:
+        self.flag = threading.Event()
+        try:
+            signal.signal(signal.SIGTERM, lambda *_: self.flag.set())
+        except ValueError:  # not the main thread (in-process use): no signal handling
+            pass
+
+    def requested(self) -> bool:
+        return self.flag.is_set()
