@@ -15,12 +15,12 @@ def _generate(args: argparse.Namespace) -> int:
     from colibri.engine.model import load_model
     from colibri.engine.runner import Runner
 
-    model = load_model(args.model)
+    model = load_model(args.model, tiers=_tiers(args))
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer.json, cannot encode a text prompt")
     ids = model.tokenizer.encode(args.prompt)
     capacity = args.ctx or len(ids) + args.max_tokens
-    runner = Runner(model, slots=1, capacity=capacity)
+    runner = Runner(model, slots=1, capacity=capacity, profile=args.profile)
     out = sys.stdout.buffer
     for tok in generate_ids(
         runner,
@@ -35,7 +35,44 @@ def _generate(args: argparse.Namespace) -> int:
         out.flush()
     out.write(b"\n")
     out.flush()
+    st = model.store.stats
+    log.info("hit %.1f%% of %d expert lookups; %s", st.hit_pct(), st.lookups, model.store.summary())
     return 0
+
+
+_TIER_FLAGS = {  # flag -> environment variable of the same setting (flags win)
+    "device_gb": "DEVICE_GB",
+    "ram_gb": "RAM_GB",
+    "pin_gb": "PIN_GB",
+    "cap": "CAP",
+    "policy": "POLICY",
+    "repin": "REPIN",
+    "pilot": "PILOT",
+    "direct_io": "DIRECT_IO",
+}
+
+
+def _add_tier_flags(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("expert tiers (default: the environment, else auto-sized)")
+    t.add_argument("--device-gb", help="device slot caches, GiB (DEVICE_GB)")
+    t.add_argument("--ram-gb", help="host RAM cache, GiB (RAM_GB)")
+    t.add_argument("--pin-gb", help="pinned hot experts, GiB (PIN_GB)")
+    t.add_argument("--cap", help="most device slots per layer (CAP)")
+    t.add_argument("--policy", choices=["lru", "lfru"], help="device eviction (POLICY)")
+    t.add_argument("--repin", help="swap a cold pin for a hot expert every n tokens (REPIN)")
+    t.add_argument("--pilot", action="store_const", const="1", help="router lookahead (PILOT)")
+    t.add_argument("--direct-io", action="store_const", const="1", help="O_DIRECT (DIRECT_IO)")
+    t.add_argument("--profile", action="store_true", help="layer by layer, timing each phase")
+
+
+def _tiers(args: argparse.Namespace):
+    import os
+
+    from colibri.experts.budget import TierConfig
+
+    env = dict(os.environ)
+    env.update({var: str(getattr(args, f)) for f, var in _TIER_FLAGS.items() if getattr(args, f)})
+    return TierConfig.from_env(env)
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -85,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--ctx", type=int, default=0, help="KV capacity (default: prompt + max)")
+    _add_tier_flags(g)
     g.set_defaults(run=_generate)
 
     s = sub.add_parser("synth", help="write a random checkpoint in Hugging Face layout")
