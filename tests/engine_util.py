@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,10 +23,15 @@ def spawn(model_dir: Path, **env: str) -> subprocess.Popen:
     """`colibri engine --model model_dir` with os.environ (the shared compile cache) plus env."""
     full = {k: v for k, v in os.environ.items() if k not in _ENGINE_VARS}
     full.update({k: str(v) for k, v in env.items()})
+    scratch = None
+    if "STATE_DIR" not in env:  # usage counts go to a scratch folder, not the checkpoint's
+        scratch = full["STATE_DIR"] = tempfile.mkdtemp(prefix="colibri-state-")
     cmd = [sys.executable, "-m", "colibri.cli", "engine", "--model", str(model_dir)]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full
     )
+    proc.scratch = scratch
+    return proc
 
 
 class _Pump:
@@ -87,9 +94,12 @@ class _Proc:
             raise
 
     def kill(self) -> None:
+        """Kill the engine if it still runs; remove its scratch state folder."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.proc.scratch:
+            shutil.rmtree(self.proc.scratch, ignore_errors=True)
 
 
 class Mux(_Proc):

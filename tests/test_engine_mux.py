@@ -76,7 +76,9 @@ def ref(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir, tmp_path_factory):
-    e = Mux(model_dir, STATE_DIR=str(tmp_path_factory.mktemp("state")), **SHARED)
+    state = tmp_path_factory.mktemp("state")
+    e = Mux(model_dir, STATE_DIR=str(state), **SHARED)
+    e.state = state
     yield e
     status = e.close()
     e.kill()
@@ -139,6 +141,13 @@ def test_round_trip_topk_hits_and_turn_block(engine, ref):
         elif isinstance(ev, Data) and between is not None:
             between += 1
     assert gaps and set(gaps) == {6}
+
+    # .coli_usage is rewritten at every turn end
+    usage = (engine.state / ".coli_usage").read_text()
+    assert usage.startswith(f"-1 {emap.rows} {emap.cols}\n-2 1 ")
+    engine.submit(2, 0, "Der schnelle", max_tokens=3)
+    engine.collect(2)
+    assert (engine.state / ".coli_usage").read_text() != usage
 
 
 def test_sixteen_prompts_batch_exactly_and_interleave(engine, ref):
@@ -399,8 +408,8 @@ def test_settings_name_the_variable_and_value():
             EngineSettings.from_env({name: value})
 
 
-def test_engine_refuses_bad_settings_before_loading(model_dir):
-    p = spawn(model_dir, KV_SLOTS="17")
+def test_engine_refuses_bad_settings_before_loading(model_dir, tmp_path):
+    p = spawn(model_dir, KV_SLOTS="17", STATE_DIR=str(tmp_path))
     out, err = p.communicate(timeout=60)
     assert p.returncode == 2 and out == b""
     assert b"KV_SLOTS='17'" in err

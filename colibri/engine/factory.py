@@ -9,16 +9,24 @@ from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
 
 DEFAULT_CTX = 2048
+USAGE_FILE = ".coli_usage"
 
 
 def make_runner(model_dir: str | Path, slots: int, capacity: int, env: Mapping[str, str]) -> Runner:
     """A runner over `slots` KV slots of `capacity` positions for the checkpoint in model_dir.
 
-    `env` carries the expert budgets (DEVICE_GB, RAM_GB, PIN_GB, CAP, REPIN, STATE_DIR); they are
-    wired in with tiered expert storage, until then every expert is resident.
+    `env` carries the expert budgets (DEVICE_GB, RAM_GB, PIN_GB, CAP, REPIN), still to be wired
+    in here, and STATE_DIR, where `.coli_usage` is read at start and rewritten at every turn end.
     """
-    del env
-    return Runner(load_model(model_dir, progress=False), slots, capacity)
+    model = load_model(model_dir, usage_path=state_dir(model_dir, env) / USAGE_FILE, progress=False)
+    return Runner(model, slots, capacity)
+
+
+def state_dir(model_dir: str | Path, env: Mapping[str, str]) -> Path:
+    """The engine's state folder (usage counts, KV files): STATE_DIR, else the model folder."""
+    folder = Path(env.get("STATE_DIR") or model_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def default_ctx(max_position_embeddings: int) -> int:

@@ -147,7 +147,7 @@ class _Run:
     rng: np.random.Generator
     t_accept: float
     timers0: dict[str, float]
-    counts: np.ndarray  # [n_moe, E] expert selections over its prefill and decode rows
+    routes: list[np.ndarray] = field(default_factory=list)  # [n_moe, T, K] per forward
     emitted: int = 0
     pending: int | None = None  # last sampled token, fed at the next decode step
     t_first: float = 0.0
@@ -293,21 +293,19 @@ class Scheduler:
         del slot.history[reused:]
         logits, routes = self.runner.prefill(req.slot, list(req.prompt[reused:]), start=reused)
         slot.history.extend(req.prompt[reused:])
-        self._count(run, routes)
+        run.routes.append(routes)
         run.t_first = time.perf_counter()
         return events + self._repins() + self._advance(run, logits)
 
     def _new_run(self, req: GenRequest) -> _Run:
         limit = self.runner.capacity - len(req.prompt)  # prompt + answer fit in the context
         limit = min(limit, req.max_tokens, self.config.ngen or req.max_tokens)
-        stats = self.runner.stats
         return _Run(
             req=req,
             limit=limit,
             rng=np.random.default_rng([self.config.seed, req.id]),
             t_accept=time.perf_counter(),
             timers0=self.runner.timers.snapshot(),
-            counts=np.zeros((stats.rows, stats.cols), np.int64),
         )
 
     # ------------------------------------------------------------------ decode
@@ -327,7 +325,7 @@ class Scheduler:
         for i, run in enumerate(runs):
             self.slots[run.req.slot].history.append(run.pending)
             run.pending = None
-            self._count(run, routes[:, i : i + 1])
+            run.routes.append(routes[:, i : i + 1])  # a view: counted once, at the turn's end
             events += self._guarded(run.req.id, self._advance, run, logits[i])
         return events
 
@@ -355,10 +353,15 @@ class Scheduler:
         best = best[np.lexsort((best, -lp[best]))]  # descending, ties by token id
         return tuple((float(lp[t]), self.token_bytes(int(t))) for t in best)
 
-    def _count(self, run: _Run, routes: np.ndarray) -> None:
-        """Add routes [n_moe, T, K] to the run's per-layer expert-selection counts."""
-        for layer, ids in enumerate(routes):
-            run.counts[layer] += np.bincount(ids.reshape(-1), minlength=run.counts.shape[1])
+    def _counts(self, run: _Run) -> np.ndarray:
+        """[n_moe, E] expert selections over the run's prefill and decode rows."""
+        stats = self.runner.stats
+        counts = np.zeros((stats.rows, stats.cols), np.int64)
+        if run.routes:
+            routes = np.concatenate(run.routes, axis=1)  # [n_moe, T, K]
+            for layer, ids in enumerate(routes):
+                counts[layer] = np.bincount(ids.reshape(-1), minlength=stats.cols)[: stats.cols]
+        return counts
 
     def _repins(self) -> list[Event]:
         return list(self.runner.stats.take_repins())
@@ -379,7 +382,7 @@ class Scheduler:
             length_limited=limited,
             dt=now - run.t_accept,
             phases={k: after[k] - run.timers0.get(k, 0.0) for k in after},
-            entropy=entropy_bits(run.counts),
+            entropy=entropy_bits(self._counts(run)),
             tiers=stats.tier_counts(),
             emap=stats.emap(),
             hits=stats.take_hits(),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from colibri.config import load_config
-from colibri.engine.factory import default_ctx, make_runner
+from colibri.engine.factory import default_ctx, make_runner, state_dir
 from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.settings import EngineSettings
@@ -47,7 +47,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
             topk=TOPK if settings.serve_topk else 0,
             stop_ids=cfg.eos_token_ids,
         ),
-        store=_store(settings, model_dir),
+        store=_store(settings, model_dir, env),
     )
     restored = sched.restore()
     log.info(
@@ -73,8 +73,7 @@ def _exit(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _store(settings: EngineSettings, model_dir: Path) -> KVStore | None:
+def _store(settings: EngineSettings, model_dir: Path, env: Mapping[str, str]) -> KVStore | None:
     if not settings.kvsave:
         return None
-    state = settings.state_dir or model_dir
-    return KVStore(state / "kv", fingerprint(model_dir))
+    return KVStore(state_dir(model_dir, env) / "kv", fingerprint(model_dir))
