@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from colibri.engine.generate import generate_ids
 from colibri.engine.kvstore import KVStore
@@ -235,3 +237,43 @@ def test_entropy_bits():
     h = entropy_bits(counts)
     assert h[:3] == (2.0, 0.0, 0.0)
     assert math.isclose(h[3], -(0.75 * math.log2(0.75) + 0.25 * math.log2(0.25)))
+
+
+_op = st.one_of(
+    st.tuples(st.just("submit"), st.integers(1, 6), st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("cancel"), st.integers(1, 6)),
+    st.tuples(st.just("stop"), st.integers(1, 6)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(_op, max_size=25))
+def test_every_request_ends_exactly_once(model, ops):
+    """Random submits, cancels, stops, steps: a request speaks only while in flight, ends once."""
+    sched = _sched(model)
+    live: set[int] = set()
+
+    def check(events: list) -> None:
+        for ev in events:
+            if isinstance(ev, Failed) and ev.code == "NOT_FOUND":
+                assert ev.id not in live
+            elif isinstance(ev, Failed) and ev.code == "DUPLICATE_ID":
+                assert ev.id in live
+            elif isinstance(ev, Finished) or isinstance(ev, Failed) and ev.code == "CANCELLED":
+                live.remove(ev.id)  # KeyError: ended twice, or never started
+            elif isinstance(ev, Accepted | Token):
+                assert ev.id in live
+
+    for op in ops:
+        if op[0] == "submit":
+            _, rid, slot, p = op
+            out = sched.submit(_req(model, rid, slot, PROMPTS[p], 1 + 3 * p))
+            check(out)
+            live |= set() if out else {rid}
+        elif op[0] == "step":
+            check([ev for _ in range(op[1]) for ev in sched.step()])
+        else:
+            check(getattr(sched, op[0])(op[1]))
+    check(_run(sched))
+    assert not live and all(s.owner is None for s in sched.slots)
