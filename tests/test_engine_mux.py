@@ -13,14 +13,17 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 from engine_util import Mux, Reference, of, request, spawn, text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri.engine.kvstore import KVStore, fingerprint
-from colibri.engine.scheduler import common_prefix
+from colibri.engine.scheduler import Accepted, Failed, HitsTick, Token, common_prefix
 from colibri.engine.settings import EngineSettings, SettingsError
+from colibri.engine.telemetry import RepinEvent
+from colibri.protocol import mux
 from colibri.protocol.codec import (
     Accept,
     Data,
@@ -33,6 +36,7 @@ from colibri.protocol.codec import (
     HwInfo,
     Perf,
     Ready,
+    Repin,
     Stat,
     Tiers,
     TopK,
@@ -384,6 +388,22 @@ def test_fuzzed_input_never_crashes_or_hangs(model_dir, frames):
     assert status == 0, e.stderr()
     assert not any(isinstance(ev, Unknown) for ev in evs)
     assert "Traceback" not in e.stderr()
+
+
+def test_every_engine_event_has_its_wire_lines():
+    hits = np.zeros((2, 8), bool)
+    hits[0, 0] = hits[1, 7] = True
+    assert mux.lines(Accepted(3, 10, 4)) == [Accept(3, 10, 4)]
+    assert mux.lines(Token(3, 65, b"A")) == [Data(3, b"A")]
+    assert mux.lines(Token(3, 65, b"A", ((-0.1, b"A"),))) == [
+        Data(3, b"A"),
+        TopK(3, ((-0.1, b"A"),)),
+    ]
+    assert mux.lines(Failed(3, "CONTEXT_EXCEEDED", ("9", "8"))) == [
+        Error(3, "CONTEXT_EXCEEDED", ("9", "8"))
+    ]
+    assert mux.lines(HitsTick(hits)) == [Hits.from_set(2, 8, [(0, 0), (1, 7)])]
+    assert mux.lines(RepinEvent(1, 5, 0, 0)) == [Repin(1, 5, 0, 0)]
 
 
 # ---------------------------------------------------------------------------- settings

@@ -24,6 +24,7 @@ from colibri.engine.scheduler import (
     Token,
     entropy_bits,
 )
+from colibri.engine.telemetry import RepinEvent
 
 CAP = 128  # as in the engine tests, so compiled programs are shared through the cache
 PROMPTS = [
@@ -203,6 +204,17 @@ def test_reports_hits_and_usage_at_every_turn_end(model):
     assert r.emitted == len(_tokens(events, 1)) and r.prompt_tokens == len(first.prompt)
     assert len(r.entropy) == sched.runner.stats.rows and r.dt > 0
     assert set(r.phases) >= {"t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head"}
+
+
+def test_repins_surface_after_the_forward_that_made_them(model):
+    sched = _sched(model)
+    sched.submit(_req(model, 1, 0, "The quick", 5))
+    sched.step()
+    swap = RepinEvent(layer=1, expert=3, old_tier=1, gpu=0)
+    sched.runner.stats.repins.append(swap)  # what the expert store does on a swap
+    assert swap in sched.step()
+    assert not any(isinstance(ev, RepinEvent) for ev in sched.step())
+    sched.stop(1)
 
 
 def test_sampling_is_seeded_by_seed_and_id(model):

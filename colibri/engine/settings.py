@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 MAX_SLOTS = 16
 
@@ -15,7 +14,10 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How `colibri engine` runs; every field comes from one environment variable."""
+    """How `colibri engine` runs; every field comes from one environment variable.
+
+    STATE_DIR (where `.coli_usage` and KV files live) is read by `factory.state_dir`.
+    """
 
     serve_batch: bool = False  # SERVE_BATCH=1: mux protocol; otherwise legacy
     kv_slots: int = 1  # KV_SLOTS: conversations held at once, 1..16
@@ -29,7 +31,6 @@ class EngineSettings:
     ram_gb: float | None = None  # RAM_GB: host RAM expert budget (None = auto)
     pin_gb: float | None = None  # PIN_GB: budget of pinned experts (None = auto)
     cap: int | None = None  # CAP: per-layer device expert cap (None = auto)
-    state_dir: Path | None = None  # STATE_DIR: .coli_usage and KV files (None = model folder)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -48,7 +49,6 @@ class EngineSettings:
             ram_gb=r.opt_gb("RAM_GB"),
             pin_gb=r.opt_gb("PIN_GB"),
             cap=r.opt_int("CAP", lo=0),
-            state_dir=Path(env["STATE_DIR"]) if env.get("STATE_DIR") else None,
         )
 
 
