@@ -1,0 +1,935 @@
+"""Drive a `colibri engine` subprocess from Python: typed events per request, telemetry as tables.
+
+`Engine` spawns the engine on the mux protocol, waits for its handshake and reads its stdout on
+one thread. Each `submit` returns a `Request` (a queue of that request's events, its text with
+UTF-8 reassembled, `wait()` for the finished `Turn`); engine-wide telemetry (EMAP, TIERS, HITS,
+GPUS, HWINFO, REPIN) updates the session's latest state and reaches subscribers, which is how the
+live widgets in `colibri.widgets` redraw. Unknown line kinds are ignored (the protocol's
+forward-compatibility rule).
+
+How lines are attributed (the engine's one stdout writer emits a turn's block contiguously,
+``HWINFO PERF ENTROPY GPUS TIERS EMAP HITS DONE``, so nothing interleaves inside it):
+
+- DATA, TOPK, ACCEPT, PERF, DONE and ERROR carry the request id.
+- ENTROPY, GPUS, TIERS and EMAP after a PERF belong to that PERF's request until its DONE; the
+  HWINFO just before the PERF does too.
+- HITS (every few decode steps, and in each turn block) and REPIN describe the whole engine: they
+  go to every request in flight when they arrive.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from colibri.protocol import codec
+from colibri.protocol.codec import (
+    Accept,
+    Cancel,
+    Data,
+    Done,
+    Emap,
+    Entropy,
+    Error,
+    Gpus,
+    Hits,
+    HwInfo,
+    Perf,
+    Ready,
+    Repin,
+    Stat,
+    Stop,
+    Submit,
+    Tiers,
+    TopK,
+    Unknown,
+    UTF8Assembler,
+    format_request,
+)
+
+log = logging.getLogger("colibri")
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL = REPO / "data" / "models" / "demo"
+SYNTH_MODEL = REPO / ".cache" / "synth-workbench"
+TIER_NAMES = {2: "device", 1: "ram", 0: "disk"}  # EMAP's 2-bit tier
+ENGINE_EXITED = "ENGINE_EXITED"  # error code of requests still open when the engine went away
+# Engine settings the client sets itself: inherited values would change the engine silently.
+_ENGINE_VARS = (
+    "SERVE",
+    "SERVE_BATCH",
+    "KV_SLOTS",
+    "CTX",
+    "NGEN",
+    "SERVE_TOPK",
+    "REPIN",
+    "KVSAVE",
+    "SEED",
+    "DEVICE_GB",
+    "RAM_GB",
+    "PIN_GB",
+    "CAP",
+    "POLICY",
+    "PILOT",
+    "PROFILE",
+    "STATE_DIR",
+)
+_STDERR_LINES = 200  # engine log lines kept for error messages
+
+
+class EngineError(RuntimeError):
+    """The engine could not start, or went away."""
+
+
+class RequestError(RuntimeError):
+    """A request ended with ERROR instead of DONE."""
+
+    def __init__(self, turn: Turn):
+        self.turn = turn
+        err = turn.error
+        detail = f" {' '.join(err.detail)}" if err and err.detail else ""
+        super().__init__(f"request {turn.id} failed: {err.code if err else '?'}{detail}")
+
+
+# ---------------------------------------------------------------------------- default model
+
+
+def default_model() -> Path:
+    """The model the notebooks run: `COLIBRI_MODEL` if set, else the trained demo model once it
+    is complete (its config.json is written last), else a synthetic checkpoint of the same layout
+    (qwen3_moe, 6 MoE layers, 32 experts, top-4), built once into `.cache/`."""
+    if os.environ.get("COLIBRI_MODEL"):
+        return Path(os.environ["COLIBRI_MODEL"])
+    if (DEMO_MODEL / "config.json").exists() and (DEMO_MODEL / "tokenizer.json").exists():
+        return DEMO_MODEL
+    return synthetic_model(SYNTH_MODEL)
+
+
+def synthetic_model(out: str | Path, **spec) -> Path:
+    """A random checkpoint in `out` (built once; `spec` overrides SynthSpec fields).
+
+    Built in a sibling folder and renamed into place, so concurrent callers never see half a
+    checkpoint.
+    """
+    from colibri.synth import SynthSpec, synthesize
+
+    out = Path(out)
+    if (out / "config.json").exists():
+        return out
+    fields = dict(layers=6, experts=32, top_k=4, hidden=128, moe_ff=64, vocab=512, seed=0)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    synthesize(SynthSpec(**{**fields, **spec}), tmp, progress=False)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def routed_expert_gb(model: str | Path) -> float:
+    """GiB of all routed experts as the engine holds them (float32), to size tier budgets."""
+    from colibri.config import load_config
+
+    cfg = load_config(Path(model))
+    per_expert = 3 * cfg.moe.moe_ff * cfg.hidden * 4  # gate, up, down; as ExpertStore counts
+    return per_expert * cfg.moe.num_experts * len(cfg.moe_layer_ids) / 2**30
+
+
+# ---------------------------------------------------------------------------- maps as arrays
+
+
+def tier_grid(emap: Emap) -> np.ndarray:
+    """uint8 [L, E]: 2 device, 1 RAM, 0 disk."""
+    return np.frombuffer(emap.data, np.uint8).reshape(emap.rows, emap.cols) >> 6
+
+
+def heat_grid(emap: Emap) -> np.ndarray:
+    """uint8 [L, E]: bit length of each expert's cumulative selection count (0 = never)."""
+    return np.frombuffer(emap.data, np.uint8).reshape(emap.rows, emap.cols) & 0x3F
+
+
+def hits_grid(hits: Hits) -> np.ndarray:
+    """bool [L, E]: experts routed in the HITS window (bits are row-major, MSB first)."""
+    n = hits.rows * hits.cols
+    bits = np.unpackbits(np.frombuffer(hits.bits, np.uint8))[:n]
+    return bits.astype(bool).reshape(hits.rows, hits.cols)
+
+
+def hits_union(hits: list[Hits] | tuple[Hits, ...]) -> np.ndarray | None:
+    """bool [L, E]: experts routed in any of the windows; None without any."""
+    grids = [hits_grid(h) for h in hits]
+    return np.logical_or.reduce(grids) if grids else None
+
+
+# ---------------------------------------------------------------------------- results
+
+
+_PHASES = ("t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head")  # PERF after dt
+PERF_PARTS = ("disk wait", "expert matmul", "attention", "kv expansion", "head", "other")
+
+
+def perf_parts(perf: Perf) -> dict[str, float]:
+    """The turn's dt split into PERF_PARTS, seconds, summing to dt.
+
+    Disk wait is `t_ewait` (the compute thread waiting for expert bytes; `t_edisk` counts reader
+    threads and overlaps compute, so it is not a slice of dt). Attention excludes `t_kvb`, which
+    DESIGN.md counts inside `t_attn`. Other is what the timers do not cover (sampling, host work,
+    other slots' prefill), never negative.
+    """
+    parts = {
+        "disk wait": perf.t_ewait,
+        "expert matmul": perf.t_emm,
+        "attention": max(0.0, perf.t_attn - perf.t_kvb),
+        "kv expansion": perf.t_kvb,
+        "head": perf.t_head,
+    }
+    parts["other"] = max(0.0, perf.dt - sum(parts.values()))
+    return parts
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One finished request: its text and everything the engine reported about it."""
+
+    id: int
+    slot: int
+    prompt: str
+    tag: str | None  # the caller's label (for grouping turns in tables)
+    text: str
+    tokens: tuple[bytes, ...]  # each DATA payload
+    accept: Accept | None
+    done: Done | None
+    error: Error | None
+    perf: Perf | None
+    entropy: tuple[float, ...]  # [L] bits
+    topk: tuple[TopK, ...]  # one per token (SERVE_TOPK)
+    hits: tuple[Hits, ...]  # every HITS seen while in flight (engine-wide windows)
+    emap: Emap | None
+    tiers: Tiers | None
+    gpus: Gpus | None
+    hwinfo: HwInfo | None
+    repins: tuple[Repin, ...]  # REPIN swaps while in flight
+
+    @property
+    def ok(self) -> bool:
+        return self.done is not None
+
+    def routed(self) -> np.ndarray | None:
+        """bool [L, E]: experts the HITS windows of this turn saw routed (any request)."""
+        return hits_union(self.hits)
+
+    def topk_df(self) -> pd.DataFrame:
+        """One row per (token, candidate): step, rank, logprob, candidate text."""
+        rows = [
+            {
+                "step": step,
+                "rank": rank,
+                "logprob": lp,
+                "candidate": tok.decode("utf-8", errors="replace"),
+            }
+            for step, t in enumerate(self.topk)
+            for rank, (lp, tok) in enumerate(t.entries)
+        ]
+        return pd.DataFrame(rows, columns=["step", "rank", "logprob", "candidate"])
+
+
+class Request:
+    """A submitted prompt: its events as they arrive, its text so far, and `wait()`.
+
+    `events` is a queue with one consumer in mind (iterate the request, or `iter_text`); the
+    text, tokens and the finished Turn are kept regardless.
+    """
+
+    def __init__(
+        self, engine: Engine | None, rid: int, slot: int, prompt: str, tag: str | None = None
+    ):
+        self.engine, self.id, self.slot, self.prompt, self.tag = engine, rid, slot, prompt, tag
+        self.events: queue.Queue[codec.Event] = queue.Queue()
+        self._asm = UTF8Assembler()
+        self._text: list[str] = []
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._turn: Turn | None = None
+        self._got: dict[str, object] = {}
+        self._tokens: list[bytes] = []
+        self._topk: list[TopK] = []
+        self._hits: list[Hits] = []
+        self._repins: list[Repin] = []
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "in flight"
+        return f"<Request {self.id} slot {self.slot} {state}: {len(self.text)} chars>"
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return "".join(self._text)
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> Turn:
+        """The finished turn (DONE or ERROR); TimeoutError if it takes longer than timeout."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.id} not finished after {timeout} s")
+        assert self._turn is not None
+        return self._turn
+
+    def __iter__(self) -> Iterator[codec.Event]:
+        """The request's events as they arrive, ending with its DONE or ERROR."""
+        while True:
+            ev = self.events.get()
+            yield ev
+            if isinstance(ev, Done | Error):
+                return
+
+    def iter_text(self) -> Iterator[str]:
+        """Text as it streams (UTF-8 characters split across tokens come out whole)."""
+        asm = UTF8Assembler()
+        for ev in self:
+            if isinstance(ev, Data):
+                if piece := asm.feed(ev.payload):
+                    yield piece
+        if tail := asm.flush():
+            yield tail
+
+    def cancel(self) -> None:
+        """Abort; the request ends with ERROR CANCELLED."""
+        if self.engine is not None:
+            self.engine.send(Cancel(self.id))
+
+    def stop(self) -> None:
+        """End the turn early; it still ends with DONE and its telemetry."""
+        if self.engine is not None:
+            self.engine.send(Stop(self.id))
+
+    # -- fed by the session (reader thread) ----------------------------------------------
+
+    def _add(self, ev: codec.Event) -> None:
+        with self._lock:
+            if isinstance(ev, Data):
+                self._tokens.append(ev.payload)
+                self._text.append(self._asm.feed(ev.payload))
+            elif isinstance(ev, TopK):
+                self._topk.append(ev)
+            elif isinstance(ev, Hits):
+                self._hits.append(ev)
+            elif isinstance(ev, Repin):
+                self._repins.append(ev)
+            else:
+                self._got[type(ev).__name__] = ev
+        self.events.put(ev)
+
+    def _finish(self, ev: Done | Error) -> Turn:
+        with self._lock:
+            self._text.append(self._asm.flush())
+            g = self._got
+            entropy = g.get("Entropy")
+            self._turn = Turn(
+                id=self.id,
+                slot=self.slot,
+                prompt=self.prompt,
+                tag=self.tag,
+                text="".join(self._text),
+                tokens=tuple(self._tokens),
+                accept=g.get("Accept"),
+                done=ev if isinstance(ev, Done) else None,
+                error=ev if isinstance(ev, Error) else None,
+                perf=g.get("Perf"),
+                entropy=entropy.values if isinstance(entropy, Entropy) else (),
+                topk=tuple(self._topk),
+                hits=tuple(self._hits),
+                emap=g.get("Emap"),
+                tiers=g.get("Tiers"),
+                gpus=g.get("Gpus"),
+                hwinfo=g.get("HwInfo"),
+                repins=tuple(self._repins),
+            )
+        self.events.put(ev)
+        self._finished.set()
+        return self._turn
+
+
+# ---------------------------------------------------------------------------- session state
+
+
+Subscriber = Callable[[codec.Event, "Request | None"], None]
+
+
+@dataclass
+class Handshake:
+    """The startup lines: STAT, HWINFO, TIERS, EMAP."""
+
+    stat: Stat | None = None
+    hwinfo: HwInfo | None = None
+    tiers: Tiers | None = None
+    emap: Emap | None = None
+
+
+@dataclass
+class Session:
+    """Everything the engine said, attributed to requests or kept as the latest telemetry.
+
+    Pure bookkeeping: `dispatch` takes parsed events (from the reader thread); no I/O.
+    """
+
+    handshake: Handshake = field(default_factory=Handshake)
+    emap: Emap | None = None
+    tiers: Tiers | None = None
+    hits: Hits | None = None
+    gpus: Gpus | None = None
+    hwinfo: HwInfo | None = None
+    repins: list[Repin] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)  # in the order they finished
+    unknown: int = 0  # lines of kinds this client does not know (ignored)
+    stray: list[codec.Event] = field(default_factory=list)  # id-carrying lines of no request
+    ready: threading.Event = field(default_factory=threading.Event)
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self._requests: dict[int, Request] = {}
+        self._owner: Request | None = None  # the request whose turn block is being read
+        self._pending_hw: HwInfo | None = None  # HWINFO that may open a turn block
+        self._saw_ready = False
+        self._subscribers: list[Subscriber] = []
+        self._lock = threading.Lock()
+
+    # -- requests and subscribers --------------------------------------------------------
+
+    def register(self, req: Request) -> None:
+        with self._lock:
+            if req.id in self._requests:
+                raise ValueError(f"request id {req.id} is already in flight")
+            self._requests[req.id] = req
+
+    def in_flight(self) -> list[Request]:
+        with self._lock:
+            return list(self._requests.values())
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """Call fn(event, request or None) for every event, on the reader thread; returns the
+        function that unsubscribes."""
+        with self._lock:
+            self._subscribers.append(fn)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if fn in self._subscribers:
+                    self._subscribers.remove(fn)
+
+        return unsubscribe
+
+    # -- the dispatcher ------------------------------------------------------------------
+
+    def dispatch(self, ev: codec.Event) -> Request | None:
+        """Attribute one event; returns the request it went to (None for engine-wide lines)."""
+        if isinstance(ev, Unknown):
+            self.unknown += 1
+            return None
+        hw, self._pending_hw = self._pending_hw, None
+        req = self._route(ev, hw)
+        self._notify(ev, req)
+        return req
+
+    def _route(self, ev: codec.Event, hw: HwInfo | None) -> Request | None:
+        if not self.ready.is_set():
+            return self._handshake(ev)
+        if isinstance(ev, Data | TopK | Accept | Perf):
+            req = self._get(ev.id)
+            if req is None:
+                self.stray.append(ev)
+                return None
+            if isinstance(ev, Perf):
+                self._owner = req
+                if hw is not None:
+                    req._add(hw)
+            req._add(ev)
+            return req
+        if isinstance(ev, Done | Error):
+            return self._finish(ev)
+        if isinstance(ev, Entropy | Gpus | Tiers | Emap):
+            self._latest(ev)
+            if self._owner is not None:
+                self._owner._add(ev)
+            return self._owner
+        if isinstance(ev, Hits | Repin):
+            self._latest(ev)
+            for r in self.in_flight():
+                r._add(ev)
+            return None
+        if isinstance(ev, HwInfo):
+            self.hwinfo = self._pending_hw = ev
+        return None
+
+    def _handshake(self, ev: codec.Event) -> None:
+        h = self.handshake
+        if isinstance(ev, Ready):
+            self._saw_ready = True
+        elif isinstance(ev, Stat):
+            h.stat = ev
+        elif isinstance(ev, HwInfo):
+            h.hwinfo = self.hwinfo = ev
+        elif isinstance(ev, Tiers):
+            h.tiers = self.tiers = ev
+        elif isinstance(ev, Emap):
+            h.emap = self.emap = ev
+            if self._saw_ready:
+                self.ready.set()
+        return None
+
+    def _latest(self, ev: codec.Event) -> None:
+        if isinstance(ev, Emap):
+            self.emap = ev
+        elif isinstance(ev, Tiers):
+            self.tiers = ev
+        elif isinstance(ev, Gpus):
+            self.gpus = ev
+        elif isinstance(ev, Hits):
+            self.hits = ev
+        elif isinstance(ev, Repin):
+            self.repins.append(ev)
+
+    def _get(self, rid: int) -> Request | None:
+        with self._lock:
+            return self._requests.get(rid)
+
+    def _finish(self, ev: Done | Error) -> Request | None:
+        with self._lock:
+            req = self._requests.pop(ev.id, None)
+        if req is None:
+            self.stray.append(ev)  # e.g. ERROR 0 BAD_REQUEST for an unparseable header
+            return None
+        if self._owner is req:
+            self._owner = None
+        self.turns.append(req._finish(ev))
+        return req
+
+    def _notify(self, ev: codec.Event, req: Request | None) -> None:
+        with self._lock:
+            subs = list(self._subscribers)
+        for fn in subs:
+            try:
+                fn(ev, req)
+            except Exception:
+                log.exception("telemetry subscriber %r failed", fn)
+
+    def end(self) -> None:
+        """The engine's stdout ended: every open request ends with ERROR ENGINE_EXITED."""
+        for req in self.in_flight():
+            self.dispatch(Error(req.id, ENGINE_EXITED))
+        self.closed.set()
+
+    # -- tables --------------------------------------------------------------------------
+
+    def turns_df(self) -> pd.DataFrame:
+        return turns_frame(self.turns)
+
+    def entropy_df(self) -> pd.DataFrame:
+        return entropy_frame(self.turns)
+
+    def emap_df(self) -> pd.DataFrame:
+        return emap_frame(self.emap, self.hits) if self.emap else emap_frame(None)
+
+
+# ---------------------------------------------------------------------------- tables
+
+_TURN_COLUMNS = [
+    "turn",
+    "id",
+    "slot",
+    "tag",
+    "prompt_tokens",
+    "reused_tokens",
+    "emitted",
+    "tok_s",
+    "hit_pct",
+    "rss_gb",
+    "length_limited",
+    "dt",
+    "t_edisk",
+    "t_ewait",
+    "t_emm",
+    "t_attn",
+    "t_kvb",
+    "t_head",
+]
+
+
+def turns_frame(turns: list[Turn]) -> pd.DataFrame:
+    """One row per finished (DONE) turn: its STAT fields and PERF phases, seconds."""
+    rows = []
+    for i, t in enumerate(x for x in turns if x.ok):
+        d, p = t.done, t.perf
+        assert d is not None
+        row = {
+            "turn": i,
+            "id": t.id,
+            "slot": t.slot,
+            "tag": t.tag,
+            "prompt_tokens": d.prompt_tokens,
+            "reused_tokens": t.accept.reused_tokens if t.accept else 0,
+            "emitted": d.emitted,
+            "tok_s": d.tok_s,
+            "hit_pct": d.hit_pct,
+            "rss_gb": d.rss_gb,
+            "length_limited": d.length_limited,
+        }
+        row.update({k: getattr(p, k) if p else float("nan") for k in ("dt", *_PHASES)})
+        rows.append(row)
+    return pd.DataFrame(rows, columns=_TURN_COLUMNS)
+
+
+def entropy_frame(turns: list[Turn]) -> pd.DataFrame:
+    """One row per (finished turn, MoE layer): routing entropy in bits."""
+    rows = [
+        {"turn": i, "id": t.id, "tag": t.tag, "layer": layer, "entropy_bits": h}
+        for i, t in enumerate(x for x in turns if x.ok)
+        for layer, h in enumerate(t.entropy)
+    ]
+    return pd.DataFrame(rows, columns=["turn", "id", "tag", "layer", "entropy_bits"])
+
+
+def emap_frame(emap: Emap | None, hits: Hits | np.ndarray | None = None) -> pd.DataFrame:
+    """One row per (layer, expert): tier (2 device, 1 RAM, 0 disk), its name, heat, hit."""
+    cols = ["layer", "expert", "tier", "tier_name", "heat", "hit"]
+    if emap is None:
+        return pd.DataFrame(columns=cols)
+    tier, heat = tier_grid(emap), heat_grid(emap)
+    hit = hits_grid(hits) if isinstance(hits, Hits) else hits
+    if hit is None or hit.shape != tier.shape:
+        hit = np.zeros(tier.shape, bool)
+    layer, expert = np.indices(tier.shape)
+    return pd.DataFrame(
+        {
+            "layer": layer.ravel(),
+            "expert": expert.ravel(),
+            "tier": tier.ravel(),
+            "tier_name": [TIER_NAMES[int(t)] for t in tier.ravel()],
+            "heat": heat.ravel(),
+            "hit": hit.ravel(),
+        },
+        columns=cols,
+    )
+
+
+def perf_frame(turns: pd.DataFrame) -> pd.DataFrame:
+    """PERF_PARTS columns per row of `turns_frame` (seconds; each row sums to its dt)."""
+    parts = [
+        perf_parts(Perf(0, *(float(r[k]) for k in ("dt", *_PHASES)))) for _, r in turns.iterrows()
+    ]
+    return pd.DataFrame(parts, index=turns.index, columns=list(PERF_PARTS))
+
+
+# ---------------------------------------------------------------------------- the engine
+
+
+def read_loop(stream: codec.ByteStream, session: Session) -> None:
+    """Parse engine lines into the session until EOF; then end every open request."""
+    try:
+        while True:
+            try:
+                ev = codec.read_event(stream)
+            except codec.ProtocolError as e:  # one bad line: report it and read on
+                log.warning("engine: %s", e)
+                continue
+            if ev is None:
+                break
+            session.dispatch(ev)
+    except (OSError, ValueError) as e:  # the pipe broke or was closed under us
+        log.debug("engine stdout: %s", e)
+    finally:
+        session.end()
+
+
+def engine_env(
+    *,
+    slots: int = 1,
+    ctx: int | None = None,
+    ngen: int | None = None,
+    topk: bool = True,
+    seed: int = 0,
+    device_gb: float | None = None,
+    ram_gb: float | None = None,
+    pin_gb: float | None = None,
+    cap: int | None = None,
+    policy: str | None = None,
+    repin: int | None = None,
+    pilot: bool = False,
+    profile: bool = False,
+    state_dir: str | Path | None = None,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The engine's environment: `base` (default os.environ) without engine settings, plus
+    these settings under their variable names (DESIGN.md sections 4 and 5)."""
+    base = os.environ if base is None else base
+    env = {k: v for k, v in base.items() if k not in _ENGINE_VARS}
+    settings = {
+        "SERVE_BATCH": "1",
+        "KV_SLOTS": slots,
+        "CTX": ctx,
+        "NGEN": ngen,
+        "SERVE_TOPK": int(topk),
+        "SEED": seed,
+        "DEVICE_GB": device_gb,
+        "RAM_GB": ram_gb,
+        "PIN_GB": pin_gb,
+        "CAP": cap,
+        "POLICY": policy,
+        "REPIN": repin,
+        "PILOT": 1 if pilot else None,
+        "PROFILE": 1 if profile else None,
+        "STATE_DIR": state_dir,
+    }
+    env.update({k: str(v) for k, v in settings.items() if v is not None})
+    return env
+
+
+class Engine:
+    """A `colibri engine` subprocess on the mux protocol, with its session state.
+
+    ``Engine(model, slots=2, device_gb=0.01)`` starts it and waits for the handshake. Budgets
+    left None are auto-sized by the engine. `state_dir` holds `.coli_usage` (pins are learned
+    from it): by default a fresh temporary folder, removed at close, so runs do not depend on
+    each other nor write into the model folder. `env` entries override everything. Close with
+    `close()`, a `with` block, or let interpreter exit do it.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        slots: int = 1,
+        ctx: int | None = None,
+        ngen: int | None = None,
+        topk: bool = True,
+        seed: int = 0,
+        device_gb: float | None = None,
+        ram_gb: float | None = None,
+        pin_gb: float | None = None,
+        cap: int | None = None,
+        policy: str | None = None,
+        repin: int | None = None,
+        pilot: bool = False,
+        profile: bool = False,
+        state_dir: str | Path | None = None,
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = 300.0,
+    ):
+        self.model = Path(model) if model is not None else default_model()
+        self.slots = slots
+        scratch = None if state_dir else tempfile.mkdtemp(prefix="colibri-state-")
+        full = engine_env(
+            slots=slots,
+            ctx=ctx,
+            ngen=ngen,
+            topk=topk,
+            seed=seed,
+            device_gb=device_gb,
+            ram_gb=ram_gb,
+            pin_gb=pin_gb,
+            cap=cap,
+            policy=policy,
+            repin=repin,
+            pilot=pilot,
+            profile=profile,
+            state_dir=state_dir or scratch,
+        )
+        full.update(env or {})
+        self.env = full
+        self.session = Session()
+        self._scratch = scratch
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_STDERR_LINES)
+        self._ids = itertools.count(1)
+        self._write_lock = threading.Lock()
+        cmd = [sys.executable, "-m", "colibri.cli", "engine", "--model", str(self.model)]
+        self._proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=full,
+            start_new_session=True,  # a Ctrl-C meant for the notebook does not kill the engine
+        )
+        self._threads = [
+            _thread(read_loop, self._proc.stdout, self.session, name="colibri-engine-stdout"),
+            _thread(_drain, self._proc.stderr, self.stderr_tail, name="colibri-engine-stderr"),
+        ]
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._proc, self._write_lock, self._threads, scratch, 30.0
+        )
+        self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.session.ready.wait(0.05):
+            if self._proc.poll() is not None or self.session.closed.is_set():
+                self._threads[1].join(2.0)
+                self.close()
+                raise EngineError(f"engine exited before its handshake:\n{self.stderr()}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise EngineError(f"no handshake within {timeout:.0f} s:\n{self.stderr()}")
+
+    def __repr__(self) -> str:
+        state = "running" if self.alive else "closed"
+        return f"<Engine {self.model} slots={self.slots} {state}>"
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc.poll() is None and not self.session.closed.is_set()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    def stderr(self) -> str:
+        """The engine's recent log lines."""
+        return "".join(self.stderr_tail)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: str,
+        *,
+        slot: int = 0,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        tag: str | None = None,
+    ) -> Request:
+        """Send one prompt (thread-safe; ids are unique); returns at once with its handle."""
+        rid = next(self._ids)  # itertools.count is atomic under the GIL
+        req = Request(self, rid, slot, prompt, tag)
+        self.session.register(req)
+        payload = prompt.encode("utf-8")
+        try:
+            self.send(Submit(rid, slot, max_tokens, temperature, top_p, payload))
+        except EngineError:
+            self.session.dispatch(Error(rid, ENGINE_EXITED))
+            raise
+        return req
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **kw) -> Turn:
+        """Submit and wait; RequestError if the engine answers ERROR."""
+        turn = self.submit(prompt, **kw).wait(timeout)
+        if not turn.ok:
+            raise RequestError(turn)
+        return turn
+
+    def send(self, req: codec.Request) -> None:
+        """Write one request frame (the engine parses frames in the order they arrive)."""
+        data = format_request(req)
+        with self._write_lock:
+            try:
+                self._proc.stdin.write(data)
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError) as e:
+                raise EngineError(f"the engine is not running:\n{self.stderr()}") from e
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        """fn(event, request or None) for every event (reader thread); returns unsubscribe."""
+        return self.session.subscribe(fn)
+
+    # -- state and tables ----------------------------------------------------------------
+
+    @property
+    def turns(self) -> list[Turn]:
+        return self.session.turns
+
+    def turns_df(self) -> pd.DataFrame:
+        """One row per finished turn: id, slot, tag, tokens, tok_s, hit_pct, dt, PERF phases."""
+        return self.session.turns_df()
+
+    def entropy_df(self) -> pd.DataFrame:
+        """One row per (turn, MoE layer): routing entropy in bits."""
+        return self.session.entropy_df()
+
+    def emap_df(self) -> pd.DataFrame:
+        """One row per (layer, expert) of the latest EMAP: tier, heat, and the latest HITS bit."""
+        return self.session.emap_df()
+
+    def repin_df(self) -> pd.DataFrame:
+        rows = [(r.layer, r.expert, r.old_tier, r.gpu) for r in self.session.repins]
+        return pd.DataFrame(rows, columns=["layer", "expert", "old_tier", "gpu"])
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def close(self, timeout: float = 30.0) -> int | None:
+        """EOF to the engine (in-flight requests finish), wait; SIGTERM, then kill, if it
+        lingers past timeout. Returns the exit status. Also runs at interpreter exit."""
+        if self._finalizer.detach() is not None:
+            _shutdown(self._proc, self._write_lock, self._threads, self._scratch, timeout)
+        return self._proc.returncode
+
+
+def _thread(target, *args, name: str) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    t.start()
+    return t
+
+
+def _drain(stream, tail: collections.deque[str]) -> None:
+    """Keep the engine's last log lines; also stops a full stderr pipe from blocking it."""
+    for line in iter(stream.readline, b""):
+        tail.append(line.decode("utf-8", errors="replace"))
+
+
+def _shutdown(
+    proc: subprocess.Popen,
+    write_lock: threading.Lock,
+    threads: list[threading.Thread],
+    scratch: str | None,
+    timeout: float,
+) -> None:
+    """Close stdin, wait for the exit; escalate to SIGTERM, then SIGKILL. Never raises."""
+    with write_lock:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    for step in (proc.terminate, proc.kill):
+        try:
+            proc.wait(timeout)
+            break
+        except subprocess.TimeoutExpired:
+            log.warning("engine %d did not exit in %.0f s; escalating", proc.pid, timeout)
+            step()
+            timeout = 10.0
+    else:
+        proc.wait()
+    for t in threads:
+        t.join(5.0)
+    for pipe in (proc.stdout, proc.stderr):
+        if pipe is not None and not any(t.is_alive() for t in threads):
+            pipe.close()
+    if scratch:
+        shutil.rmtree(scratch, ignore_errors=True)
