@@ -96,33 +96,41 @@ def _frame(line: str) -> bytes | None:
 
 def chat(model_dir: str | Path, verbose: bool = False) -> int:
     """Read lines from stdin, print each answer as it streams; returns the engine's exit status."""
-    engine = LegacyEngine(model_dir)
-    tty = sys.stdin.isatty()
-    out = sys.stdout.buffer
-    if tty:
-        print(HELP, file=sys.stderr)
     try:
-        while True:
-            try:
-                line = input("> " if tty else "")
-            except EOFError:
-                break
-            if line.strip() in ("/quit", "/exit"):
-                break
-            frame = _frame(line)
-            if frame is None:
-                continue
-            if frame == b"\x02RESET\n":
-                engine.send(frame)
-                continue
-            for chunk in engine.ask(frame):
-                out.write(chunk)
-                out.flush()
-            out.write(b"\n")
+        engine = LegacyEngine(model_dir)
+        tty = sys.stdin.isatty()
+        if tty:
+            print(HELP, file=sys.stderr)
+        _converse(engine, show_stats=tty or verbose)
+    except KeyboardInterrupt:  # the engine got the same Ctrl-C and exits by itself
+        return 130
+    except EOFError as e:  # the engine died: its own error is already on stderr
+        print(f"colibri chat: {e}", file=sys.stderr)
+        return 1
+    return engine.close()
+
+
+def _converse(engine: LegacyEngine, show_stats: bool) -> None:
+    """One answer per line typed, until EOF or /quit."""
+    out = sys.stdout.buffer
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            return
+        if line.strip() in ("/quit", "/exit"):
+            return
+        frame = _frame(line)
+        if frame is None:
+            continue
+        if frame == b"\x02RESET\n":
+            engine.send(frame)
+            continue
+        for chunk in engine.ask(frame):
+            out.write(chunk)
             out.flush()
-            if (tty or verbose) and engine.last is not None:
-                s = engine.last
-                print(f"[{s.emitted} tokens, {s.tok_s:.1f} tok/s]", file=sys.stderr)
-    finally:
-        status = engine.close()
-    return status
+        out.write(b"\n")
+        out.flush()
+        if show_stats and engine.last is not None:
+            s = engine.last
+            print(f"[{s.emitted} tokens, {s.tok_s:.1f} tok/s]", file=sys.stderr)

@@ -58,10 +58,13 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
         f", {restored} cached positions restored" if restored else "",
     )
     stdin = sys.stdin.buffer
-    if settings.serve_batch:
-        status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out)
-    else:
-        status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
+    try:
+        if settings.serve_batch:
+            status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out)
+        else:
+            status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
+    except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the engine too (`colibri chat`)
+        status = 130
     _exit(status)
 
 
