@@ -1,0 +1,1 @@
+"""Engine telemetry as pictures: `plots` (matplotlib figures) and `views` (live ipywidgets)."""

@@ -1,0 +1,210 @@
+"""Matplotlib figures of engine telemetry (routing entropy, tier map, PERF breakdown), for
+notebooks, scripts and papers alike.
+
+Every function returns a `matplotlib.figure.Figure` built without pyplot (no global state, safe
+off the main thread), or draws into a given `ax` and returns its figure.
+
+Palettes are fixed so figures compare across runs:
+
+- tiers (`TIER_COLORS`): device blue, RAM green, disk red. In the tier map an expert's heat
+  (bit length of its cumulative selection count) sets how deep its tier colour is: the hottest
+  expert of the map gets the full colour, a never-selected one a pale tint (`MIN_DEPTH`).
+  Experts routed in the HITS window carry a black dot.
+- PERF parts (`PERF_COLORS`), bottom to top: disk wait, expert matmul, attention, kv expansion,
+  head, other; each turn's stack is exactly its dt (see `colibri.client.perf_parts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.collections import PatchCollection
+from matplotlib.colors import to_rgb
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Ellipse, Patch
+
+from colibri.client import (
+    PERF_PARTS,
+    TIER_NAMES,
+    Turn,
+    heat_grid,
+    hits_grid,
+    perf_frame,
+    tier_grid,
+    turns_frame,
+)
+from colibri.protocol.codec import Emap, Entropy, Hits
+
+TIER_COLORS = {2: "#2c7bb6", 1: "#1a9641", 0: "#d7191c"}  # device, RAM, disk
+PERF_COLORS = dict(
+    zip(PERF_PARTS, ("#d7191c", "#2c7bb6", "#fdae61", "#abd9e9", "#7b3294", "#bababa"), strict=True)
+)
+HIT_COLOR = "#000000"
+MIN_DEPTH = 0.25  # colour depth of a never-selected expert (1 = the full tier colour)
+HIT_RADIUS = 0.2  # of a cell
+
+
+# ---------------------------------------------------------------------------- tier map
+
+
+def cell_rgb(tier: np.ndarray, heat: np.ndarray, max_heat: int | None = None) -> np.ndarray:
+    """float [L, E, 3]: the tier colour, blended toward white as heat falls."""
+    base = np.array([to_rgb(TIER_COLORS[t]) for t in range(3)])[tier]  # [L, E, 3]
+    top = max(int(heat.max()) if heat.size else 0, 1) if max_heat is None else max(max_heat, 1)
+    depth = MIN_DEPTH + (1 - MIN_DEPTH) * np.clip(heat / top, 0, 1)
+    return 1 - (1 - base) * depth[..., None]
+
+
+def plot_tier_map(
+    emap: Emap | pd.DataFrame,
+    hits: Hits | np.ndarray | None = None,
+    *,
+    ax=None,
+    title: str | None = "Expert tiers (deeper = hotter)",
+) -> Figure:
+    """Rows MoE layers, columns experts: colour the tier, depth the heat, dots the HITS.
+
+    `emap` is an EMAP line or a `client.emap_frame` table (whose `hit` column is used when
+    `hits` is None).
+    """
+    tier, heat, hit = _map_grids(emap, hits)
+    L, E = tier.shape
+    fig, ax = _axes(ax, (min(16.0, 2.5 + 0.28 * E), 1.6 + 0.32 * L))
+    ax.imshow(cell_rgb(tier, heat), aspect="auto", interpolation="nearest")
+    rows, cols = np.nonzero(hit)
+    dots = [
+        Ellipse((c, r), 2 * HIT_RADIUS, 2 * HIT_RADIUS) for r, c in zip(rows, cols, strict=True)
+    ]
+    ax.add_collection(PatchCollection(dots, facecolor=HIT_COLOR, edgecolor="none"))
+    ax.set(xlabel="expert", ylabel="MoE layer", title=title)
+    ax.set_xticks(_ticks(E))
+    ax.set_yticks(range(L))
+    handles = [Patch(color=TIER_COLORS[t], label=TIER_NAMES[t]) for t in (2, 1, 0)]
+    handles.append(Line2D([], [], ls="", marker="o", color=HIT_COLOR, label="routed (HITS)"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return fig
+
+
+def _map_grids(emap, hits) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if isinstance(emap, pd.DataFrame):
+        shape = (int(emap.layer.max()) + 1, int(emap.expert.max()) + 1) if len(emap) else (0, 0)
+        idx = (emap.layer.to_numpy(), emap.expert.to_numpy())
+        tier, heat, hit = (np.zeros(shape, t) for t in (np.uint8, np.uint8, bool))
+        tier[idx], heat[idx], hit[idx] = emap.tier, emap.heat, emap.hit.astype(bool)
+    else:
+        tier, heat = tier_grid(emap), heat_grid(emap)
+        hit = np.zeros(tier.shape, bool)
+    if hits is not None:
+        hit = hits_grid(hits) if isinstance(hits, Hits) else np.asarray(hits, bool)
+    return tier, heat, hit
+
+
+def _ticks(n: int) -> range:
+    return range(0, n, 1 if n <= 32 else 4 if n <= 128 else 16)
+
+
+# ---------------------------------------------------------------------------- entropy
+
+
+def plot_entropy(
+    entropy: Turn | Entropy | Sequence[float],
+    *,
+    n_experts: int | None = None,
+    ax=None,
+    title: str | None = "Routing entropy per MoE layer",
+) -> Figure:
+    """One turn's routing entropy per MoE layer, bits; with `n_experts`, the uniform maximum."""
+    values = _entropy_values(entropy)
+    fig, ax = _axes(ax, (max(4.0, 1.5 + 0.45 * len(values)), 3.0))
+    ax.bar(range(len(values)), values, color=TIER_COLORS[2])
+    if n_experts:
+        ax.axhline(np.log2(n_experts), color="0.4", ls="--", lw=1, label="uniform over experts")
+        ax.legend(loc="lower right", frameon=False)
+    ax.set(xlabel="MoE layer", ylabel="entropy (bits)", title=title)
+    ax.set_xticks(range(len(values)))
+    return fig
+
+
+def plot_entropy_turns(
+    entropy: pd.DataFrame,
+    *,
+    label: str = "tag",
+    ax=None,
+    title: str | None = "Routing entropy, layers x turns",
+) -> Figure:
+    """Heat map of a `client.entropy_frame` table: rows MoE layers, columns turns, colour bits.
+
+    Columns are labelled by `label` (the turn's tag) where set, else by request id.
+    """
+    grid = entropy.pivot_table(index="layer", columns="turn", values="entropy_bits")
+    firsts = entropy.drop_duplicates("turn").set_index("turn")
+    names = [_turn_label(firsts.loc[t], label) for t in grid.columns]
+    fig, ax = _axes(ax, (max(4.0, 2.5 + 0.45 * grid.shape[1]), 1.6 + 0.35 * grid.shape[0]))
+    im = ax.imshow(grid.to_numpy(), aspect="auto", interpolation="nearest", cmap="viridis")
+    fig.colorbar(im, ax=ax, label="bits")
+    ax.set_xticks(range(len(names)), names, rotation=45 if len(names) > 6 else 0, ha="right")
+    ax.set_yticks(range(grid.shape[0]))
+    ax.set(xlabel="turn", ylabel="MoE layer", title=title)
+    return fig
+
+
+def _entropy_values(entropy) -> np.ndarray:
+    if isinstance(entropy, Turn):
+        return np.asarray(entropy.entropy, float)
+    if isinstance(entropy, Entropy):
+        return np.asarray(entropy.values, float)
+    return np.asarray(entropy, float)
+
+
+def _turn_label(row, label: str) -> str:
+    value = row.get(label) if label in row else None
+    return str(value) if value is not None and value == value else f"#{row['id']}"
+
+
+# ---------------------------------------------------------------------------- PERF
+
+
+def plot_perf(
+    turns: pd.DataFrame | Sequence[Turn],
+    *,
+    label: str = "tag",
+    ax=None,
+    title: str | None = "Where each turn's time went",
+) -> Figure:
+    """Stacked bar per turn of PERF_PARTS (seconds); each bar's height is the turn's dt."""
+    df = turns if isinstance(turns, pd.DataFrame) else turns_frame(list(turns))
+    parts = perf_frame(df)
+    fig, ax = _axes(ax, (max(4.0, 2.5 + 0.5 * len(df)), 3.2))
+    x = np.arange(len(df))
+    bottom = np.zeros(len(df))
+    for part in PERF_PARTS:
+        h = parts[part].to_numpy(float)
+        ax.bar(x, h, bottom=bottom, color=PERF_COLORS[part], label=part, width=0.7)
+        bottom += h
+    names = [_turn_label(row, label) for _, row in df.iterrows()]
+    ax.set_xticks(x, names, rotation=45 if len(names) > 6 else 0, ha="right")
+    ax.set(xlabel="turn", ylabel="seconds", title=title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    return fig
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _axes(ax, size: tuple[float, float]):
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=size, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def to_png(fig: Figure, dpi: float | None = None) -> bytes:
+    """The figure as PNG bytes (Agg), at its own dpi unless given."""
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi or fig.dpi)
+    return buf.getvalue()
