@@ -103,6 +103,12 @@ def _engine(args: argparse.Namespace) -> int:
     return run_engine(args.model, os.environ)
 
 
+def _gateway(args: argparse.Namespace) -> int:
+    from colibri.gateway.server import run_gateway
+
+    return run_gateway(args)
+
+
 def _chat(args: argparse.Namespace) -> int:
     from colibri.chat import chat
 
@@ -145,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     e.set_defaults(run=_engine)
+
+    gw = sub.add_parser("gateway", help="OpenAI-compatible HTTP server over the mux engine")
+    from colibri.gateway.server import add_arguments
+
+    add_arguments(gw)
+    gw.set_defaults(run=_gateway)
 
     c = sub.add_parser("chat", help="chat in the terminal with an engine on the legacy protocol")
     c.add_argument("--model", required=True, help="Hugging Face checkpoint folder")

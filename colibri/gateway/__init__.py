@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP gateway over the stdio engine subprocess (`colibri gateway`)."""

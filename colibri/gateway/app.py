@@ -1,0 +1,396 @@
+"""The HTTP surface: OpenAI chat and text completions, models, health, the expert map, the site.
+
+A completion request is authorised, read within the body cap, validated, rendered to one prompt,
+then waits for a KV slot (bounded queue) and is submitted; the response starts only once the
+engine accepted it, so a refusal (context overflow, a bad value) is still an HTTP status. A
+client that leaves at any point gets its request cancelled, which frees the slot.
+
+Streams end with one chunk whose `choices` is empty, carrying `usage` and the `colibri` object
+(`{stats, perf, topk, entropy, gpus, repin}`, numbers from the engine's DONE), then
+`data: [DONE]`; a non-streaming body carries the same `colibri` field. A client can name its
+conversation with the `X-Colibri-Conversation` header (or `user`) to keep its KV slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from colibri.gateway.engine_client import EngineClient, EngineGone, Turn
+from colibri.gateway.replies import Reply
+from colibri.gateway.schema import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    conversation_key,
+    parse,
+)
+from colibri.gateway.settings import GatewaySettings
+from colibri.gateway.slots import Affinity, QueueFull, SlotPool
+from colibri.gateway.static import StaticSite
+from colibri.gateway.templates import ChatTemplateError, load_chat_template
+from colibri.protocol.codec import Error
+
+CONVERSATION_HEADER = "x-colibri-conversation"  # names a conversation explicitly (slot affinity)
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One generation as the engine will run it."""
+
+    prompt: str
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    stops: list[str]
+    affinity: Affinity
+
+
+def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
+    """The FastAPI app over a started engine."""
+    gw = Gateway(engine, settings)
+    app = FastAPI(title="colibri gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gw
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        gw.authorize(request)
+        body: ChatRequest = parse(ChatRequest, await gw.read_json(request))
+        messages = body.template_messages()
+        try:
+            prompt = gw.template.render(messages)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        named = request.headers.get(CONVERSATION_HEADER) or body.user
+        job = Job(
+            prompt, body.limit(), *body.sampling(), body.stops(), chat_affinity(messages, named)
+        )
+        return await gw.answer(request, job, ChatShape(gw.model_id), body.stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        gw.authorize(request)
+        body: CompletionRequest = parse(CompletionRequest, await gw.read_json(request))
+        named = request.headers.get(CONVERSATION_HEADER) or body.user
+        job = Job(
+            body.text(), body.max_tokens, *body.sampling(), body.stops(), Affinity(named, named)
+        )
+        return await gw.answer(request, job, CompletionShape(gw.model_id), body.stream)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        gw.authorize(request)
+        card = {"id": gw.model_id, "object": "model", "created": gw.created, "owned_by": "colibri"}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.alive
+        body: dict[str, Any] = {
+            "status": "ok" if ok else "unavailable",
+            "slots": settings.kv_slots,
+            "busy": gw.pool.busy,
+            "waiting": gw.pool.waiting,
+            "cancelled": engine.cancelled,
+        }
+        if not ok:
+            body["reason"] = engine.gone or "engine not ready"
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/experts")
+    async def experts(request: Request) -> dict:
+        gw.authorize(request)
+        return engine.state.to_json()
+
+    @app.api_route("/{path:path}", methods=["GET", "HEAD"], include_in_schema=False)
+    async def site(request: Request) -> Response:
+        path = request.scope["path"]
+        if path == "/v1" or path.startswith("/v1/"):
+            raise ApiError(404, f"no such endpoint: {path}")
+        found = gw.site.lookup(path)
+        if found is None:
+            return PlainTextResponse("Not Found", status_code=404)
+        return FileResponse(found, headers={"X-Content-Type-Options": "nosniff"})
+
+    return app
+
+
+class Gateway:
+    """What the routes share: the engine, the slot pool, the chat template, the static site."""
+
+    def __init__(self, engine: EngineClient, settings: GatewaySettings):
+        self.engine, self.settings = engine, settings
+        self.model_id = settings.model_id
+        self.created = int(time.time())
+        self.pool = SlotPool(settings.kv_slots, settings.max_waiting)
+        self.template = load_chat_template(settings.model_dir)
+        named = {"/experts.json": settings.experts_json} if settings.experts_json else {}
+        self.site = StaticSite(settings.web_root, named)
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the key (when one is set); constant-time compare."""
+        key = self.settings.api_key
+        if key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), key.encode()
+        ):
+            raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
+
+    async def read_json(self, request: Request) -> object:
+        """The JSON body; 413 past the cap (checked before and while reading), 400 if not JSON."""
+        cap = self.settings.max_body
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise ApiError(413, f"request body over {cap} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > cap:
+                raise ApiError(413, f"request body over {cap} bytes")
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise ApiError(400, "request body is not valid JSON") from None
+
+    async def answer(self, request: Request, job: Job, shape: Shape, stream: bool) -> Response:
+        turn = await until_disconnect(request, self.start(job))
+        reply = Reply(turn, job.stops)
+        if stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return EventStream(
+                self.events(reply, shape),
+                on_close=reply.abandon,
+                media_type="text/event-stream",
+                headers=headers,
+            )
+        try:
+            await until_disconnect(request, reply.read())
+        finally:
+            reply.abandon()
+        if reply.done is None:
+            raise end_error(reply.end)
+        return JSONResponse(shape.body(reply))
+
+    async def start(self, job: Job) -> Turn:
+        """Wait for a slot, submit, and wait for the engine to accept (or refuse) the request."""
+        if not self.engine.alive:
+            raise ApiError(503, f"engine unavailable: {self.engine.gone or 'not ready'}")
+        try:
+            slot = await self.pool.acquire(job.affinity, job.prompt)
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}", code="queue_full") from None
+        turn = self.engine.submit(slot, job.prompt, job.max_tokens, job.temperature, job.top_p)
+        turn.ended.add_done_callback(lambda _: self.pool.release(slot))
+        try:
+            first = await asyncio.shield(turn.started)
+        except asyncio.CancelledError:
+            turn.cancel()
+            raise
+        if isinstance(first, Error | EngineGone):
+            raise end_error(first)
+        return turn
+
+    async def events(self, reply: Reply, shape: Shape) -> AsyncIterator[bytes]:
+        """SSE frames: deltas, the finish, the colibri frame, then [DONE]."""
+        try:
+            for first in shape.opening():
+                yield sse(first)
+            async for piece in reply.deltas():
+                yield sse(shape.chunk(piece, None))
+            if reply.done is not None:
+                yield sse(shape.chunk(None, reply.finish_reason))
+                final = {**shape.head(), "choices": [], "usage": reply.usage()}
+                yield sse({**final, "colibri": reply.colibri()})
+            else:
+                yield sse(end_error(reply.end).body())
+            yield b"data: [DONE]\n\n"
+        finally:
+            reply.abandon()
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that, however the stream ends, closes its generator and calls
+    `on_close`: a client that disconnects (even before the first byte) has its request
+    cancelled at once, not when the generator happens to be collected."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+
+
+# ---------------------------------------------------------------------------- response shapes
+
+
+class Shape:
+    """The OpenAI objects of one endpoint: chunks while streaming, the body otherwise."""
+
+    prefix = ""
+    chunk_object = ""
+    body_object = ""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def head(self, obj: str | None = None) -> dict:
+        return {
+            "id": self.id,
+            "object": obj or self.chunk_object,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def opening(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str | None, finish: str | None) -> dict:
+        return {**self.head(), "choices": [self.chunk_choice(text, finish)]}
+
+    def body(self, reply: Reply) -> dict:
+        return {
+            **self.head(self.body_object),
+            "choices": [self.body_choice(reply)],
+            "usage": reply.usage(),
+            "colibri": reply.colibri(),
+        }
+
+    def chunk_choice(self, text: str | None, finish: str | None) -> dict:
+        raise NotImplementedError
+
+    def body_choice(self, reply: Reply) -> dict:
+        raise NotImplementedError
+
+
+class ChatShape(Shape):
+    prefix, chunk_object, body_object = "chatcmpl", "chat.completion.chunk", "chat.completion"
+
+    def opening(self) -> list[dict]:
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return [{**self.head(), "choices": [choice]}]
+
+    def chunk_choice(self, text: str | None, finish: str | None) -> dict:
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def body_choice(self, reply: Reply) -> dict:
+        message = {"role": "assistant", "content": reply.text}
+        return {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+        }
+
+
+class CompletionShape(Shape):
+    prefix, chunk_object, body_object = "cmpl", "text_completion", "text_completion"
+
+    def chunk_choice(self, text: str | None, finish: str | None) -> dict:
+        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+    def body_choice(self, reply: Reply) -> dict:
+        return {
+            "index": 0,
+            "text": reply.text,
+            "logprobs": None,
+            "finish_reason": reply.finish_reason,
+        }
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def chat_affinity(messages: list[dict], named: str | None) -> Affinity:
+    """A named conversation keeps its name; otherwise the slot is found by the messages before
+    the last assistant turn (what the previous request sent) and left keyed by all of them."""
+    if named:
+        return Affinity(find=named, keep=named)
+    assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    find = conversation_key(messages[: assistant[-1]]) if assistant else None
+    return Affinity(find=find, keep=conversation_key(messages))
+
+
+def end_error(ev: object) -> ApiError:
+    """The HTTP error for a request the engine refused or could not finish."""
+    if isinstance(ev, Error):
+        if ev.code == "CONTEXT_EXCEEDED":
+            n, cap = (ev.detail + ("?", "?"))[:2]
+            msg = f"the prompt has {n} tokens; this model's context holds {cap} positions"
+            return ApiError(400, msg, code="context_length_exceeded", param="messages")
+        if ev.code in ("BAD_REQUEST", "EMPTY_PROMPT"):
+            return ApiError(400, f"the engine refused the request ({ev.code})", code=ev.code)
+        return ApiError(500, f"the engine failed the request ({ev.code})", code=ev.code)
+    reason = ev.reason if isinstance(ev, EngineGone) else "no answer"
+    return ApiError(503, f"engine unavailable: {reason}", code="engine_unavailable")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work unless the client disconnects first (then work is cancelled: ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes (the body has been read, so only a disconnect can come)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return await _on_api_error(request, ApiError(exc.status_code, str(exc.detail)))
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; nginx's code for "client closed"

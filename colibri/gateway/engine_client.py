@@ -1,0 +1,361 @@
+"""Async bridge to the `colibri engine` subprocess: requests in, events routed back by id.
+
+One reader thread parses the engine's stdout with the codec and hands every event to the event
+loop, which routes it: per-request lines (ACCEPT, DATA, TOPK, PERF, DONE, ERROR) to that
+request's `Turn`; the id-less lines of a per-turn block (ENTROPY, GPUS between `PERF <id>` and
+`DONE <id>`) to the turn that block closes; global telemetry (EMAP, HITS, TIERS, GPUS, ENTROPY,
+REPIN, HWINFO) to the shared `ExpertState` behind `/experts`. One writer thread sends SUBMIT,
+CANCEL and STOP in the order the loop queued them, so a CANCEL never overtakes its SUBMIT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colibri.protocol import codec
+from colibri.protocol.codec import (
+    Accept,
+    Cancel,
+    Data,
+    Done,
+    Emap,
+    Entropy,
+    Error,
+    Gpus,
+    Hits,
+    HwInfo,
+    Perf,
+    Ready,
+    Repin,
+    Stop,
+    Submit,
+    Tiers,
+    TopK,
+)
+
+log = logging.getLogger("colibri.gateway")
+
+REPIN_KEEP = 64  # recent REPIN events /experts shows
+UNLIMITED = 1 << 30  # max_tokens when the client sets none: the context is the limit
+
+
+@dataclass(frozen=True)
+class EngineGone:
+    """The engine exited or broke the protocol: every open request ends with this."""
+
+    reason: str
+
+
+Start = Accept | Done | Error | EngineGone  # the first thing a submitted request learns
+End = Done | Error | EngineGone  # how a request ends
+
+
+class Turn:
+    """One request in flight: its DATA frames and end in order, plus the telemetry routed to it.
+
+    `started` resolves at ACCEPT (or at an ERROR/DONE that comes first); `ended` at the end. The
+    text frames and the end are also queued on `chunks`, in arrival order.
+    """
+
+    def __init__(self, client: EngineClient, rid: int, slot: int):
+        loop = asyncio.get_running_loop()
+        self.id, self.slot = rid, slot
+        self.started: asyncio.Future[Start] = loop.create_future()
+        self.ended: asyncio.Future[End] = loop.create_future()
+        self.chunks: asyncio.Queue[Data | End] = asyncio.Queue()
+        self.accept: Accept | None = None
+        self.topk: list[TopK] = []
+        self.perf: Perf | None = None
+        self.entropy: Entropy | None = None
+        self.gpus: Gpus | None = None
+        self.repins: list[Repin] = []
+        self._client = client
+
+    def cancel(self) -> None:
+        """Abort: the engine frees the slot and acknowledges with ERROR CANCELLED."""
+        if not self.ended.done():
+            self._client.send(Cancel(self.id))
+
+    def stop(self) -> None:
+        """End early through the normal DONE path (a stop string was seen)."""
+        if not self.ended.done():
+            self._client.send(Stop(self.id))
+
+    def take(self, ev: codec.Event) -> None:
+        """Record one event routed to this request."""
+        if isinstance(ev, Accept):
+            self.accept = ev
+            _resolve(self.started, ev)
+        elif isinstance(ev, Data):
+            self.chunks.put_nowait(ev)
+        elif isinstance(ev, TopK):
+            self.topk.append(ev)
+        elif isinstance(ev, Perf):
+            self.perf = ev
+        elif isinstance(ev, Entropy):
+            self.entropy = ev
+        elif isinstance(ev, Gpus):
+            self.gpus = ev
+        elif isinstance(ev, Repin):
+            self.repins.append(ev)
+        elif isinstance(ev, Done | Error | EngineGone):
+            self.end(ev)
+
+    def end(self, ev: End) -> None:
+        if self.ended.done():
+            return
+        _resolve(self.started, ev)
+        self.chunks.put_nowait(ev)
+        self.ended.set_result(ev)
+
+
+def _resolve(fut: asyncio.Future, value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+@dataclass
+class ExpertState:
+    """The latest global telemetry: what `GET /experts` returns."""
+
+    rows: int = 0
+    cols: int = 0
+    emap: bytes = b""  # [rows * cols] (tier << 6) | heat
+    hits: bytes = b""  # [ceil(rows * cols / 8)] bitmap since the previous HITS
+    seq: int = 0  # bumped at every EMAP or HITS
+    gpus: tuple[tuple[float, float, int], ...] = ()
+    entropy: tuple[float, ...] = ()
+    tiers: Tiers | None = None
+    hwinfo: HwInfo | None = None
+    repins: deque[Repin] = field(default_factory=lambda: deque(maxlen=REPIN_KEEP))
+
+    def update(self, ev: codec.Event) -> None:
+        if isinstance(ev, Emap):
+            self.rows, self.cols, self.emap = ev.rows, ev.cols, ev.data
+            self.seq += 1
+        elif isinstance(ev, Hits):
+            self.rows, self.cols, self.hits = ev.rows, ev.cols, ev.bits
+            self.seq += 1
+        elif isinstance(ev, Gpus):
+            self.gpus = ev.devices
+        elif isinstance(ev, Entropy):
+            self.entropy = ev.values
+        elif isinstance(ev, Tiers):
+            self.tiers = ev
+        elif isinstance(ev, HwInfo):
+            self.hwinfo = ev
+        elif isinstance(ev, Repin):
+            self.repins.append(ev)
+
+    def to_json(self) -> dict:
+        """`{rows, cols, map, hits, seq, gpus, entropy, repin, tiers}`; map, hits: [rows][cols]."""
+        rows, cols = self.rows, self.cols
+        emap = self.emap if len(self.emap) == rows * cols else bytes(rows * cols)
+        if len(self.hits) != (rows * cols + 7) // 8:
+            hits = Hits(rows, cols, bytes((rows * cols + 7) // 8))
+        else:
+            hits = Hits(rows, cols, self.hits)
+        return {
+            "rows": rows,
+            "cols": cols,
+            "map": [list(emap[r * cols : (r + 1) * cols]) for r in range(rows)],
+            "hits": [
+                [int(hits.hit(r, c)) if hits else 0 for c in range(cols)] for r in range(rows)
+            ],
+            "seq": self.seq,
+            "gpus": [gpu_json(d) for d in self.gpus],
+            "entropy": list(self.entropy),
+            "repin": [repin_json(r) for r in self.repins],
+            "tiers": tiers_json(self.tiers),
+        }
+
+
+def gpu_json(d: tuple[float, float, int]) -> dict:
+    return {"used_gb": d[0], "total_gb": d[1], "experts": d[2]}
+
+
+def repin_json(r: Repin) -> dict:
+    return {"layer": r.layer, "expert": r.expert, "old_tier": r.old_tier, "gpu": r.gpu}
+
+
+def tiers_json(t: Tiers | None) -> dict | None:
+    if t is None:
+        return None
+    return {"vram": t.vram, "ram": t.ram, "disk": t.disk, "vram_gb": t.vram_gb, "ram_gb": t.ram_gb}
+
+
+def engine_command(model_dir: str | Path) -> list[str]:
+    return [sys.executable, "-m", "colibri.cli", "engine", "--model", str(model_dir)]
+
+
+class EngineClient:
+    """The engine subprocess on the mux protocol, driven from one asyncio event loop."""
+
+    def __init__(self, cmd: list[str], env: Mapping[str, str]):
+        self.cmd, self.env = cmd, dict(env)
+        self.proc: subprocess.Popen | None = None
+        self.state = ExpertState()
+        self.gone: str | None = None  # why the engine is unusable, once it is
+        self.cancelled = 0  # CANCEL acknowledgements received
+        self._stopping = False  # we sent EOF: the engine's exit is expected
+        self._turns: dict[int, Turn] = {}
+        self._block_of: int | None = None  # the request whose per-turn block is being read
+        self._ids = itertools.count(1)
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[None] | None = None
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, kv_slots: int, extra_env: Mapping[str, str] = {}):
+        """The mux engine on model_dir with kv_slots slots and TOPK lines; the rest from env."""
+        env = {**os.environ, **extra_env}
+        env.update(SERVE_BATCH="1", KV_SLOTS=str(kv_slots), SERVE_TOPK="1")
+        return cls(engine_command(model_dir), env)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, timeout: float) -> None:
+        """Spawn the engine and wait for its handshake; RuntimeError if it never comes."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self.proc = subprocess.Popen(
+            self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env
+        )
+        threading.Thread(target=self._read, name="engine-stdout", daemon=True).start()
+        threading.Thread(target=self._write, name="engine-stdin", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            self.kill()
+            raise RuntimeError(f"engine sent no READY within {timeout:.0f} s") from None
+
+    @property
+    def alive(self) -> bool:
+        ready = self._ready is not None and self._ready.done() and not self._ready.exception()
+        return ready and self.gone is None and self.proc is not None and self.proc.poll() is None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._turns)
+
+    async def close(self, timeout: float = 30.0) -> int | None:
+        """EOF on the engine's stdin (in-flight requests finish), then wait; kill after timeout."""
+        self._stopping = True
+        self._outbox.put(None)
+        if self.proc is None:
+            return None
+        try:
+            return await asyncio.to_thread(self.proc.wait, timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self, slot: int, prompt: str, max_tokens: int | None, temperature: float, top_p: float
+    ) -> Turn:
+        """Send one SUBMIT; the returned turn receives its events."""
+        turn = Turn(self, next(self._ids), slot)
+        if not self.alive:
+            turn.end(EngineGone(self.gone or "engine not running"))
+            return turn
+        self._turns[turn.id] = turn
+        n = max_tokens or UNLIMITED
+        self.send(Submit(turn.id, slot, n, temperature, top_p, prompt.encode("utf-8")))
+        return turn
+
+    def send(self, req: codec.Request) -> None:
+        self._outbox.put(codec.format_request(req))
+
+    # ------------------------------------------------------------------ threads
+
+    def _read(self) -> None:
+        """Parse stdout until EOF; every event goes to the loop in order."""
+        assert self.proc is not None and self.proc.stdout is not None and self._loop is not None
+        reason = "engine closed its output"
+        try:
+            while (ev := codec.read_event(self.proc.stdout)) is not None:
+                self._loop.call_soon_threadsafe(self._route, ev)
+        except codec.ProtocolError as e:
+            reason = f"engine broke the protocol: {e}"
+        except Exception as e:  # a vanished pipe: the engine is gone either way
+            reason = f"reading the engine failed: {e}"
+        try:
+            self._loop.call_soon_threadsafe(self._lose, reason)
+        except RuntimeError:  # the loop is closed: the gateway is shutting down
+            pass
+
+    def _write(self) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        stdin = self.proc.stdin
+        try:
+            while (data := self._outbox.get()) is not None:
+                stdin.write(data)
+                stdin.flush()
+        except (BrokenPipeError, OSError, ValueError) as e:
+            log.warning("engine stdin closed: %s", e)  # the reader sees the engine go
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ routing (on the loop)
+
+    def _route(self, ev: codec.Event) -> None:
+        if isinstance(ev, Ready):
+            assert self._ready is not None
+            _resolve(self._ready, None)
+            return
+        self.state.update(ev)
+        if isinstance(ev, Repin):
+            for turn in self._turns.values():
+                turn.take(ev)
+            return
+        rid = getattr(ev, "id", None)
+        if isinstance(ev, Perf):
+            self._block_of = ev.id  # HWINFO PERF ENTROPY GPUS TIERS EMAP HITS DONE, contiguous
+        elif isinstance(ev, Entropy | Gpus):
+            rid = self._block_of
+        turn = self._turns.get(rid) if rid else None
+        if isinstance(ev, Error) and ev.code == "CANCELLED":
+            self.cancelled += 1
+        if turn is None:
+            if isinstance(ev, Error) and ev.code != "NOT_FOUND":  # NOT_FOUND: a late STOP/CANCEL
+                log.warning("engine error for no open request: %s", ev)
+            return
+        turn.take(ev)
+        if isinstance(ev, Done | Error):
+            self._block_of = None
+            del self._turns[turn.id]
+
+    def _lose(self, reason: str) -> None:
+        """The engine is gone: fail the handshake or every open request, and make sure it is."""
+        if self.gone is None:
+            status = self.proc.poll() if self.proc else None
+            self.gone = f"{reason} (exit status {status})" if status is not None else reason
+            level = logging.INFO if self._stopping else logging.ERROR
+            log.log(level, "engine unavailable: %s", self.gone)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"engine failed to start: {self.gone}"))
+        for turn in list(self._turns.values()):
+            turn.end(EngineGone(self.gone))
+        self._turns.clear()
+        self._outbox.put(None)
+        self.kill()

@@ -1,0 +1,95 @@
+"""`colibri gateway`: check the bind, start the engine subprocess, serve HTTP with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from colibri.gateway.settings import DEFAULT_EXPERTS_JSON, DEFAULT_WEB, GatewaySettings, is_loopback
+
+log = logging.getLogger("colibri.gateway")
+
+API_KEY_ENV = "COLIBRI_API_KEY"  # keeps the key out of the process list
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--kv-slots", type=int, default=4, help="conversations decoded at once (1-16)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests (2*slots)")
+    p.add_argument("--api-key", default=None, help=f"required Bearer key (or ${API_KEY_ENV})")
+    p.add_argument("--ctx", type=int, default=None, help="positions per KV slot (engine CTX)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
+    p.add_argument("--name", default=None, help="model id to serve (default: folder name)")
+    p.add_argument("--web", default=str(DEFAULT_WEB), help="static site folder ('' = none)")
+    p.add_argument("--experts-json", default=str(DEFAULT_EXPERTS_JSON), help="/experts.json file")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for READY")
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    model = Path(args.model)
+    if not model.is_dir():
+        raise ValueError(f"--model {model}: not a folder")
+    return GatewaySettings(
+        model_dir=model,
+        model_id=args.name or model.resolve().name,
+        kv_slots=args.kv_slots,
+        max_waiting=2 * args.kv_slots if args.max_queue is None else args.max_queue,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body=args.max_body,
+        web_root=Path(args.web) if args.web else None,
+        experts_json=Path(args.experts_json) if args.experts_json else None,
+    )
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM. A non-loopback bind without a key is refused (ValueError:
+    the CLI prints it and exits 2) before anything starts."""
+    settings = settings_from_args(args)
+    if not is_loopback(args.host) and settings.api_key is None:
+        raise ValueError(
+            f"refusing to bind {args.host}, which is not a loopback address, without an API key:"
+            f" pass --api-key (or set ${API_KEY_ENV}), or bind 127.0.0.1"
+        )
+    return asyncio.run(_serve(settings, args))
+
+
+async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from colibri.gateway.app import create_app
+    from colibri.gateway.engine_client import EngineClient
+
+    extra = {"CTX": str(args.ctx)} if args.ctx else {}
+    engine = EngineClient.for_model(settings.model_dir, settings.kv_slots, extra)
+    try:
+        await engine.start(timeout=args.start_timeout)
+        app = create_app(engine, settings)
+        level = "info" if log.isEnabledFor(logging.DEBUG) else "warning"
+        config = uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5
+        )
+        server = uvicorn.Server(config)
+        log.info("gateway: %s on http://%s:%d", settings.model_id, args.host, args.port)
+        _absorb_resent_signals()
+        await server.serve()
+        return 0 if server.started else 1
+    except RuntimeError as e:
+        log.error("%s", e)
+        return 1
+    finally:
+        await engine.close()
+
+
+def _absorb_resent_signals() -> None:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-sends the signal to the handler
+    it found; make that one a no-op, so the engine is still closed and the status is 0."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)

@@ -1,0 +1,46 @@
+"""Gateway settings: one frozen dataclass, validated where it is built."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_WEB = REPO / "web" / "dist"
+DEFAULT_EXPERTS_JSON = REPO / "data" / "experts.json"
+MAX_SLOTS = 16  # KV_SLOTS range of the mux protocol (spec: 1-16)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How `colibri gateway` serves one model."""
+
+    model_dir: Path
+    model_id: str  # the name /v1/models lists and responses carry
+    kv_slots: int = 4  # engine KV slots = requests decoded at once
+    max_waiting: int = 8  # requests queued for a slot beyond those; more get 429
+    api_key: str | None = None  # required as `Authorization: Bearer <key>` when set
+    max_body: int = 1 << 20  # request body cap in bytes (413 above)
+    web_root: Path | None = DEFAULT_WEB  # static site; None = none
+    experts_json: Path | None = DEFAULT_EXPERTS_JSON  # served as /experts.json if present
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.kv_slots <= MAX_SLOTS:
+            raise ValueError(f"kv_slots={self.kv_slots}: expected 1..{MAX_SLOTS}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting}: expected >= 0")
+        if self.max_body < 1024:
+            raise ValueError(f"max_body={self.max_body}: expected >= 1024 bytes")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding host keeps the server on this machine (names other than localhost: no)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

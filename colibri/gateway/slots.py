@@ -1,0 +1,103 @@
+"""KV slot pool: which engine slot a request runs in, so a conversation finds its cache again.
+
+A free slot is chosen by, in order: the conversation key the slot last served (a hash of the
+messages before the last assistant turn, or a key the client names); the longest earlier prompt
+that the new prompt continues (plain completions); the least recently used slot. When every
+slot is busy a request waits in a bounded FIFO queue; a full queue refuses at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the waiting queue is full."""
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """How a request recognises its conversation's slot."""
+
+    find: str | None = None  # key of the slot that served the conversation so far
+    keep: str | None = None  # key to leave on the slot for the conversation's next turn
+
+
+@dataclass
+class _Slot:
+    index: int
+    busy: bool = False
+    key: str | None = None
+    prompt: str = ""  # the last prompt it served
+    used: int = 0  # tick of its last assignment (0 = never): least recently used first
+
+
+class SlotPool:
+    """`acquire` a slot (waiting in a bounded queue), `release` it when the engine freed it."""
+
+    def __init__(self, slots: int, max_waiting: int):
+        if slots < 1 or max_waiting < 0:
+            raise ValueError(f"slots={slots} must be >= 1 and max_waiting={max_waiting} >= 0")
+        self.slots = [_Slot(i) for i in range(slots)]
+        self.max_waiting = max_waiting
+        self._waiters: deque[asyncio.Future[int]] = deque()
+        self._tick = 0
+
+    @property
+    def busy(self) -> int:
+        return sum(s.busy for s in self.slots)
+
+    @property
+    def waiting(self) -> int:
+        return sum(not w.done() for w in self._waiters)
+
+    async def acquire(self, affinity: Affinity, prompt: str) -> int:
+        """A slot index for this request; QueueFull when it cannot even wait."""
+        slot = None if self.waiting else self._pick(affinity, prompt)
+        if slot is None:
+            if self.waiting >= self.max_waiting:
+                raise QueueFull(f"{len(self.slots)} slots busy, {self.waiting} requests waiting")
+            slot = await self._wait()
+        return self._take(slot, affinity, prompt)
+
+    def release(self, index: int) -> None:
+        """The engine ended the slot's request: hand the slot to the first waiter, or free it."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(index)  # stays busy: a direct hand-off cannot be overtaken
+                return
+        self.slots[index].busy = False
+
+    def _pick(self, affinity: Affinity, prompt: str) -> int | None:
+        free = [s for s in self.slots if not s.busy]
+        if not free:
+            return None
+        if affinity.find is not None:
+            for s in free:
+                if s.key == affinity.find:
+                    return s.index
+        continued = [s for s in free if s.prompt and prompt.startswith(s.prompt)]
+        if continued:
+            return max(continued, key=lambda s: len(s.prompt)).index
+        return min(free, key=lambda s: s.used).index
+
+    async def _wait(self) -> int:
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():  # handed a slot, but its client left
+                self.release(waiter.result())
+            elif waiter in self._waiters:  # a release may already have skipped it
+                self._waiters.remove(waiter)
+            raise
+
+    def _take(self, index: int, affinity: Affinity, prompt: str) -> int:
+        self._tick += 1
+        s = self.slots[index]
+        s.busy, s.key, s.prompt, s.used = True, affinity.keep, prompt, self._tick
+        return index
