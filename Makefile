@@ -48,3 +48,12 @@ format: $(TSTAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# Notebooks are committed without outputs: run this before `git add notebooks/`.
+.PHONY: strip-notebooks
+strip-notebooks: $(TSTAMP)
+	$(PYTHON) -c 'import sys, nbformat; nbs = {p: nbformat.read(p, 4) for p in sys.argv[1:]}; \
+	[nb.metadata.pop("widgets", 0) for nb in nbs.values()]; \
+	code = [c for nb in nbs.values() for c in nb.cells if c.cell_type == "code"]; \
+	[c.update(outputs=[], execution_count=None) or c.metadata.pop("execution", 0) for c in code]; \
+	[nbformat.write(nb, p) for p, nb in nbs.items()]' notebooks/*.ipynb

@@ -32,14 +32,18 @@ class Trace:
 
 
 class RouteTracer:
-    """A checkpoint loaded in this process, one KV slot, recording routes token by token."""
+    """A checkpoint loaded in this process, recording routes token by token (in KV slot 0).
 
-    def __init__(self, model_dir: str | Path, capacity: int = 512, tiers=None):
+    `slots` and `capacity` only shape the KV cache: matching an engine's KV_SLOTS and CTX lets
+    both share compiled programs through the persistent compilation cache.
+    """
+
+    def __init__(self, model_dir: str | Path, capacity: int = 512, slots: int = 1, tiers=None):
         from colibri.engine.model import load_model
         from colibri.engine.runner import Runner
 
         self.model = load_model(model_dir, tiers, progress=False)
-        self.runner = Runner(self.model, slots=1, capacity=capacity)
+        self.runner = Runner(self.model, slots=slots, capacity=capacity)
         self.cfg = self.model.cfg
 
     @property

@@ -194,3 +194,10 @@ def test_plots_draw_into_given_axes():
     assert plots.plot_tier_map(emap_of(TIER, HEAT), ax=b) is fig
     assert plots.plot_perf(pd.DataFrame(turns_frame(TURNS)), ax=c) is fig
     assert render(fig).shape[2] == 3
+
+
+def test_figures_show_inline_as_png():
+    fig = plots.plot_entropy([1.0, 2.0])
+    assert fig._repr_png_().startswith(b"\x89PNG")  # Jupyter shows it without pyplot
+    grid, axes = plots.subplots(2, 3, figsize=(6, 4))
+    assert axes.shape == (2, 3) and plots.plot_entropy([1.0], ax=axes[1, 2]) is grid

@@ -1,8 +1,9 @@
 """Matplotlib figures of engine telemetry (routing entropy, tier map, PERF breakdown), for
 notebooks, scripts and papers alike.
 
-Every function returns a `matplotlib.figure.Figure` built without pyplot (no global state, safe
-off the main thread), or draws into a given `ax` and returns its figure.
+Every function returns a `PlotFigure` (a matplotlib Figure built without pyplot: no global
+state, safe off the main thread, shown inline by Jupyter as a PNG), or draws into a given `ax`
+and returns its figure; `subplots` makes a grid of axes to draw several into.
 
 Palettes are fixed so figures compare across runs:
 
@@ -45,6 +46,21 @@ PERF_COLORS = dict(
 HIT_COLOR = "#000000"
 MIN_DEPTH = 0.25  # colour depth of a never-selected expert (1 = the full tier colour)
 HIT_RADIUS = 0.2  # of a cell
+
+
+class PlotFigure(Figure):
+    """A Figure that Jupyter displays as a PNG even when pyplot is not in use."""
+
+    def _repr_png_(self) -> bytes:
+        return to_png(self)
+
+
+def subplots(
+    nrows: int = 1, ncols: int = 1, *, figsize=None, **kw
+) -> tuple[PlotFigure, np.ndarray]:
+    """A PlotFigure with a grid of axes (always a 2-D array), constrained layout."""
+    fig = PlotFigure(figsize=figsize, layout="constrained")
+    return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
 # ---------------------------------------------------------------------------- tier map
@@ -121,8 +137,10 @@ def plot_entropy(
     fig, ax = _axes(ax, (max(4.0, 1.5 + 0.45 * len(values)), 3.0))
     ax.bar(range(len(values)), values, color=TIER_COLORS[2])
     if n_experts:
-        ax.axhline(np.log2(n_experts), color="0.4", ls="--", lw=1, label="uniform over experts")
-        ax.legend(loc="lower right", frameon=False)
+        top = np.log2(n_experts)
+        ax.axhline(top, color="0.4", ls="--", lw=1, label="uniform over experts")
+        ax.set_ylim(0, 1.18 * max(top, values.max(initial=0)))
+        ax.legend(loc="upper right", frameon=False)
     ax.set(xlabel="MoE layer", ylabel="entropy (bits)", title=title)
     ax.set_xticks(range(len(values)))
     return fig
@@ -197,7 +215,7 @@ def plot_perf(
 def _axes(ax, size: tuple[float, float]):
     if ax is not None:
         return ax.figure, ax
-    fig = Figure(figsize=size, layout="constrained")
+    fig = PlotFigure(figsize=size, layout="constrained")
     return fig, fig.add_subplot()
 
 
