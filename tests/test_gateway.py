@@ -459,6 +459,9 @@ def test_bad_requests_are_openai_errors(gateway, client):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = gateway.post("/v1/completions", {"prompt": "", "max_tokens": 2})
     assert r.status_code == 400  # EMPTY_PROMPT from the engine
+    chunked = (b"x" * (1 << 16) for _ in range(40))  # no Content-Length: counted while read
+    r = httpx.post(gateway.url + "/v1/completions", content=chunked, headers=gateway.headers)
+    assert r.status_code == 413
 
 
 def test_experts_endpoint_reports_the_latest_maps(gateway, ref):
@@ -498,6 +501,9 @@ def test_queue_full_is_429_and_a_dead_engine_is_503(model_dir, tmp_path):
         with httpx.stream("POST", url, json=long, timeout=60) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if '"content"' in line)  # running in slot 0
+            with pytest.raises(httpx.ReadTimeout):  # a queued client that gives up ...
+                httpx.post(url, json=body, timeout=1.5)
+            wait_for(lambda: gw.health().json()["waiting"] == 0, timeout=10)  # ... leaves the queue
             t = threading.Thread(
                 target=lambda: queued.append(httpx.post(url, json=body, timeout=60))
             )

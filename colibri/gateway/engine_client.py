@@ -217,9 +217,11 @@ class EngineClient:
         self._ready: asyncio.Future[None] | None = None
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, kv_slots: int, extra_env: Mapping[str, str] = {}):
+    def for_model(
+        cls, model_dir: str | Path, kv_slots: int, extra_env: Mapping[str, str] | None = None
+    ) -> EngineClient:
         """The mux engine on model_dir with kv_slots slots and TOPK lines; the rest from env."""
-        env = {**os.environ, **extra_env}
+        env = {**os.environ, **(extra_env or {})}
         env.update(SERVE_BATCH="1", KV_SLOTS=str(kv_slots), SERVE_TOPK="1")
         return cls(engine_command(model_dir), env)
 
@@ -288,10 +290,13 @@ class EngineClient:
     def _read(self) -> None:
         """Parse stdout until EOF; every event goes to the loop in order."""
         assert self.proc is not None and self.proc.stdout is not None and self._loop is not None
-        reason = "engine closed its output"
         try:
             while (ev := codec.read_event(self.proc.stdout)) is not None:
                 self._loop.call_soon_threadsafe(self._route, ev)
+            reason = "engine closed its output"
+            self.proc.wait(timeout=5)  # output closes as the process exits: learn its status
+        except subprocess.TimeoutExpired:
+            pass
         except codec.ProtocolError as e:
             reason = f"engine broke the protocol: {e}"
         except Exception as e:  # a vanished pipe: the engine is gone either way
