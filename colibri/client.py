@@ -706,9 +706,11 @@ class Engine:
     """A `colibri engine` subprocess on the mux protocol, with its session state.
 
     ``Engine(model, slots=2, device_gb=0.01)`` starts it and waits for the handshake. Budgets
-    left None are auto-sized by the engine. `state_dir` holds `.coli_usage` (pins are learned
-    from it): by default a fresh temporary folder, removed at close, so runs do not depend on
-    each other nor write into the model folder. `env` entries override everything. Close with
+    left None are auto-sized by the engine; `profile=True` sets PROFILE=1, asking for the
+    layer-by-layer path (phase timers in PERF) even when every expert fits. `state_dir` holds
+    `.coli_usage` (pins are learned from it): by default a fresh temporary folder, removed at
+    close, so runs neither depend on each other nor write into the model folder. `env` entries
+    override everything. Close with
     `close()`, a `with` block, or let interpreter exit do it.
     """
 

@@ -163,10 +163,18 @@ def plot_entropy_turns(
     fig, ax = _axes(ax, (max(4.0, 2.5 + 0.45 * grid.shape[1]), 1.6 + 0.35 * grid.shape[0]))
     im = ax.imshow(grid.to_numpy(), aspect="auto", interpolation="nearest", cmap="viridis")
     fig.colorbar(im, ax=ax, label="bits")
-    ax.set_xticks(range(len(names)), names, rotation=45 if len(names) > 6 else 0, ha="right")
+    _label_turns(ax, names)
     ax.set_yticks(range(grid.shape[0]))
     ax.set(xlabel="turn", ylabel="MoE layer", title=title)
     return fig
+
+
+def _label_turns(ax, names: list[str]) -> None:
+    """Turn names under the x axis, slanted when they would collide."""
+    slant = len(names) > 6 or max(map(len, names), default=0) > 6
+    ax.set_xticks(
+        range(len(names)), names, rotation=30 if slant else 0, ha="right" if slant else "center"
+    )
 
 
 def _entropy_values(entropy) -> np.ndarray:
@@ -195,15 +203,14 @@ def plot_perf(
     """Stacked bar per turn of PERF_PARTS (seconds); each bar's height is the turn's dt."""
     df = turns if isinstance(turns, pd.DataFrame) else turns_frame(list(turns))
     parts = perf_frame(df)
-    fig, ax = _axes(ax, (max(4.0, 2.5 + 0.5 * len(df)), 3.2))
+    fig, ax = _axes(ax, (max(4.0, 3.0 + 0.6 * len(df)), 3.4))
     x = np.arange(len(df))
     bottom = np.zeros(len(df))
     for part in PERF_PARTS:
         h = parts[part].to_numpy(float)
         ax.bar(x, h, bottom=bottom, color=PERF_COLORS[part], label=part, width=0.7)
         bottom += h
-    names = [_turn_label(row, label) for _, row in df.iterrows()]
-    ax.set_xticks(x, names, rotation=45 if len(names) > 6 else 0, ha="right")
+    _label_turns(ax, [_turn_label(row, label) for _, row in df.iterrows()])
     ax.set(xlabel="turn", ylabel="seconds", title=title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return fig
