@@ -710,8 +710,7 @@ class Engine:
     layer-by-layer path (phase timers in PERF) even when every expert fits. `state_dir` holds
     `.coli_usage` (pins are learned from it): by default a fresh temporary folder, removed at
     close, so runs neither depend on each other nor write into the model folder. `env` entries
-    override everything. Close with
-    `close()`, a `with` block, or let interpreter exit do it.
+    override everything. Close with `close()`, a `with` block, or let interpreter exit do it.
     """
 
     def __init__(
