@@ -71,6 +71,7 @@ class FigureView(widgets.VBox):
     def _fire(self) -> None:
         with self._lock:
             self._timer = None
+            self._last = time.monotonic()  # requests during this draw wait a full interval
         self.redraw()
 
     def attach(self, engine: Engine) -> None:
