@@ -146,12 +146,17 @@ def forward(cfg: ModelConfig, state: State, tokens: jax.Array) -> tuple[jax.Arra
     return head(cfg, params, x), {"balance": jnp.stack(bal), "z": jnp.stack(zs)}
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token negative log-likelihood (nats) of logits [..., V] at targets [...]."""
+def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Negative log-likelihood (nats) of each target [...] under logits [..., V]."""
     logits = logits.astype(jnp.float32)
     # a one-hot product, not take_along_axis: its gradient is a slow scatter on CPU
     picked = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token negative log-likelihood (nats) of logits [..., V] at targets [...]."""
+    return jnp.mean(token_nll(logits, targets))
 
 
 def loss(
@@ -200,11 +205,11 @@ def _global_norm(tree) -> jax.Array:
 
 
 def make_eval_step(cfg: ModelConfig):
-    """A jitted (state, batch [B, T+1]) -> summed next-token NLL (nats) over the batch."""
+    """A jitted (state, batch [B, T+1]) -> NLL (nats) of every next token [B, T]."""
 
     def nll(state: State, batch: jax.Array) -> jax.Array:
         logits, _ = forward(cfg, state, batch[:, :-1])
-        return cross_entropy(logits, batch[:, 1:]) * batch[:, 1:].size
+        return token_nll(logits, batch[:, 1:])
 
     return jax.jit(nll)
 
