@@ -7,6 +7,7 @@ from pathlib import Path
 
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
+from colibri.experts.budget import TierConfig
 
 DEFAULT_CTX = 2048
 USAGE_FILE = ".coli_usage"
@@ -15,11 +16,14 @@ USAGE_FILE = ".coli_usage"
 def make_runner(model_dir: str | Path, slots: int, capacity: int, env: Mapping[str, str]) -> Runner:
     """A runner over `slots` KV slots of `capacity` positions for the checkpoint in model_dir.
 
-    `env` carries the expert budgets (DEVICE_GB, RAM_GB, PIN_GB, CAP, REPIN), still to be wired
-    in here, and STATE_DIR, where `.coli_usage` is read at start and rewritten at every turn end.
+    `env` carries the expert tiers (DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, PILOT,
+    DIRECT_IO, IO_THREADS; see `TierConfig.from_env`), PROFILE=1 (run layer by layer so PERF
+    phases are measured even when every expert is resident), and STATE_DIR, where
+    `.coli_usage` is read at start and rewritten at every turn end.
     """
-    model = load_model(model_dir, usage_path=state_dir(model_dir, env) / USAGE_FILE, progress=False)
-    return Runner(model, slots, capacity)
+    usage = state_dir(model_dir, env) / USAGE_FILE
+    model = load_model(model_dir, TierConfig.from_env(env), usage_path=usage, progress=False)
+    return Runner(model, slots, capacity, profile=env.get("PROFILE", "0") == "1")
 
 
 def state_dir(model_dir: str | Path, env: Mapping[str, str]) -> Path:
