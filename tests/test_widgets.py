@@ -100,12 +100,12 @@ def test_views_offline_update_and_render():
     tiers = TierMap(min_interval=0)
     assert tiers.figure() is None
     tiers.update(emap, Hits.from_set(2, 4, [(0, 1)]))
-    tiers.redraw()
-    assert tiers.draws == 1 and picture(tiers).shape[2] in (3, 4)
+    tiers.redraw()  # now, in this thread (the update's own draw may have run already)
+    assert tiers.draws >= 1 and picture(tiers).shape[2] in (3, 4)
     ent = EntropyPlot(n_experts=4, min_interval=0)
     ent.update([1.0, 1.5])
     ent.redraw()
-    assert ent.draws == 1 and picture(ent).shape[1] > 0
+    assert ent.draws >= 1 and picture(ent).shape[1] > 0
     perf = PerfBreakdown(min_interval=0)
     perf.redraw()
     assert perf.draws == 0  # nothing to show yet: no picture
