@@ -79,6 +79,8 @@ def test_legacy_session(model_dir, ref):
         assert _answer(e)[0] == b""
         e.send(b"\x02BOGUS\n")
         assert _answer(e)[0] == b""
+        e.send(b"\x02PROMPT 3 5 zero 1.0\nabc\n")  # refused; its payload is not a prompt line
+        assert _answer(e)[0] == b""
         e.send(b"\x02MORE\n")  # continues the PROMPT's answer
         assert text + _answer(e)[0] == ref.text("Le renard brun", 2 * NGEN)
         e.send(b"x " * 200 + b"\n")  # longer than CTX

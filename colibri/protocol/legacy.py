@@ -90,14 +90,10 @@ def read_frame(stream: ByteStream, kv_slots: int) -> Frame | None:
 
 
 def _read_prompt(stream: ByteStream, words: list[bytes], kv_slots: int) -> Frame:
-    try:
-        if len(words) not in (4, 5) or not words[0].isdigit():
-            raise ValueError("expected <bytes> <max_tokens> <temperature> <top_p> [kv_slot]")
-        n = int(words[0])
-        max_tokens, temperature, top_p = int(words[1]), float(words[2]), float(words[3])
-        slot = int(words[4]) if len(words) == 5 else 0
-    except ValueError as e:
-        return Refused(f"bad \\x02PROMPT header: {e}")
+    """A PROMPT frame; with a readable byte count its payload is consumed even if refused."""
+    if not words or not words[0].isdigit():
+        return Refused("\\x02PROMPT header without a byte count")
+    n = int(words[0])
     if n > MAX_PAYLOAD:
         return Refused(f"payload of {n} bytes exceeds {MAX_PAYLOAD}", fatal=True)
     payload = stream.read(n) if n else b""
@@ -105,6 +101,13 @@ def _read_prompt(stream: ByteStream, words: list[bytes], kv_slots: int) -> Frame
         payload += more
     if len(payload) < n or stream.read(1) != b"\n":
         return Refused("\\x02PROMPT payload not followed by a newline", fatal=True)
+    try:
+        if len(words) not in (4, 5):
+            raise ValueError("expected <bytes> <max_tokens> <temperature> <top_p> [kv_slot]")
+        max_tokens, temperature, top_p = int(words[1]), float(words[2]), float(words[3])
+        slot = int(words[4]) if len(words) == 5 else 0
+    except ValueError as e:
+        return Refused(f"bad \\x02PROMPT header: {e}")
     frame = Prompt(payload, max_tokens, temperature, top_p, slot)
     problem = _check(frame, kv_slots)
     return Refused(problem) if problem else frame
