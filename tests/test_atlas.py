@@ -1,14 +1,25 @@
-"""The expert atlas: statistics on hand-made counts and on an atlas built from random routes."""
+"""The expert atlas: statistics on hand-made counts, the committed data/experts.json (schema and
+invariants), and byte-identical regeneration by experiments/atlas.py on the demo model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from colibri import atlas
+
+REPO = Path(__file__).resolve().parent.parent
+PROBES = REPO / "data" / "atlas" / "probes.json"
+DEMO = REPO / "data" / "models" / "demo"
+needs_demo = pytest.mark.skipif(
+    not (DEMO / "config.json").exists() or not (DEMO / "tokenizer.json").exists(),
+    reason="the demo model is not there",
+)
 
 
 def check_invariants(a: dict) -> None:
@@ -209,3 +220,90 @@ def test_build_atlas_on_random_routes():
     assert a["probes"]["tokens"] == tokens.reshape(3, 2).sum(axis=1).tolist()
     assert a["categories"] == ["t0", "t1", "t2"] and a["lopo"]["total"] == 6
     assert atlas.dumps(a) == atlas.dumps(synthetic_atlas(np.random.default_rng(1))[0])
+
+
+# ----------------------------------------------------------------- the committed atlas
+
+
+@pytest.fixture(scope="module")
+def committed() -> dict:
+    return atlas.load_atlas()
+
+
+def test_committed_atlas_invariants(committed):
+    check_invariants(committed)
+    assert len(committed["categories"]) >= 8
+    assert all(len(i) >= 3 for i in committed["probes"]["ids"])
+    assert committed["model"]["path"] == "data/models/demo"
+    assert committed["probes"]["sha256"] == atlas.file_sha256(PROBES)
+
+
+def test_committed_atlas_shows_topics(committed):
+    """The issue's bar: LOPO topic accuracy well above chance (>= 80%), replicated specialists,
+    far more than shuffled topic labels produce."""
+    assert committed["lopo"]["accuracy"] >= 0.8
+    s = committed["summary"]
+    assert s["replicated_specialists"] >= 5
+    assert s["replicated_specialists"] > 10 * s["replicated_specialists_shuffled"]
+
+
+def test_committed_probes():
+    probes, meta = atlas.load_probes(PROBES)
+    ids = [p.id for p in probes]
+    assert len(set(ids)) == len(ids) and len(atlas.topics_of(probes)) >= 8
+    for p in probes:
+        assert 200 <= len(p.text.encode()) <= 400 and p.source == f"{p.topic}/heldout.txt"
+    corpus = REPO / meta["corpus"]
+    if all((corpus / p.source).exists() for p in probes):
+        assert all(atlas.check_probe(p, corpus) for p in probes)
+
+
+@needs_demo
+def test_committed_atlas_is_of_the_demo_model(committed):
+    assert committed["model"]["sha256"] == atlas.model_hash(DEMO)
+
+
+# -------------------------------------------------------------------------- regeneration
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("atlas_experiment", REPO / "experiments/atlas.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@needs_demo
+def test_regeneration_is_byte_identical(tmp_path, monkeypatch):
+    """Two runs of the script on 2 topics x 2 probes write the same bytes."""
+    probes, meta = atlas.load_probes(PROBES)
+    few = [p for p in probes if p.topic in ("c", "german") and p.id[-1] in "01"]
+    atlas.save_probes(tmp_path / "probes.json", few, meta)
+    monkeypatch.chdir(REPO)
+    run = script().main
+    args = ["--keep-probes", "--quiet", "--probes", str(tmp_path / "probes.json")]
+    assert run([*args, "--out", str(tmp_path / "a.json")]) == 0
+    assert run([*args, "--out", str(tmp_path / "b.json")]) == 0
+    a = (tmp_path / "a.json").read_bytes()
+    assert a == (tmp_path / "b.json").read_bytes()
+    small = json.loads(a)
+    check_invariants(small)
+    assert small["categories"] == ["c", "german"] and small["probes"]["count"] == 4
+
+
+@pytest.mark.slow
+@needs_demo
+def test_full_regeneration_matches_the_committed_files(tmp_path, monkeypatch):
+    """`python experiments/atlas.py` reproduces data/atlas/probes.json (when the corpus is
+    there) and data/experts.json byte for byte."""
+    monkeypatch.chdir(REPO)
+    mod = script()
+    out = tmp_path / "experts.json"
+    have_corpus = all((REPO / "data/corpus" / t / "heldout.txt").exists() for t in mod.TOPICS)
+    if have_corpus:
+        probes = tmp_path / "probes.json"
+        assert mod.main(["--quiet", "--probes", str(probes), "--out", str(out)]) == 0
+        assert probes.read_bytes() == PROBES.read_bytes()
+        # the atlas records the probe file's path: regenerate against the committed one
+    assert mod.main(["--quiet", "--keep-probes", "--out", str(out)]) == 0
+    assert out.read_bytes() == atlas.ATLAS.read_bytes()
