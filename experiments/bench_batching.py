@@ -1,0 +1,232 @@
+"""python experiments/bench_batching.py [--ckpt .cache/synth-batching] [--tokens 256] [--trials 5]
+
+Continuous batching through the real engine: `colibri engine` (mux protocol, 16 KV slots) on a
+synthetic qwen3_moe checkpoint, driven over stdin/stdout exactly as a server would.
+
+- Aggregate decode tok/s with 1, 4 and 16 active slots: N greedy requests submitted at once;
+  the rate is DATA frames per second between the moment all N have their first token and the
+  first DONE (every slot decoding the whole window). Best of --trials runs after a warm-up,
+  the sizes interleaved so that load from other processes falls on each of them alike.
+  Beside it, the same batch sizes through `Runner.decode` alone, in-process: the ceiling the
+  engine's scheduling and protocol work is measured against.
+- TTFT while 15 other slots decode: 15 long requests decode; a 16th prompt is submitted and
+  timed from its SUBMIT write to its first DATA. Median of --trials, beside the TTFT of the same
+  prompt on an idle engine.
+Writes experiments/results/batching.md and batching.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from colibri.protocol import codec
+from colibri.protocol.codec import Data, Done, Error, HwInfo, Submit, format_request
+from colibri.report import markdown_table
+from colibri.synth import SynthSpec, synthesize
+
+SPEC = SynthSpec(family="qwen3_moe", layers=4, experts=16, top_k=4, hidden=128, moe_ff=64)
+SLOTS = 16
+CTX = 512
+PROMPTS = [
+    f"Request {i}: the quick brown fox jumps over the lazy dog, {i * 7} times." for i in range(32)
+]
+RESULTS = Path(__file__).parent / "results"
+
+
+class Engine:
+    """`colibri engine` on the mux protocol; every event is timestamped on arrival."""
+
+    def __init__(self, ckpt: Path):
+        env = {**os.environ, "SERVE_BATCH": "1", "KV_SLOTS": str(SLOTS), "CTX": str(CTX)}
+        cmd = [sys.executable, "-m", "colibri.cli", "engine", "--model", str(ckpt)]
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        )
+        self.events: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.handshake = [self.next()[1] for _ in range(5)]
+        self.next_id = 1
+
+    def _pump(self) -> None:
+        while (ev := codec.read_event(self.proc.stdout)) is not None:
+            self.events.put((time.perf_counter(), ev))
+        self.events.put((time.perf_counter(), None))
+
+    def next(self) -> tuple[float, codec.Event]:
+        t, ev = self.events.get(timeout=600)
+        if ev is None:
+            raise EOFError("the engine exited")
+        return t, ev
+
+    def submit(self, slot: int, prompt: str, max_tokens: int) -> tuple[int, float]:
+        rid, self.next_id = self.next_id, self.next_id + 1
+        req = Submit(rid, slot, max_tokens, 0.0, 1.0, prompt.encode())
+        t = time.perf_counter()
+        self.proc.stdin.write(format_request(req))
+        self.proc.stdin.flush()
+        return rid, t
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def aggregate(engine: Engine, n: int, tokens: int) -> float:
+    """Decode tok/s of n slots decoding together (all admitted, none finished)."""
+    ids = {engine.submit(slot, PROMPTS[slot], tokens)[0] for slot in range(n)}
+    started, open_ids = set(), set(ids)
+    t_all, t_done, count = None, None, 0
+    while open_ids:
+        t, ev = engine.next()
+        if isinstance(ev, Data) and ev.id in ids:
+            if t_all is not None and t_done is None:
+                count += 1
+            started.add(ev.id)
+            if t_all is None and started == ids:
+                t_all = t
+        elif isinstance(ev, Done | Error) and ev.id in open_ids:
+            open_ids.discard(ev.id)
+            t_done = t if t_done is None else t_done
+    return count / (t_done - t_all)
+
+
+def ttft(engine: Engine, busy: int, prompt: str) -> float:
+    """Seconds from SUBMIT to first DATA of a new prompt while `busy` slots decode."""
+    long_ids = {engine.submit(slot, PROMPTS[slot], CTX // 2)[0] for slot in range(busy)}
+    started: set[int] = set()
+    while started != long_ids:  # every other slot is decoding now
+        _, ev = engine.next()
+        if isinstance(ev, Data):
+            started.add(ev.id)
+    rid, t0 = engine.submit(busy, prompt, 4)
+    first = None
+    open_ids = long_ids | {rid}
+    while open_ids:
+        t, ev = engine.next()
+        if isinstance(ev, Data) and ev.id == rid and first is None:
+            first = t - t0
+            for other in long_ids:  # the measurement is taken: end the long requests
+                engine.proc.stdin.write(b"STOP %d\n" % other)
+            engine.proc.stdin.flush()
+        elif isinstance(ev, Done | Error):
+            open_ids.discard(ev.id)
+    assert first is not None
+    return first
+
+
+def runner_only(ckpt: Path, tokens: int, trials: int) -> dict[int, float]:
+    """tok/s of bare batched decode forwards over the positions an engine run goes through."""
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Row, Runner
+
+    runner = Runner(load_model(ckpt, progress=False), slots=SLOTS, capacity=CTX)
+    out = dict.fromkeys((1, 4, 16), 0.0)
+    for trial in range(trials + 1):  # the first pass compiles
+        for n in out:
+            t = time.perf_counter()
+            for pos in range(24, 24 + tokens):  # ~ the prompt length, then one token a step
+                runner.decode([Row(slot, 7 + slot, pos) for slot in range(n)])
+            out[n] = max(out[n], n * tokens / (time.perf_counter() - t)) if trial else 0.0
+    return out
+
+
+def run(ckpt: Path, tokens: int, trials: int) -> dict:
+    load = os.getloadavg()[0]
+    engine = Engine(ckpt)
+    try:
+        hw = next(ev for ev in engine.handshake if isinstance(ev, HwInfo))
+        for n in (1, 4, 16):  # warm-up: compile every shape the measured runs use
+            aggregate(engine, n, tokens)
+        ttft(engine, SLOTS - 1, PROMPTS[20])
+        rates = dict.fromkeys((1, 4, 16), 0.0)
+        for _ in range(trials):  # interleaved, so a noisy neighbour hits every size alike
+            for n in rates:
+                rates[n] = max(rates[n], aggregate(engine, n, tokens))
+        idle = [ttft(engine, 0, PROMPTS[17 + i % 8]) for i in range(trials)]
+        busy = [ttft(engine, SLOTS - 1, PROMPTS[17 + i % 8]) for i in range(trials)]
+    finally:
+        engine.close()
+    bare = runner_only(ckpt, tokens, trials)
+    load = f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    return {
+        "machine": f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM, {load}",
+        "model": f"synthetic {SPEC.family}: {SPEC.layers} layers, {SPEC.experts} experts, "
+        f"top-{SPEC.top_k}, hidden {SPEC.hidden}, moe_ff {SPEC.moe_ff}, vocab {SPEC.vocab}",
+        "tokens": tokens,
+        "trials": trials,
+        "tok_s": rates,
+        "runner_tok_s": bare,
+        "speedup_16_vs_1": rates[16] / rates[1],
+        "ttft_idle_s": statistics.median(idle),
+        "ttft_busy15_s": statistics.median(busy),
+    }
+
+
+def report(r: dict) -> str:
+    eng, bare = r["tok_s"], r["runner_tok_s"]
+    rows = pd.DataFrame(
+        {
+            "engine tok/s": eng,
+            "x vs 1 slot": {n: v / eng[1] for n, v in eng.items()},
+            "Runner.decode alone tok/s": bare,
+            "x vs 1 row": {n: v / bare[1] for n, v in bare.items()},
+        }
+    )
+    rows.index.name = "active slots"
+    return "\n".join(
+        [
+            "# Continuous batching: aggregate decode rate and TTFT",
+            "",
+            "`python experiments/bench_batching.py` "
+            f"(--tokens {r['tokens']} --trials {r['trials']}), engine `SERVE_BATCH=1 "
+            f"KV_SLOTS={SLOTS} CTX={CTX}`, greedy, driven over the mux protocol.",
+            "",
+            f"Machine: {r['machine']}. Model: {r['model']}.",
+            "",
+            markdown_table(rows),
+            "",
+            f"16 slots give **{r['speedup_16_vs_1']:.1f}x** the aggregate tok/s of one "
+            "(target: at least 6x). The engine decodes at "
+            f"{100 * eng[1] / bare[1]:.0f}% (1 slot) and {100 * eng[16] / bare[16]:.0f}% "
+            "(16 slots) of the rate of bare `Runner.decode` forwards of the same rows; those "
+            f"forwards' own 16-row/1-row ratio is {bare[16] / bare[1]:.1f}x. On a shared 2-core "
+            "machine these rates move by tens of percent with other processes' load.",
+            "",
+            "| TTFT (median) | seconds |",
+            "|---|---|",
+            f"| idle engine | {r['ttft_idle_s']:.3f} |",
+            f"| while 15 other slots decode | {r['ttft_busy15_s']:.3f} |",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ckpt", default=".cache/synth-batching", help="synthesized here if missing")
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per request when timing")
+    ap.add_argument("--trials", type=int, default=5)
+    args = ap.parse_args()
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "config.json").exists():
+        synthesize(SPEC, ckpt)
+    r = run(ckpt, args.tokens, args.trials)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "batching.json").write_text(json.dumps(r, indent=2) + "\n")
+    (RESULTS / "batching.md").write_text(report(r))
+    print(report(r))
+
+
+if __name__ == "__main__":
+    main()
