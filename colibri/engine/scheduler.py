@@ -147,6 +147,7 @@ class _Run:
     rng: np.random.Generator
     t_accept: float
     timers0: dict[str, float]
+    lookups0: tuple[int, int]  # (lookups, hits) at acceptance: DONE's hit_pct is this turn's
     routes: list[np.ndarray] = field(default_factory=list)  # [n_moe, T, K] per forward
     emitted: int = 0
     pending: int | None = None  # last sampled token, fed at the next decode step
@@ -306,6 +307,7 @@ class Scheduler:
             rng=np.random.default_rng([self.config.seed, req.id]),
             t_accept=time.perf_counter(),
             timers0=self.runner.timers.snapshot(),
+            lookups0=(self.runner.stats.lookups, self.runner.stats.hits),
         )
 
     # ------------------------------------------------------------------ decode
@@ -377,7 +379,7 @@ class Scheduler:
         report = TurnReport(
             emitted=run.emitted,
             tok_s=(run.emitted - 1) / decode_s if run.emitted > 1 and decode_s > 0 else 0.0,
-            hit_pct=stats.hit_pct(),
+            hit_pct=stats.hit_pct(since=run.lookups0),
             prompt_tokens=len(run.req.prompt),
             length_limited=limited,
             dt=now - run.t_accept,

@@ -80,8 +80,10 @@ class ExpertStats:
         self.hits += hits
         self.misses += misses
 
-    def hit_pct(self) -> float:
-        return 100.0 * self.hits / self.lookups if self.lookups else 100.0
+    def hit_pct(self, since: tuple[int, int] = (0, 0)) -> float:
+        """Share of lookups that were hits, over all time or since a (lookups, hits) snapshot."""
+        lookups, hits = self.lookups - since[0], self.hits - since[1]
+        return 100.0 * hits / lookups if lookups else 100.0
 
     def take_hits(self) -> np.ndarray:
         """bool [rows, cols] of experts routed since the previous call; resets the marks."""
