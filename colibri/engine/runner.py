@@ -161,7 +161,12 @@ class Runner:
     # -- internals -----------------------------------------------------------------------
 
     def _kv_len(self, max_pos: int) -> int:
-        return bucket(max_pos + 1, lo=32, hi=self.capacity)
+        return self.kv_bucket(max_pos, self.capacity)
+
+    @staticmethod
+    def kv_bucket(max_pos: int, capacity: int) -> int:
+        """Cached positions a forward attends over when its last position is max_pos."""
+        return bucket(max_pos + 1, lo=32, hi=capacity)
 
     def _count_decoded(self, n: int) -> None:
         self.decoded += n
