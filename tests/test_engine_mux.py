@@ -23,6 +23,7 @@ from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Accepted, Failed, HitsTick, Token, common_prefix
 from colibri.engine.settings import EngineSettings, SettingsError
 from colibri.engine.telemetry import RepinEvent
+from colibri.experts.budget import TierConfig
 from colibri.protocol import mux
 from colibri.protocol.codec import (
     Accept,
@@ -418,14 +419,14 @@ def test_settings_name_the_variable_and_value():
         ("KV_SLOTS", "0"),
         ("CTX", "big"),
         ("SERVE_BATCH", "yes"),
-        ("DEVICE_GB", "-1"),
-        ("RAM_GB", "nan"),
         ("SEED", "-3"),
-        ("CAP", "1.5"),
     ]
     for name, value in bad:
         with pytest.raises(SettingsError, match=f"{name}='{value}'"):
             EngineSettings.from_env({name: value})
+    for name, value in [("DEVICE_GB", "-1"), ("RAM_GB", "nan"), ("CAP", "1.5"), ("POLICY", "x")]:
+        with pytest.raises(ValueError, match=f"{name}='{value}'"):
+            TierConfig.from_env({name: value})
 
 
 def test_engine_refuses_bad_settings_before_loading(model_dir, tmp_path):

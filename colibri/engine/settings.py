@@ -24,13 +24,8 @@ class EngineSettings:
     ctx: int | None = None  # CTX: positions per slot; None = min(2048, the model's maximum)
     ngen: int = 0  # NGEN: cap on tokens per answer (0 = only max_tokens caps)
     serve_topk: bool = False  # SERVE_TOPK=1: a TOPK line after every DATA
-    repin: int = 0  # REPIN: swap a cold pin for a hot expert every n tokens (0 = off)
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
-    device_gb: float | None = None  # DEVICE_GB: device expert budget (None = auto)
-    ram_gb: float | None = None  # RAM_GB: host RAM expert budget (None = auto)
-    pin_gb: float | None = None  # PIN_GB: budget of pinned experts (None = auto)
-    cap: int | None = None  # CAP: per-layer device expert cap (None = auto)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -42,13 +37,8 @@ class EngineSettings:
             ctx=r.opt_int("CTX", lo=2),
             ngen=r.int("NGEN", 0, lo=0),
             serve_topk=r.flag("SERVE_TOPK"),
-            repin=r.int("REPIN", 0, lo=0),
             kvsave=r.flag("KVSAVE"),
             seed=r.int("SEED", 0, lo=0),
-            device_gb=r.opt_gb("DEVICE_GB"),
-            ram_gb=r.opt_gb("RAM_GB"),
-            pin_gb=r.opt_gb("PIN_GB"),
-            cap=r.opt_int("CAP", lo=0),
         )
 
 
@@ -87,15 +77,3 @@ class _Reader:
     def int(self, name: str, default: int, lo: int, hi: int | None = None) -> int:
         n = self.opt_int(name, lo, hi)
         return default if n is None else n
-
-    def opt_gb(self, name: str) -> float | None:
-        value = self._raw(name)
-        if value is None:
-            return None
-        try:
-            gb = float(value)
-        except ValueError:
-            raise self._fail(name, "a number of GB >= 0") from None
-        if not gb >= 0 or gb == float("inf"):  # rejects nan too
-            raise self._fail(name, "a number of GB >= 0")
-        return gb

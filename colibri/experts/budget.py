@@ -61,8 +61,8 @@ def _gb(env: Mapping[str, str], key: str) -> int | None:
         v = float(raw)
     except ValueError:
         raise ValueError(f"{key}={raw!r}: expected a number of GiB") from None
-    if v < 0:
-        raise ValueError(f"{key}={raw!r}: must be >= 0")
+    if not 0 <= v < float("inf"):  # refuses nan as well
+        raise ValueError(f"{key}={raw!r}: must be a finite number >= 0")
     return int(v * GiB)
 
 
