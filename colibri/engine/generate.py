@@ -23,7 +23,7 @@ def generate_ids(
     """Yield up to max_tokens new token ids after `prompt` (a stop id ends it, unyielded)."""
     if not prompt:
         raise ValueError("empty prompt")
-    if len(prompt) + max_tokens > runner.capacity:
+    if len(prompt) + max_tokens - 1 > runner.capacity:  # the last token is never fed back
         raise ValueError(
             f"prompt of {len(prompt)} tokens + {max_tokens} new exceeds the context of "
             f"{runner.capacity}"
