@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("COLIBRI_JAX_CACHE", str(Path(__file__).parent.parent / ".cache" / "jax"))
+# Tests and the engines they spawn share the user's persistent XLA cache (~/.cache/colibri/jax,
+# or COLIBRI_JAX_CACHE): a second run on the same machine skips most compilation.
 
 import tiny  # noqa: E402
 
