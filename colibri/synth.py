@@ -309,11 +309,12 @@ _TEXT = (
 )
 
 
-def write_tokenizer(path: Path, vocab: int) -> int:
-    """Byte-level BPE trained on a fixed text (so always the same); returns the eos id."""
+def write_tokenizer(path: Path, vocab: int, text: list[str] | None = None) -> int:
+    """Byte-level BPE of at most `vocab` ids trained on `text` (default: a fixed text, so always
+    the same tokenizer); eos `<|endoftext|>` is added last. Returns the eos id."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    text = list(_TEXT) * 10
+    text = text if text is not None else list(_TEXT) * 10
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

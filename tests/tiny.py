@@ -91,21 +91,10 @@ FAMILY_CONFIGS = {
 
 
 def train_tokenizer(out_dir: Path, vocab: int = VOCAB) -> None:
-    """Byte-level BPE over a few languages and code; eos is the last id."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE over a few languages and code."""
+    from colibri.synth import write_tokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab - 1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.add_special_tokens(["<|end|>"])
-    assert tok.get_vocab_size() <= vocab and tok.token_to_id("<|end|>") < vocab
-    tok.save(str(out_dir / "tokenizer.json"))
+    assert write_tokenizer(out_dir / "tokenizer.json", vocab, CORPUS * 20) < vocab
 
 
 def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
