@@ -193,7 +193,14 @@ def plot_loss(log: dict, path: Path) -> None:
     smooth = np.convolve(ce, np.ones(10) / 10, mode="valid")
     a.plot(log["step"], ce, color="0.8", lw=0.8, label="train (per step)")
     a.plot(log["step"][9:], smooth, color="C0", label="train (10-step mean)")
-    a.plot(log["eval_step"], log["eval_ce"], "o-", color="C1", ms=3, label="held-out")
+    a.plot(
+        log["eval_step"],
+        log["eval_ce"],
+        "o-",
+        color="C1",
+        ms=3,
+        label="held-out probe (2 windows per domain)",
+    )
     a.set(xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(0, max(ce[5:].max(), 1) + 0.2))
     a.legend()
     b.plot(log["step"], log["balance"], color="C2")
@@ -328,7 +335,9 @@ def write_readme(path: Path, s: dict) -> None:
         f"Prompt: a held-out snippet (lines from the first paragraph past the middle of the "
         f"domain's `heldout.txt`); continuation: up to {a['sample_tokens']} greedy tokens from "
         "colibri's generate path (`colibri generate --model data/models/demo --prompt ...`). "
-        "The prompt is shown above the `⟶` line, the model's text below it.",
+        "The prompt is shown above the `⟶` line, the model's text below it. A model this small "
+        "and this briefly trained falls into loops under greedy decoding, and some continuations "
+        "drift toward a neighbouring kind of text.",
         "",
     ]
     for d, smp in s["samples"].items():
