@@ -1,9 +1,8 @@
-"""Training a MoE language model in colibri's parameter tree: init, loss, optimiser, saving, BPE."""
+"""Training a MoE language model in colibri's parameter tree: init, loss, optimiser, saving."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ from colibri.model.transformer import attention_block, dense_mlp_block, head, mo
 # What is trained: the dense tree of `weights.load_dense` and the stacked experts of
 # `weights.load_experts`, one entry per MoE layer, so saving is a renaming.
 State = dict[str, Any]  # {"params": Params, "experts": list[moe.Experts]}
-EOS = "<|endoftext|>"
 _FAMILIES = ("qwen3_moe", "olmoe")
 
 
@@ -250,23 +248,6 @@ def save_checkpoint(out: Path, raw_config: dict, state: State, eos_id: int) -> N
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     gen = {"eos_token_id": eos_id, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-
-
-def train_tokenizer(texts: Iterable[str], vocab: int):
-    """Byte-level BPE of `vocab` ids trained on texts; the last id is the special EOS."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab - 1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer)
-    tok.add_special_tokens([EOS])
-    return tok
 
 
 def sample_windows(

@@ -28,7 +28,8 @@ from colibri.config import config_from_dict
 from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
-from colibri.synth import SynthSpec, hf_config
+from colibri.synth import SynthSpec, hf_config, write_tokenizer
+from colibri.tokenizer import Tokenizer
 
 RESULTS = Path(__file__).parent / "results" / "train_moe.json"
 
@@ -126,15 +127,12 @@ def train(args, cfg, streams: list[np.ndarray], heldout: list[np.ndarray]):
 
 def heldout_table(args, cfg, state, tok, heldout: dict[str, np.ndarray]) -> dict:
     """Per domain: mean NLL per token, perplexity and bits per byte over held-out windows."""
-    from colibri.tokenizer import Tokenizer
-
     evaluate = training.make_eval_step(cfg)
-    byte_tok = Tokenizer(args.out / "tokenizer.json")
     table = {}
     for d, stream in heldout.items():
         windows = training.even_windows(stream, args.seq + 1, args.eval_windows)
         nll = np.asarray(evaluate(state, windows))  # [n, T]
-        n_bytes = sum(len(byte_tok.token_bytes(int(t))) for t in windows[:, 1:].ravel())
+        n_bytes = sum(len(tok.token_bytes(int(t))) for t in windows[:, 1:].ravel())
         mean = float(nll.mean())
         table[d] = {
             "tokens": int(nll.size),
@@ -190,9 +188,10 @@ def plot_loss(log: dict, path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     ce = np.asarray(log["ce"])
-    smooth = np.convolve(ce, np.ones(10) / 10, mode="valid")
+    w = min(10, len(ce))
+    smooth = np.convolve(ce, np.ones(w) / w, mode="valid")
     a.plot(log["step"], ce, color="0.8", lw=0.8, label="train (per step)")
-    a.plot(log["step"][9:], smooth, color="C0", label="train (10-step mean)")
+    a.plot(log["step"][w - 1 :], smooth, color="C0", label=f"train ({w}-step mean)")
     a.plot(
         log["eval_step"],
         log["eval_ce"],
@@ -201,7 +200,11 @@ def plot_loss(log: dict, path: Path) -> None:
         ms=3,
         label="held-out probe (2 windows per domain)",
     )
-    a.set(xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(0, max(ce[5:].max(), 1) + 0.2))
+    a.set(
+        xlabel="step",
+        ylabel="cross-entropy (nats/token)",
+        ylim=(0, ce[min(5, len(ce) - 1) :].max() + 0.2),
+    )
     a.legend()
     b.plot(log["step"], log["balance"], color="C2")
     b.axhline(1.0, color="0.6", ls="--", lw=0.8)
@@ -216,15 +219,14 @@ def main() -> int:
     t0 = time.perf_counter()
     times = {}
     corpus = read_corpus(args.corpus)
-    tok = training.train_tokenizer([tr for tr, _ in corpus.values()], args.vocab)
     args.out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(args.out / "tokenizer.json"))
-    eos = tok.token_to_id(training.EOS)
+    eos = write_tokenizer(args.out / "tokenizer.json", args.vocab, [t for t, _ in corpus.values()])
+    tok = Tokenizer(args.out / "tokenizer.json")
     times["tokenizer"] = time.perf_counter() - t0
-    streams = [np.asarray(tok.encode(tr).ids, np.int32) for tr, _ in corpus.values()]
-    heldout = {d: np.asarray(tok.encode(h).ids, np.int32) for d, (_, h) in corpus.items()}
+    streams = [np.asarray(tok.encode(tr), np.int32) for tr, _ in corpus.values()]
+    heldout = {d: np.asarray(tok.encode(h), np.int32) for d, (_, h) in corpus.items()}
     times["encode"] = time.perf_counter() - t0 - times["tokenizer"]
-    raw = model_config(args, tok.get_vocab_size(), eos)
+    raw = model_config(args, tok.vocab_size, eos)
     cfg = config_from_dict(raw)
     t1 = time.perf_counter()
     state, log = train(args, cfg, streams, list(heldout.values()))

@@ -52,6 +52,13 @@ def test_readme_reports_every_domain():
         assert f"| {d} |" in readme and f"### {d}" in readme
 
 
+def test_tokenizer_round_trips_text_it_never_saw(models):
+    tok = models[0].model.tokenizer
+    s = "unseen ß → 🐦 text\n\tok Ωmega"
+    assert tok.decode(tok.encode(s)) == s
+    assert tok.token_id("<|endoftext|>") == tok.vocab_size - 1
+
+
 @pytest.mark.parametrize("domain", list(PROMPTS))
 def test_logits_match_transformers(models, domain):
     import torch

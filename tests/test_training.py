@@ -123,15 +123,6 @@ def test_saved_checkpoint_matches_training_forward_colibri_and_transformers(fami
     np.testing.assert_allclose(tiny.hf_logits(tmp_path, ids), served, atol=1e-4)
 
 
-def test_tokenizer_is_byte_level_with_eos_last():
-    texts = ["def f(x):\n    return x\n", "Der Hund läuft. ", "ça va 🐦"] * 20
-    tok = training.train_tokenizer(texts, vocab=300)
-    assert tok.get_vocab_size() <= 300  # a short text runs out of merges first
-    assert tok.token_to_id(training.EOS) == tok.get_vocab_size() - 1
-    s = "unseen ß → 🐦 text\n\tok"
-    assert tok.decode(tok.encode(s).ids) == s
-
-
 def test_windows_cycle_domains_and_stay_in_range():
     streams = [np.full(50, d, np.int32) for d in range(3)]
     w = training.sample_windows(np.random.default_rng(0), streams, rows=6, length=10, first=1)
