@@ -1,0 +1,262 @@
+"""GGUF export of colibri checkpoints and a greedy llama.cpp run, to measure against llama.cpp."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from colibri.checkpoint import Checkpoint
+from colibri.config import ModelConfig, _rope_params, load_config
+
+ARCHS = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe"}  # colibri family -> llama.cpp architecture
+DTYPES = ("f32", "q8_0")
+_FILE_TYPE = {"f32": 0, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_Q8_0
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED = 1, 3, 4, 5
+
+# One GGUF tensor: its name, its numpy shape, and how to read it as float32.
+Plan = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+
+
+def _gguf() -> Any:
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            "GGUF export needs the `gguf` package: pip install 'colibri[bench]'"
+        ) from None
+    return gguf
+
+
+def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> Path:
+    """Write `out`, a GGUF file llama.cpp runs, from the checkpoint in `model_dir`.
+
+    dtype "f32" copies every tensor bit for bit; "q8_0" stores the matrices in llama.cpp's 8-bit
+    blocks and keeps norms and routers in f32, as llama.cpp's own converter does."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
+    gguf = _gguf()
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = load_config(model_dir)
+    arch = _check_supported(cfg)
+    ckpt = Checkpoint(model_dir)
+    plan = list(_plan(cfg, ckpt))
+    writer = gguf.GGUFWriter(out, arch)
+    _write_hparams(writer, cfg, model_dir.name, _FILE_TYPE[dtype])
+    _write_tokenizer(writer, gguf, model_dir / "tokenizer.json", cfg)
+    qtypes = {name: _qtype(gguf, name, shape, dtype) for name, shape, _ in plan}
+    for name, shape, _ in plan:  # tensors are streamed: headers first, then one at a time
+        _add_info(writer, gguf, name, shape, qtypes[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, _, read in plan:
+        writer.write_tensor_data(_encode(gguf, read(), qtypes[name]))
+    writer.close()
+    ckpt.close()
+    return out
+
+
+def _check_supported(cfg: ModelConfig) -> str:
+    """llama.cpp's architecture for this config, or a ValueError naming what it cannot run."""
+    if cfg.family not in ARCHS:
+        raise ValueError(f"model_type={cfg.family!r}: GGUF export supports {', '.join(ARCHS)} only")
+    rope = _rope_params(cfg.raw)
+    problems = {
+        "rope_type": (rope["rope_type"], "default"),
+        "partial_rotary_factor": (rope.get("partial_rotary_factor", 1.0), 1.0),
+        "qkv bias": (cfg.qkv_bias or cfg.o_bias, False),
+        "sparse layers": (all(cfg.moe_layers), True),
+        # llama.cpp hard-codes the top-k renormalisation: on for qwen3moe, off for olmoe.
+        "norm_topk_prob": (cfg.moe.norm_topk_prob, cfg.family == "qwen3_moe"),
+        # llama.cpp's olmoe graph never clamps q/k/v.
+        "clip_qkv": (cfg.clip_qkv, None),
+    }
+    for key, (got, want) in problems.items():
+        if got != want:
+            raise ValueError(
+                f"{cfg.family}: {key}={got!r}, llama.cpp's {ARCHS[cfg.family]} needs {want!r}"
+            )
+    if cfg.family == "olmoe" and cfg.num_heads * cfg.head_dim != cfg.hidden:
+        raise ValueError(
+            f"olmoe: heads x head_dim = {cfg.num_heads * cfg.head_dim} must equal "
+            f"hidden_size={cfg.hidden} for llama.cpp"
+        )
+    return ARCHS[cfg.family]
+
+
+def _write_hparams(w: Any, cfg: ModelConfig, name: str, file_type: int) -> None:
+    """The `{arch}.*` keys llama.cpp's loader reads for these two architectures."""
+    m = cfg.moe
+    w.add_name(name)
+    w.add_file_type(file_type)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden)
+    w.add_block_count(cfg.num_layers)
+    # olmoe reads the expert width from feed_forward_length, qwen3moe from the expert key.
+    w.add_feed_forward_length(
+        cfg.dense_ff if cfg.family == "qwen3_moe" and cfg.dense_ff else m.moe_ff
+    )
+    w.add_expert_feed_forward_length(m.moe_ff)
+    w.add_expert_count(m.num_experts)
+    w.add_expert_used_count(m.top_k)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(float(_rope_params(cfg.raw)["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+
+
+def _write_tokenizer(w: Any, gguf: Any, path: Path, cfg: ModelConfig) -> None:
+    """A byte-level BPE `tokenizer.json` as llama.cpp's "gpt2" vocabulary, padded to V ids."""
+    spec = json.loads(path.read_text())
+    model = spec["model"]
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+        raise ValueError(f"{path}: GGUF export needs a byte-level BPE tokenizer")
+    tokens = [f"[PAD{i}]" for i in range(cfg.vocab_size)]
+    types = [_TOKEN_UNUSED] * cfg.vocab_size
+    for text, i in model["vocab"].items():
+        tokens[i], types[i] = text, _TOKEN_NORMAL
+    for t in spec.get("added_tokens", []):
+        tokens[t["id"]] = t["content"]
+        types[t["id"]] = _TOKEN_CONTROL if t.get("special") else _TOKEN_USER
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")  # the GPT-2 split regex of a ByteLevel pre-tokenizer
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(int(cfg.bos_token_id))
+    if cfg.eos_token_ids:
+        w.add_eos_token_id(cfg.eos_token_ids[0])
+    w.add_add_bos_token(False)
+
+
+def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> Iterator[Plan]:
+    """Every GGUF tensor in llama.cpp's order and naming, with its Hugging Face source."""
+    D, V, E, F = cfg.hidden, cfg.vocab_size, cfg.moe.num_experts, cfg.moe.moe_ff
+
+    def one(name: str) -> Callable[[], np.ndarray]:
+        return lambda: ckpt.read(name)
+
+    yield "token_embd.weight", (V, D), one("model.embed_tokens.weight")
+    for i in range(cfg.num_layers):
+        hf, blk = f"model.layers.{i}", f"blk.{i}"
+        yield from _attn_plan(cfg, ckpt, f"{hf}.self_attn", blk)
+        yield f"{blk}.attn_norm.weight", (D,), one(f"{hf}.input_layernorm.weight")
+        yield f"{blk}.ffn_norm.weight", (D,), one(f"{hf}.post_attention_layernorm.weight")
+        yield f"{blk}.ffn_gate_inp.weight", (E, D), one(f"{hf}.mlp.gate.weight")
+        for gg, proj, shape in (
+            ("gate", "gate_proj", (F, D)),
+            ("up", "up_proj", (F, D)),
+            ("down", "down_proj", (D, F)),
+        ):
+            names = [f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(E)]
+            # [E, F, D] or [E, D, F]: GGUF lists dims reversed, llama.cpp's {D, F, E} / {F, D, E}
+            yield f"{blk}.ffn_{gg}_exps.weight", (E, *shape), _stacked(ckpt, names)
+    yield "output_norm.weight", (D,), one("model.norm.weight")
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    yield "output.weight", (V, D), one(head)  # olmoe has no tied-output fallback
+
+
+def _attn_plan(cfg: ModelConfig, ckpt: Checkpoint, hf: str, blk: str) -> Iterator[Plan]:
+    """q/k/v/o as stored: both architectures rotate with NEOX rope, so no q/k permutation."""
+    D, Dh = cfg.hidden, cfg.head_dim
+    Hq, Hkv = cfg.num_heads * Dh, cfg.num_kv_heads * Dh
+    for gg, proj, shape in (
+        ("q", "q_proj", (Hq, D)),
+        ("k", "k_proj", (Hkv, D)),
+        ("v", "v_proj", (Hkv, D)),
+        ("output", "o_proj", (D, Hq)),
+    ):
+        yield f"{blk}.attn_{gg}.weight", shape, _read(ckpt, f"{hf}.{proj}.weight", shape)
+    # qwen3moe normalises each head ([Dh]); olmoe the whole projection ([H*Dh], [Hkv*Dh]).
+    qn, kn = ((Dh,), (Dh,)) if cfg.qk_norm == "head" else ((Hq,), (Hkv,))
+    yield f"{blk}.attn_q_norm.weight", qn, _read(ckpt, f"{hf}.q_norm.weight", qn)
+    yield f"{blk}.attn_k_norm.weight", kn, _read(ckpt, f"{hf}.k_norm.weight", kn)
+
+
+def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+    return lambda: ckpt.read(name, shape)
+
+
+def _stacked(ckpt: Checkpoint, names: list[str]) -> Callable[[], np.ndarray]:
+    return lambda: np.stack([ckpt.read(n) for n in names])
+
+
+def _qtype(gguf: Any, name: str, shape: tuple[int, ...], dtype: str) -> Any:
+    """Q8_0 for matrices whose rows fill whole 32-value blocks; f32 for norms and routers."""
+    Q = gguf.GGMLQuantizationType
+    block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
+    small = len(shape) == 1 or "ffn_gate_inp" in name or shape[-1] % block
+    return Q.F32 if dtype == "f32" or small else Q.Q8_0
+
+
+def _add_info(w: Any, gguf: Any, name: str, shape: tuple[int, ...], qtype: Any) -> None:
+    if qtype == gguf.GGMLQuantizationType.F32:
+        w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        return
+    raw = gguf.quant_shape_to_byte_shape(shape, qtype)
+    w.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=qtype)
+
+
+def _encode(gguf: Any, arr: np.ndarray, qtype: Any) -> np.ndarray:
+    arr = np.ascontiguousarray(arr, dtype=np.float32)
+    return arr if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(arr, qtype)
+
+
+def llama_generate(
+    gguf_path: str | Path,
+    prompt_ids: list[int],
+    n_new: int,
+    n_threads: int | None = None,
+    n_ctx: int | None = None,
+) -> tuple[list[int], dict[str, float]]:
+    """Greedy continuation of `prompt_ids` by llama.cpp at batch 1, and how long each part took.
+
+    Timings: load_s (model file to ready context), prefill_s / prefill_tok_s (the prompt in one
+    llama_decode), decode_s / decode_tok_s (the n_new - 1 single-token steps after it), plus
+    llama.cpp's own counters from llama_perf_context (p_eval_ms, n_p_eval, eval_ms, n_eval)."""
+    import llama_cpp
+
+    if not prompt_ids or n_new < 1:
+        raise ValueError(f"need a prompt and n_new >= 1 (got {len(prompt_ids)} ids, {n_new})")
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=str(gguf_path),
+        n_ctx=n_ctx or len(prompt_ids) + n_new,
+        n_batch=max(512, len(prompt_ids)),
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+        logits_all=False,
+        verbose=False,
+    )
+    t1 = time.perf_counter()
+    llm.eval(list(prompt_ids))
+    t2 = time.perf_counter()
+    tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    for _ in range(n_new - 1):
+        llm.eval([tokens[-1]])
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+    t3 = time.perf_counter()
+    perf = llama_cpp.llama_perf_context(llm.ctx)
+    llm.close()
+    timings = dict(
+        load_s=t1 - t0,
+        prefill_s=t2 - t1,
+        prefill_tok_s=len(prompt_ids) / (t2 - t1),
+        decode_s=t3 - t2,
+        decode_tok_s=(n_new - 1) / (t3 - t2) if n_new > 1 else float("nan"),
+        p_eval_ms=float(perf.t_p_eval_ms),
+        n_p_eval=float(perf.n_p_eval),
+        eval_ms=float(perf.t_eval_ms),
+        n_eval=float(perf.n_eval),
+    )
+    return tokens, timings

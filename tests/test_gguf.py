@@ -1,0 +1,189 @@
+"""GGUF export: tensors round-trip exactly, and llama.cpp continues a prompt as colibri does."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from colibri.checkpoint import Checkpoint
+from colibri.gguf import export_gguf, llama_generate
+from colibri.synth import SynthSpec, synthesize
+
+gguf = pytest.importorskip("gguf")
+
+FAMILIES = ["qwen3_moe", "olmoe"]
+# Q8_0 blocks hold 32 values: every matrix row here (64 or 32 wide) fills whole blocks.
+SMALL = dict(layers=2, experts=8, top_k=2, hidden=64, moe_ff=32, vocab=300)
+PROMPT = "def forward(x): The router sends every token"
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """exported(family, dtype) -> (checkpoint folder, GGUF path), built once per module."""
+    built: dict[tuple[str, str], tuple] = {}
+
+    def get(family: str, dtype: str = "f32"):
+        if (family, dtype) not in built:
+            root = tmp_path_factory.mktemp(family)
+            d = synthesize(SynthSpec(family=family, **SMALL), root / "ckpt", progress=False)
+            built[family, dtype] = d, export_gguf(d, root / f"model-{dtype}.gguf", dtype)
+        return built[family, dtype]
+
+    return get
+
+
+def _hf_source(name: str, E: int) -> list[str]:
+    """The Hugging Face tensors a GGUF tensor came from (experts stacked in order)."""
+    fixed = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in fixed:
+        return [fixed[name]]
+    _, i, kind, _ = name.split(".")
+    p = f"model.layers.{i}"
+    per_layer = {
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+        "ffn_gate_inp": "mlp.gate",
+        "attn_q": "self_attn.q_proj",
+        "attn_k": "self_attn.k_proj",
+        "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    }
+    if kind in per_layer:
+        return [f"{p}.{per_layer[kind]}.weight"]
+    proj = kind.removeprefix("ffn_").removesuffix("_exps")
+    return [f"{p}.mlp.experts.{e}.{proj}_proj.weight" for e in range(E)]
+
+
+def _field(reader, key: str):
+    return reader.fields[key].contents()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_f32_export_round_trips_every_tensor(family, exported):
+    d, path = exported(family)
+    reader = gguf.GGUFReader(path)
+    ckpt = Checkpoint(d)
+    E = SMALL["experts"]
+    assert len(reader.tensors) == 3 + SMALL["layers"] * 12
+    used = set()
+    for t in reader.tensors:
+        sources = _hf_source(t.name, E)
+        ref = (
+            np.stack([ckpt.read(n) for n in sources]) if len(sources) > 1 else ckpt.read(sources[0])
+        )
+        assert t.tensor_type == gguf.GGMLQuantizationType.F32, t.name
+        assert tuple(t.data.shape) == ref.shape, t.name
+        assert list(t.shape) == list(reversed(ref.shape)), t.name  # ggml's ne order
+        np.testing.assert_array_equal(t.data, ref, err_msg=t.name)
+        used.update(sources)
+    assert used == set(ckpt.tensors)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_metadata_has_what_llama_cpp_reads(family, exported):
+    d, path = exported(family)
+    reader = gguf.GGUFReader(path)
+    arch = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe"}[family]
+    assert _field(reader, "general.architecture") == arch
+    assert _field(reader, "general.file_type") == 0
+    expected = {
+        "block_count": SMALL["layers"],
+        "embedding_length": SMALL["hidden"],
+        "expert_count": SMALL["experts"],
+        "expert_used_count": SMALL["top_k"],
+        "expert_feed_forward_length": SMALL["moe_ff"],
+        "attention.head_count": 2,
+        "attention.head_count_kv": 1,
+        "attention.key_length": 32,
+        "rope.dimension_count": 32,
+        "rope.freq_base": 10000.0,
+    }
+    for key, value in expected.items():
+        assert _field(reader, f"{arch}.{key}") == value, key
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert len(tokens) == SMALL["vocab"]
+    assert tokens[-1] == "<|endoftext|>"
+    assert _field(reader, "tokenizer.ggml.token_type")[-1] == 3  # control
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == SMALL["vocab"] - 1
+    assert _field(reader, "tokenizer.ggml.merges")[0].count(" ") == 1
+
+
+def test_q8_0_quantises_matrices_and_keeps_norms_and_routers(exported):
+    d, path = exported("qwen3_moe", "q8_0")
+    reader = gguf.GGUFReader(path)
+    ckpt = Checkpoint(d)
+    Q = gguf.GGMLQuantizationType
+    assert _field(reader, "general.file_type") == 7
+    for t in reader.tensors:
+        small = len(t.shape) == 1 or "ffn_gate_inp" in t.name
+        assert t.tensor_type == (Q.F32 if small else Q.Q8_0), t.name
+    q = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
+    ref = ckpt.read("model.layers.1.self_attn.q_proj.weight")
+    back = gguf.quants.dequantize(q.data, Q.Q8_0)
+    assert back.shape == ref.shape
+    # One f16 scale per 32 values: half a step of max|block| / 127, plus the scale's rounding.
+    step = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True) / 127
+    assert np.all(np.abs(back - ref).reshape(-1, 32) <= (0.5 + 127 * 2**-11) * step)
+
+
+def test_export_refuses_what_llama_cpp_cannot_run(tmp_path):
+    d = synthesize(SynthSpec(family="mixtral", **SMALL), tmp_path / "mixtral", progress=False)
+    with pytest.raises(ValueError, match="supports qwen3_moe, olmoe"):
+        export_gguf(d, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="dtype='q4'"):
+        export_gguf(d, tmp_path / "m.gguf", dtype="q4")
+    # llama.cpp's qwen3moe always renormalises the top-k weights: refuse a model that does not.
+    q = synthesize(SynthSpec(**SMALL), tmp_path / "qwen", progress=False)
+    raw = json.loads((q / "config.json").read_text())
+    (q / "config.json").write_text(json.dumps({**raw, "norm_topk_prob": False}))
+    with pytest.raises(ValueError, match="norm_topk_prob=False"):
+        export_gguf(q, tmp_path / "q.gguf")
+
+
+# --- llama.cpp itself (the `bench` extra) ---------------------------------------------------
+
+
+def _colibri(d):
+    from colibri.engine.generate import generate_ids
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Runner
+
+    model = load_model(d, progress=False)
+    runner = Runner(model, capacity=64)
+    ids = model.tokenizer.encode(PROMPT)
+    return model, runner, ids, list(generate_ids(runner, ids, N_NEW))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_greedy_and_logits_match_colibri(family, exported):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    d, path = exported(family)
+    model, runner, ids, ours = _colibri(d)
+    theirs, timings = llama_generate(path, ids, N_NEW, n_threads=2)
+    assert theirs == ours
+    assert timings["n_p_eval"] == len(ids) and timings["n_eval"] == N_NEW - 1
+    # Logits of the whole sequence, f32 against f32.
+    seq = ids + ours[:-1]
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    llm.eval(seq)
+    ref = np.asarray(llm.scores[: len(seq)])
+    assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids
+    llm.close()
+    np.testing.assert_allclose(runner.full_logits(seq), ref, atol=2e-4 * np.abs(ref).max())
+
+
+def test_llama_cpp_runs_the_q8_0_file(exported):
+    pytest.importorskip("llama_cpp")
+    _, path = exported("olmoe", "q8_0")
+    tokens, timings = llama_generate(path, list(range(10, 30)), 8, n_threads=2)
+    assert len(tokens) == 8 and all(0 <= t < SMALL["vocab"] for t in tokens)
+    assert timings["load_s"] > 0 and timings["prefill_tok_s"] > 0 and timings["decode_tok_s"] > 0
