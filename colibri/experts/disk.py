@@ -20,7 +20,12 @@ _ALIGN = 4096
 
 
 class DiskReader:
-    """pread of one expert's three byte ranges; counts bytes and thread-seconds spent reading."""
+    """pread of one expert's three byte ranges; counts bytes, thread-seconds and busy wall time.
+
+    `busy_seconds` is the wall-clock time during which at least one read was in flight (the
+    union of the reads' intervals), so `bytes_read / busy_seconds` is the bandwidth the disk
+    delivered while loading, apart from the time the compute thread spent on anything else.
+    """
 
     def __init__(self, ckpt: Checkpoint, cfg: ModelConfig, threads: int = 4, direct: bool = False):
         self.ckpt, self.cfg = ckpt, cfg
@@ -29,6 +34,9 @@ class DiskReader:
         self.bytes_read = 0
         self.reads = 0
         self.thread_seconds = 0.0  # t_edisk
+        self._busy = 0.0  # closed intervals with a read in flight
+        self._active = 0  # reads in flight now
+        self._busy_since = 0.0
         self._lock = threading.Lock()
         self._direct_fds: dict[Path, int] = {}
         self._slabs: dict[tuple[int, int], ExpertSlab] = {}
@@ -44,6 +52,13 @@ class DiskReader:
         """Start reading expert `expert` of checkpoint layer `layer`; the future gives Weights."""
         return self.pool.submit(self.read, layer, expert)
 
+    @property
+    def busy_seconds(self) -> float:
+        """Wall seconds with at least one read in flight, including the interval open now."""
+        with self._lock:
+            open_now = time.perf_counter() - self._busy_since if self._active else 0.0
+            return self._busy + open_now
+
     def read(self, layer: int, expert: int) -> Weights:
         t0 = time.perf_counter()
         slab = self.slab(layer, expert)
@@ -55,6 +70,18 @@ class DiskReader:
             self.reads += 1
             self.thread_seconds += time.perf_counter() - t0
         return w
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._active == 0:
+                self._busy_since = time.perf_counter()
+            self._active += 1
+
+    def _end(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self._busy += time.perf_counter() - self._busy_since
 
     def _read_parts(self, slab: ExpertSlab) -> list[np.ndarray]:
         """The slab's three matrices; one read when they sit close together in one file.
@@ -82,13 +109,21 @@ class DiskReader:
     def _with_span(self, path: Path, start: int, n: int, pieces) -> list[np.ndarray]:
         """Read bytes [start, start+n) of path; float32 copies of (dtype, offset, nbytes) pieces."""
         if not self.direct:
-            buf = self.ckpt.pread(path, start, n)
+            self._begin()
+            try:
+                buf = self.ckpt.pread(path, start, n)
+            finally:
+                self._end()
             return [_widen(buf, dt, off, m) for dt, off, m in pieces]
         lo = start - start % _ALIGN
         hi = -(-(start + n) // _ALIGN) * _ALIGN
         buf = mmap.mmap(-1, hi - lo)  # page-aligned, as O_DIRECT requires
         try:
-            got = os.preadv(self._direct_fd(path), [buf], lo)
+            self._begin()
+            try:
+                got = os.preadv(self._direct_fd(path), [buf], lo)
+            finally:
+                self._end()
             if got < start + n - lo:
                 raise CheckpointError(f"{path}: short read at byte {start}")
             return [_widen(buf, dt, start - lo + off, m) for dt, off, m in pieces]
