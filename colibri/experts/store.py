@@ -153,11 +153,14 @@ class ExpertStore:
             pending = [e for e in pending if e not in done]
         self._needed = set()
 
-    def _read_async(self, row: int, e: int) -> Future:
+    def _read_async(self, row: int, e: int, urgent: bool = True) -> Future:
+        """The read of (row, e) in flight, started if need be; `urgent` when a forward waits."""
         with self._lock:
             f = self._inflight.get((row, e))
+            if f is not None and urgent:
+                self.disk.promote(f)  # a prefetch the current layer now needs
             if f is None:
-                f = self.disk.submit(self.layer_ids[row], e)
+                f = self.disk.submit(self.layer_ids[row], e, urgent)
                 self._inflight[(row, e)] = f
                 f.add_done_callback(lambda _f, k=(row, e): self._inflight.pop(k, None))
         return f
@@ -191,7 +194,7 @@ class ExpertStore:
         for e in (int(x) for x in predicted):
             if self.slots[row].slot_of[e] >= 0 or (row, e) in self.ram or self.ram.budget == 0:
                 continue
-            f = self._read_async(row, e)
+            f = self._read_async(row, e, urgent=False)
             f.add_done_callback(lambda f, k=(row, e): self._prefetched(k, f))
 
     def _prefetched(self, key: tuple[int, int], f: Future) -> None:
