@@ -10,7 +10,9 @@ or in RAM); MB read from disk per token; t_ewait share of decode wall time; load
 read from disk / wall time during which at least one disk read was in flight (the reader's
 side: bytes read from disk per second during loads); wait GB/s = the same bytes / time the
 compute thread waited for experts (t_ewait, which also holds staging to device). The pread
-baseline reads the same files cold with 4 threads in 4 MiB requests.
+baseline reads the same files cold with 4 threads in 4 MiB requests, three times (first, then
+on either side of the O_DIRECT run, since a shared disk's bandwidth drifts); the target,
+O_DIRECT load GB/s >= 70% of pread, is checked against the best of the three.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ SPEC = SynthSpec(
 )
 PROMPT = "The router sends every token to a few experts; the rest stay cold on disk."
 RESULTS = Path(__file__).parent / "results"
+STREAMING = "disk-streaming O_DIRECT"  # the run the load-bandwidth target is read from
 
 
 def drop_page_cache(files: list[Path]) -> None:
@@ -123,7 +126,7 @@ def cases(expert_bytes: int, layers: int, experts: int, ram_budget: int) -> list
             usage=True,
         ),
         Case(
-            "disk-streaming O_DIRECT",
+            STREAMING,
             TierConfig(device_bytes=dev, ram_bytes=0, direct_io=True, io_threads=8),
         ),
     ]
@@ -224,10 +227,12 @@ def main() -> None:
     assert expert_total >= 4 * ram_budget, "checkpoint must be >= 4x the RAM budget"
     usage = ckpt_dir / ".coli_usage"
 
-    bw = pread_bandwidth(files, threads=4)
+    baselines = [pread_bandwidth(files, threads=4)]
     rows, resident_model, history = [], None, None
     usage.unlink(missing_ok=True)
     for case in cases(eb, layers, E, ram_budget):
+        if case.name == STREAMING:  # the disk's bandwidth drifts: measure it next to the run
+            baselines.append(pread_bandwidth(files, threads=4))
         if case.usage and not usage.exists():
             write_usage(usage, history)  # the pin runs learn from the LRU run's selections
         model = load_model(
@@ -248,9 +253,12 @@ def main() -> None:
             model.store.close()
         if case.name == "disk-streaming LRU":
             history = model.store.stats.counts.copy()
+        if case.name == STREAMING:
+            baselines.append(pread_bandwidth(files, threads=4))
+    bw = max(baselines)  # the target is checked against the best the disk did
     plain = plain_decode(resident_model, args.tokens)
     df = pd.DataFrame(rows).set_index("case")
-    streaming = df.loc["disk-streaming O_DIRECT"]
+    streaming = df.loc[STREAMING]
     summary = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         "checkpoint": {
@@ -261,6 +269,7 @@ def main() -> None:
         },
         "ram_budget_bytes": ram_budget,
         "pread_gb_s": bw,
+        "pread_gb_s_runs": baselines,
         "streaming_load_share_of_pread": streaming["load_gb_s"] / bw,
         "plain_decode_tok_s": plain,
         "resident_vs_plain": df.loc["resident", "tok_s"] / plain,
@@ -283,7 +292,9 @@ def main() -> None:
         "",
         markdown_table(table),
         "",
-        f"- cold pread bandwidth of the same files (4 threads, 4 MiB reads): **{bw:.2f} GB/s**",
+        f"- cold pread bandwidth of the same files (4 threads, 4 MiB reads): **{bw:.2f} GB/s**, "
+        f"the best of {len(baselines)} runs (before everything, just before and just after the "
+        f"O_DIRECT run: {', '.join(f'{b:.2f}' for b in baselines)})",
         f"- O_DIRECT streaming loads: {streaming['load_gb_s']:.2f} GB/s while reads were in "
         f"flight = **{100 * summary['streaming_load_share_of_pread']:.0f}%** of pread "
         f"(target >= 70%); per second the compute thread waited: "
