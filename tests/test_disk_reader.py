@@ -142,3 +142,19 @@ def test_urgent_pieces_go_first_and_a_promoted_prefetch_joins_them():
     finally:
         workers.close()  # drains the queue first
     assert order == ["first", "u", "p2", "p2", "p1"]
+
+
+def test_reader_threads_start_with_work_and_leave_when_idle():
+    done = threading.Event()
+    workers = disk._Workers(3, lambda x: done.set(), idle=0.05)
+    assert workers._threads == []  # a reader that never reads holds no thread
+    workers.put([(1,)], urgent=True)
+    assert done.wait(5)
+    deadline = time.monotonic() + 5
+    while workers._threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert workers._threads == []
+    done.clear()
+    workers.put([(2,)], urgent=True)  # and come back for more
+    assert done.wait(5)
+    workers.close()

@@ -26,6 +26,7 @@ log = logging.getLogger("colibri")
 _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundary
 _HUGE = 2 << 20  # buffers come in whole transparent huge pages
 PIECE = 512 << 10  # bytes per read request: one expert becomes several requests in flight
+_SPARE = 256 << 20  # read buffers kept for reuse, at most
 _COALESCE_SLACK = 2  # one range for a slab whose matrices span at most this many times its bytes
 
 
@@ -86,7 +87,7 @@ class DiskReader:
         self,
         ckpt: Checkpoint,
         cfg: ModelConfig,
-        threads: int = 8,
+        threads: int = 4,
         direct: bool = False,
         piece: int = PIECE,
     ):
@@ -106,7 +107,7 @@ class DiskReader:
         self._lock = threading.Lock()
         self._fds: dict[Path, int] = {}
         self._fd_lock = threading.Lock()
-        self._buffers = _Buffers(keep=2 * threads)
+        self._buffers = _Buffers(keep=_SPARE)
         self._slabs: dict[tuple[int, int], ExpertSlab] = {}
 
     # -- public --------------------------------------------------------------------------
@@ -297,25 +298,29 @@ def _split(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:
 
 
 class _Workers:
-    """Reader threads that take urgent pieces first: a forward never queues behind a prefetch."""
+    """Up to `n` reader threads that take urgent pieces first (a forward never queues behind a
+    prefetch). Threads start when work arrives and leave after `idle` seconds without any,
+    so a reader that is never used, or dropped without `close`, holds none."""
 
-    def __init__(self, threads: int, run: Callable):
-        self._run = run
+    def __init__(self, n: int, run: Callable, idle: float = 10.0):
+        self.n, self._run, self._idle_exit = n, run, idle
         self._urgent: deque = deque()
         self._later: deque = deque()
         self._cond = threading.Condition()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for work
         self._closed = False
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"colibri-disk-{i}", daemon=True)
-            for i in range(threads)
-        ]
-        for t in self._threads:
-            t.start()
 
     def put(self, items: list[tuple], urgent: bool) -> None:
         with self._cond:
             (self._urgent if urgent else self._later).extend(items)
             self._cond.notify(len(items))
+            self._threads = [t for t in self._threads if t.is_alive()]
+            queued = len(self._urgent) + len(self._later)
+            for _ in range(min(self.n - len(self._threads), queued - self._idle)):
+                t = threading.Thread(target=self._loop, name="colibri-disk", daemon=True)
+                self._threads.append(t)
+                t.start()
 
     def promote(self, load: _Load) -> None:
         with self._cond:
@@ -325,20 +330,30 @@ class _Workers:
                 self._urgent.extend(mine)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._urgent or self._later or self._closed):
-                    self._cond.wait()
-                if not (self._urgent or self._later):  # closed, and nothing left to read
-                    return
-                item = (self._urgent or self._later).popleft()
+        while (item := self._take()) is not None:
             self._run(*item)
+
+    def _take(self) -> tuple | None:
+        """The next piece; None once closed and drained, or after `idle` seconds without work."""
+        with self._cond:
+            self._idle += 1
+            try:
+                while not (self._urgent or self._later or self._closed):
+                    if not self._cond.wait(self._idle_exit) and not (self._urgent or self._later):
+                        self._threads.remove(threading.current_thread())
+                        return None
+                if not (self._urgent or self._later):
+                    return None
+                return (self._urgent or self._later).popleft()
+            finally:
+                self._idle -= 1
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        for t in self._threads:
+            threads = list(self._threads)
+        for t in threads:
             t.join()
 
 
@@ -367,14 +382,15 @@ def _widen(buf, dtype: str, offset: int, n: int) -> np.ndarray:
         out = np.empty(raw.size, np.uint32)
         np.left_shift(raw, 16, out=out, dtype=np.uint32)
         return out.view(np.float32)
-    return np.array(to_f32(raw, dtype), np.float32, copy=True)
+    return to_f32(raw, dtype)  # astype: a new array, never a view of buf
 
 
 class _Buffers:
-    """Reusable page-aligned read buffers in whole huge pages; keeps up to `keep` spare."""
+    """Reusable page-aligned read buffers in whole huge pages; keeps up to `keep` spare bytes."""
 
     def __init__(self, keep: int):
         self.keep = keep
+        self.spare = 0
         self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
 
@@ -383,14 +399,15 @@ class _Buffers:
         with self._lock:
             free = self._free.get(size)
             if free:
+                self.spare -= size
                 return free.pop()
         return _new_buffer(size)
 
     def give(self, buf: mmap.mmap) -> None:
         with self._lock:
-            free = self._free.setdefault(len(buf), [])
-            if sum(len(v) for v in self._free.values()) < self.keep:
-                free.append(buf)
+            if self.spare + len(buf) <= self.keep:
+                self._free.setdefault(len(buf), []).append(buf)
+                self.spare += len(buf)
                 return
         _close(buf)
 
@@ -398,6 +415,7 @@ class _Buffers:
         with self._lock:
             bufs = [b for v in self._free.values() for b in v]
             self._free.clear()
+            self.spare = 0
         for b in bufs:
             _close(b)
 
