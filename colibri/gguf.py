@@ -36,7 +36,7 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> P
     """Write `out`, a GGUF file llama.cpp runs, from the checkpoint in `model_dir`.
 
     dtype "f32" copies every tensor bit for bit; "q8_0" stores the matrices in llama.cpp's 8-bit
-    blocks and keeps norms and routers in f32, as llama.cpp's own converter does."""
+    blocks and keeps norms and routers in f32, as llama.cpp's own quantizer does."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
     gguf = _gguf()
@@ -44,21 +44,34 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> P
     cfg = load_config(model_dir)
     arch = _check_supported(cfg)
     ckpt = Checkpoint(model_dir)
-    plan = list(_plan(cfg, ckpt))
-    writer = gguf.GGUFWriter(out, arch)
-    _write_hparams(writer, cfg, model_dir.name, _FILE_TYPE[dtype])
-    _write_tokenizer(writer, gguf, model_dir / "tokenizer.json", cfg)
-    qtypes = {name: _qtype(gguf, name, shape, dtype) for name, shape, _ in plan}
-    for name, shape, _ in plan:  # tensors are streamed: headers first, then one at a time
-        _add_info(writer, gguf, name, shape, qtypes[name])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, _, read in plan:
-        writer.write_tensor_data(_encode(gguf, read(), qtypes[name]))
-    writer.close()
-    ckpt.close()
+    tmp = out.with_name(out.name + ".tmp")  # a failed export leaves no half-written `out`
+    try:
+        _write(gguf, gguf.GGUFWriter(tmp, arch), cfg, ckpt, model_dir, dtype)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        ckpt.close()
+    tmp.replace(out)
     return out
+
+
+def _write(
+    gguf: Any, w: Any, cfg: ModelConfig, ckpt: Checkpoint, model_dir: Path, dtype: str
+) -> None:
+    """Metadata, then tensor headers, then tensor data one at a time (never all in memory)."""
+    _write_hparams(w, cfg, model_dir.name, _FILE_TYPE[dtype])
+    _write_tokenizer(w, model_dir / "tokenizer.json", cfg)
+    plan = list(_plan(cfg, ckpt))
+    qtypes = {name: _qtype(gguf, name, shape, dtype) for name, shape, _ in plan}
+    for name, shape, _ in plan:
+        _add_info(w, gguf, name, shape, qtypes[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, _, read in plan:
+        w.write_tensor_data(_encode(gguf, read(), qtypes[name]))
+    w.close()
 
 
 def _check_supported(cfg: ModelConfig) -> str:
@@ -76,16 +89,14 @@ def _check_supported(cfg: ModelConfig) -> str:
         # llama.cpp's olmoe graph never clamps q/k/v.
         "clip_qkv": (cfg.clip_qkv, None),
     }
+    if cfg.family == "olmoe":  # its k_norm and o_proj are sized [D]: no GQA, and H x Dh = D
+        problems["num_key_value_heads"] = (cfg.num_kv_heads, cfg.num_heads)
+        problems["heads x head_dim"] = (cfg.num_heads * cfg.head_dim, cfg.hidden)
     for key, (got, want) in problems.items():
         if got != want:
             raise ValueError(
                 f"{cfg.family}: {key}={got!r}, llama.cpp's {ARCHS[cfg.family]} needs {want!r}"
             )
-    if cfg.family == "olmoe" and cfg.num_heads * cfg.head_dim != cfg.hidden:
-        raise ValueError(
-            f"olmoe: heads x head_dim = {cfg.num_heads * cfg.head_dim} must equal "
-            f"hidden_size={cfg.hidden} for llama.cpp"
-        )
     return ARCHS[cfg.family]
 
 
@@ -113,7 +124,7 @@ def _write_hparams(w: Any, cfg: ModelConfig, name: str, file_type: int) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_eps)
 
 
-def _write_tokenizer(w: Any, gguf: Any, path: Path, cfg: ModelConfig) -> None:
+def _write_tokenizer(w: Any, path: Path, cfg: ModelConfig) -> None:
     """A byte-level BPE `tokenizer.json` as llama.cpp's "gpt2" vocabulary, padded to V ids."""
     spec = json.loads(path.read_text())
     model = spec["model"]
@@ -143,16 +154,19 @@ def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> Iterator[Plan]:
     """Every GGUF tensor in llama.cpp's order and naming, with its Hugging Face source."""
     D, V, E, F = cfg.hidden, cfg.vocab_size, cfg.moe.num_experts, cfg.moe.moe_ff
 
-    def one(name: str) -> Callable[[], np.ndarray]:
-        return lambda: ckpt.read(name)
+    def one(name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        return lambda: ckpt.read(name, shape)
 
-    yield "token_embd.weight", (V, D), one("model.embed_tokens.weight")
+    def stacked(names: list[str], shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
+        return lambda: np.stack([ckpt.read(n, shape) for n in names])
+
+    yield "token_embd.weight", (V, D), one("model.embed_tokens.weight", (V, D))
     for i in range(cfg.num_layers):
         hf, blk = f"model.layers.{i}", f"blk.{i}"
-        yield from _attn_plan(cfg, ckpt, f"{hf}.self_attn", blk)
-        yield f"{blk}.attn_norm.weight", (D,), one(f"{hf}.input_layernorm.weight")
-        yield f"{blk}.ffn_norm.weight", (D,), one(f"{hf}.post_attention_layernorm.weight")
-        yield f"{blk}.ffn_gate_inp.weight", (E, D), one(f"{hf}.mlp.gate.weight")
+        yield from _attn_plan(cfg, one, f"{hf}.self_attn", blk)
+        yield f"{blk}.attn_norm.weight", (D,), one(f"{hf}.input_layernorm.weight", (D,))
+        yield f"{blk}.ffn_norm.weight", (D,), one(f"{hf}.post_attention_layernorm.weight", (D,))
+        yield f"{blk}.ffn_gate_inp.weight", (E, D), one(f"{hf}.mlp.gate.weight", (E, D))
         for gg, proj, shape in (
             ("gate", "gate_proj", (F, D)),
             ("up", "up_proj", (F, D)),
@@ -160,13 +174,13 @@ def _plan(cfg: ModelConfig, ckpt: Checkpoint) -> Iterator[Plan]:
         ):
             names = [f"{hf}.mlp.experts.{e}.{proj}.weight" for e in range(E)]
             # [E, F, D] or [E, D, F]: GGUF lists dims reversed, llama.cpp's {D, F, E} / {F, D, E}
-            yield f"{blk}.ffn_{gg}_exps.weight", (E, *shape), _stacked(ckpt, names)
-    yield "output_norm.weight", (D,), one("model.norm.weight")
+            yield f"{blk}.ffn_{gg}_exps.weight", (E, *shape), stacked(names, shape)
+    yield "output_norm.weight", (D,), one("model.norm.weight", (D,))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    yield "output.weight", (V, D), one(head)  # olmoe has no tied-output fallback
+    yield "output.weight", (V, D), one(head, (V, D))  # olmoe has no tied-output fallback
 
 
-def _attn_plan(cfg: ModelConfig, ckpt: Checkpoint, hf: str, blk: str) -> Iterator[Plan]:
+def _attn_plan(cfg: ModelConfig, one: Callable, hf: str, blk: str) -> Iterator[Plan]:
     """q/k/v/o as stored: both architectures rotate with NEOX rope, so no q/k permutation."""
     D, Dh = cfg.hidden, cfg.head_dim
     Hq, Hkv = cfg.num_heads * Dh, cfg.num_kv_heads * Dh
@@ -176,23 +190,16 @@ def _attn_plan(cfg: ModelConfig, ckpt: Checkpoint, hf: str, blk: str) -> Iterato
         ("v", "v_proj", (Hkv, D)),
         ("output", "o_proj", (D, Hq)),
     ):
-        yield f"{blk}.attn_{gg}.weight", shape, _read(ckpt, f"{hf}.{proj}.weight", shape)
+        yield f"{blk}.attn_{gg}.weight", shape, one(f"{hf}.{proj}.weight", shape)
     # qwen3moe normalises each head ([Dh]); olmoe the whole projection ([H*Dh], [Hkv*Dh]).
     qn, kn = ((Dh,), (Dh,)) if cfg.qk_norm == "head" else ((Hq,), (Hkv,))
-    yield f"{blk}.attn_q_norm.weight", qn, _read(ckpt, f"{hf}.q_norm.weight", qn)
-    yield f"{blk}.attn_k_norm.weight", kn, _read(ckpt, f"{hf}.k_norm.weight", kn)
-
-
-def _read(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    return lambda: ckpt.read(name, shape)
-
-
-def _stacked(ckpt: Checkpoint, names: list[str]) -> Callable[[], np.ndarray]:
-    return lambda: np.stack([ckpt.read(n) for n in names])
+    yield f"{blk}.attn_q_norm.weight", qn, one(f"{hf}.q_norm.weight", qn)
+    yield f"{blk}.attn_k_norm.weight", kn, one(f"{hf}.k_norm.weight", kn)
 
 
 def _qtype(gguf: Any, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-    """Q8_0 for matrices whose rows fill whole 32-value blocks; f32 for norms and routers."""
+    """Q8_0 for matrices whose rows fill whole 32-value blocks; f32 for norms and routers
+    (llama.cpp's quantizer skips 1-D, `*_norm` and `ffn_gate_inp` tensors too)."""
     Q = gguf.GGMLQuantizationType
     block = gguf.GGML_QUANT_SIZES[Q.Q8_0][0]
     small = len(shape) == 1 or "ffn_gate_inp" in name or shape[-1] % block
@@ -218,45 +225,98 @@ def llama_generate(
     n_new: int,
     n_threads: int | None = None,
     n_ctx: int | None = None,
+    kv_type: str = "f16",
+    warmup: bool = True,
 ) -> tuple[list[int], dict[str, float]]:
     """Greedy continuation of `prompt_ids` by llama.cpp at batch 1, and how long each part took.
 
-    Timings: load_s (model file to ready context), prefill_s / prefill_tok_s (the prompt in one
-    llama_decode), decode_s / decode_tok_s (the n_new - 1 single-token steps after it), plus
-    llama.cpp's own counters from llama_perf_context (p_eval_ms, n_p_eval, eval_ms, n_eval)."""
-    import llama_cpp
-
+    Timings: load_s (GGUF file to ready context), prefill_s / prefill_tok_s (the prompt, one
+    `eval`), decode_s / decode_tok_s (the n_new - 1 single-token steps after it), and llama.cpp's
+    own counters from llama_perf_context (p_eval_ms, n_p_eval, eval_ms, n_eval). kv_type is the
+    KV cache's precision: llama.cpp's default "f16", or "f32". warmup runs one untimed
+    single-token step first (as llama-bench does), so prefill excludes first-call setup."""
     if not prompt_ids or n_new < 1:
         raise ValueError(f"need a prompt and n_new >= 1 (got {len(prompt_ids)} ids, {n_new})")
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(
-        model_path=str(gguf_path),
-        n_ctx=n_ctx or len(prompt_ids) + n_new,
-        n_batch=max(512, len(prompt_ids)),
-        n_threads=n_threads,
-        n_threads_batch=n_threads,
-        logits_all=False,
-        verbose=False,
-    )
+    llm = _llama(gguf_path, n_ctx or len(prompt_ids) + n_new, n_threads, kv_type, False)
     t1 = time.perf_counter()
+    if warmup:
+        _warm_up(llm, prompt_ids[0])
+    t1w = time.perf_counter()
     llm.eval(list(prompt_ids))
     t2 = time.perf_counter()
-    tokens = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
+    tokens = [_argmax_last(llm)]
     for _ in range(n_new - 1):
         llm.eval([tokens[-1]])
-        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        tokens.append(_argmax_last(llm))
     t3 = time.perf_counter()
-    perf = llama_cpp.llama_perf_context(llm.ctx)
+    perf = _perf(llm)
     llm.close()
-    timings = dict(
+    return tokens, dict(
         load_s=t1 - t0,
-        prefill_s=t2 - t1,
-        prefill_tok_s=len(prompt_ids) / (t2 - t1),
+        prefill_s=t2 - t1w,
+        prefill_tok_s=len(prompt_ids) / (t2 - t1w),
         decode_s=t3 - t2,
         decode_tok_s=(n_new - 1) / (t3 - t2) if n_new > 1 else float("nan"),
-        p_eval_ms=float(perf.t_p_eval_ms),
-        n_p_eval=float(perf.n_p_eval),
-        eval_ms=float(perf.t_eval_ms),
-        n_eval=float(perf.n_eval),
+        **perf,
     )
-    return tokens, timings
+
+
+def llama_logits(
+    gguf_path: str | Path, ids: list[int], n_threads: int | None = None, kv_type: str = "f32"
+) -> np.ndarray:
+    """llama.cpp's logits at every position of `ids`, [T, V] (f32 KV cache by default)."""
+    llm = _llama(gguf_path, len(ids), n_threads, kv_type, True)
+    llm.eval(list(ids))
+    out = np.array(llm.scores[: len(ids)], dtype=np.float32)
+    llm.close()
+    return out
+
+
+def _llama(path: str | Path, n_ctx: int, n_threads: int | None, kv_type: str, all_logits: bool):
+    import llama_cpp
+
+    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if kv_type not in kv:
+        raise ValueError(f"kv_type={kv_type!r}: one of {', '.join(kv)}")
+    return llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=max(512, n_ctx),  # the whole prompt in one eval call
+        n_threads=n_threads,
+        n_threads_batch=n_threads,
+        type_k=kv[kv_type],
+        type_v=kv[kv_type],
+        logits_all=all_logits,
+        verbose=False,
+    )
+
+
+def _warm_up(llm: Any, token: int) -> None:
+    """One decode step, then an empty cache and zeroed perf counters."""
+    import llama_cpp
+
+    llm.eval([token])
+    llama_cpp.llama_synchronize(llm.ctx)  # llama.cpp books a step's time at the next sync
+    llm.reset()  # the next eval starts at position 0 and drops the cached step
+    llama_cpp.llama_perf_context_reset(llm.ctx)
+
+
+def _perf(llm: Any) -> dict[str, float]:
+    import llama_cpp
+
+    p = llama_cpp.llama_perf_context(llm.ctx)
+    return dict(
+        p_eval_ms=float(p.t_p_eval_ms),
+        n_p_eval=float(p.n_p_eval),
+        eval_ms=float(p.t_eval_ms),
+        n_eval=float(p.n_eval),
+    )
+
+
+def _argmax_last(llm: Any) -> int:
+    """Greedy pick from the last position's logits (Llama keeps no scores without logits_all)."""
+    import llama_cpp
+
+    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))

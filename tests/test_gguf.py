@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
-from colibri.checkpoint import Checkpoint
-from colibri.gguf import export_gguf, llama_generate
+from colibri.checkpoint import Checkpoint, write_safetensors
+from colibri.gguf import export_gguf, llama_generate, llama_logits
 from colibri.synth import SynthSpec, synthesize
 
 gguf = pytest.importorskip("gguf")
 
 FAMILIES = ["qwen3_moe", "olmoe"]
 # Q8_0 blocks hold 32 values: every matrix row here (64 or 32 wide) fills whole blocks.
-SMALL = dict(layers=2, experts=8, top_k=2, hidden=64, moe_ff=32, vocab=300)
+SMALL = dict(layers=2, experts=8, top_k=2, hidden=64, moe_ff=32, vocab=300, heads=2)
+KV_HEADS = {"qwen3_moe": 1, "olmoe": 2}  # llama.cpp's olmoe has no grouped-query attention
 PROMPT = "def forward(x): The router sends every token"
 N_NEW = 16
 
@@ -28,7 +30,8 @@ def exported(tmp_path_factory):
     def get(family: str, dtype: str = "f32"):
         if (family, dtype) not in built:
             root = tmp_path_factory.mktemp(family)
-            d = synthesize(SynthSpec(family=family, **SMALL), root / "ckpt", progress=False)
+            spec = SynthSpec(family=family, kv_heads=KV_HEADS[family], **SMALL)
+            d = synthesize(spec, root / "ckpt", progress=False)
             built[family, dtype] = d, export_gguf(d, root / f"model-{dtype}.gguf", dtype)
         return built[family, dtype]
 
@@ -102,7 +105,7 @@ def test_metadata_has_what_llama_cpp_reads(family, exported):
         "expert_used_count": SMALL["top_k"],
         "expert_feed_forward_length": SMALL["moe_ff"],
         "attention.head_count": 2,
-        "attention.head_count_kv": 1,
+        "attention.head_count_kv": KV_HEADS[family],
         "attention.key_length": 32,
         "rope.dimension_count": 32,
         "rope.freq_base": 10000.0,
@@ -135,18 +138,37 @@ def test_q8_0_quantises_matrices_and_keeps_norms_and_routers(exported):
     assert np.all(np.abs(back - ref).reshape(-1, 32) <= (0.5 + 127 * 2**-11) * step)
 
 
-def test_export_refuses_what_llama_cpp_cannot_run(tmp_path):
-    d = synthesize(SynthSpec(family="mixtral", **SMALL), tmp_path / "mixtral", progress=False)
-    with pytest.raises(ValueError, match="supports qwen3_moe, olmoe"):
+@pytest.mark.parametrize(
+    "family, edit, match",
+    [
+        ("mixtral", {}, "supports qwen3_moe, olmoe"),
+        # llama.cpp hard-codes top-k renormalisation (qwen3moe on, olmoe off) and no GQA in olmoe
+        ("qwen3_moe", {"norm_topk_prob": False}, "norm_topk_prob=False"),
+        ("olmoe", {"num_key_value_heads": 1}, "num_key_value_heads=1"),
+        ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ],
+)
+def test_export_refuses_what_llama_cpp_would_run_differently(family, edit, match, tmp_path):
+    d = synthesize(SynthSpec(family=family, **SMALL), tmp_path / family, progress=False)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(ValueError, match=match):
         export_gguf(d, tmp_path / "m.gguf")
+
+
+def test_export_names_a_missing_tensor_and_leaves_no_file(tmp_path):
+    d = synthesize(SynthSpec(**SMALL), tmp_path / "ckpt", progress=False)
+    ckpt = Checkpoint(d)
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    write_safetensors(d / "model.safetensors", {n: ckpt.read(n) for n in ckpt.tensors if n != gone})
+    with pytest.raises(ValueError, match=re.escape(gone)):
+        export_gguf(d, tmp_path / "m.gguf")
+    assert not list(tmp_path.glob("m.gguf*"))
+
+
+def test_export_refuses_unknown_dtype(tmp_path):
     with pytest.raises(ValueError, match="dtype='q4'"):
-        export_gguf(d, tmp_path / "m.gguf", dtype="q4")
-    # llama.cpp's qwen3moe always renormalises the top-k weights: refuse a model that does not.
-    q = synthesize(SynthSpec(**SMALL), tmp_path / "qwen", progress=False)
-    raw = json.loads((q / "config.json").read_text())
-    (q / "config.json").write_text(json.dumps({**raw, "norm_topk_prob": False}))
-    with pytest.raises(ValueError, match="norm_topk_prob=False"):
-        export_gguf(q, tmp_path / "q.gguf")
+        export_gguf(tmp_path, tmp_path / "m.gguf", dtype="q4")
 
 
 # --- llama.cpp itself (the `bench` extra) ---------------------------------------------------
@@ -167,23 +189,27 @@ def _colibri(d):
 def test_llama_cpp_greedy_and_logits_match_colibri(family, exported):
     llama_cpp = pytest.importorskip("llama_cpp")
     d, path = exported(family)
-    model, runner, ids, ours = _colibri(d)
-    theirs, timings = llama_generate(path, ids, N_NEW, n_threads=2)
+    _, runner, ids, ours = _colibri(d)
+    vocab = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    assert vocab.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids
+    vocab.close()
+    theirs, timings = llama_generate(path, ids, N_NEW, n_threads=2)  # llama.cpp's f16 KV cache
     assert theirs == ours
     assert timings["n_p_eval"] == len(ids) and timings["n_eval"] == N_NEW - 1
-    # Logits of the whole sequence, f32 against f32.
+    # Every position's logits, f32 weights and f32 KV cache on both sides.
     seq = ids + ours[:-1]
-    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    llm.eval(seq)
-    ref = np.asarray(llm.scores[: len(seq)])
-    assert llm.tokenize(PROMPT.encode(), add_bos=False, special=False) == ids
-    llm.close()
-    np.testing.assert_allclose(runner.full_logits(seq), ref, atol=2e-4 * np.abs(ref).max())
+    ref = llama_logits(path, seq, n_threads=2)
+    np.testing.assert_allclose(runner.full_logits(seq), ref, atol=1e-5 * np.abs(ref).max())
 
 
 def test_llama_cpp_runs_the_q8_0_file(exported):
     pytest.importorskip("llama_cpp")
-    _, path = exported("olmoe", "q8_0")
-    tokens, timings = llama_generate(path, list(range(10, 30)), 8, n_threads=2)
+    _, f32 = exported("olmoe")
+    _, q8 = exported("olmoe", "q8_0")
+    ids = list(range(10, 30))
+    tokens, timings = llama_generate(q8, ids, 8, n_threads=2)
     assert len(tokens) == 8 and all(0 <= t < SMALL["vocab"] for t in tokens)
     assert timings["load_s"] > 0 and timings["prefill_tok_s"] > 0 and timings["decode_tok_s"] > 0
+    # 8-bit weights move the logits by a few percent of their range, not more.
+    ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(q8, ids, n_threads=2)
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
