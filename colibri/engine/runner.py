@@ -184,25 +184,23 @@ class Runner:
                 self.model.params,
                 self.store.resident,
                 self.cache,
-                jnp.asarray(b.tokens),
-                jnp.asarray(b.pos),
-                jnp.asarray(b.slots),
-                jnp.asarray(b.last),
+                b.tokens,  # numpy in: jit transfers it without dispatching an op per array
+                b.pos,
+                b.slots,
+                b.last,
                 kv_len=b.kv_len,
                 all_logits=all_logits,
             )
             routes = np.asarray(r)[:, : b.rows, : b.width]
             self._record(routes)
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
-        return np.asarray(logits[: b.rows]), routes
+        return np.asarray(logits)[: b.rows], routes
 
     def _record(self, routes: np.ndarray) -> None:
         """Selection counts of real tokens; in the fused path every lookup is a device hit."""
-        for row, ids in enumerate(routes):
-            self.stats.record(row, ids)
-            if not self.split:
-                n = len(np.unique(ids))
-                self.stats.record_lookups(n, n)
+        distinct = self.stats.record_all(routes)
+        if not self.split:
+            self.stats.record_lookups(distinct, distinct)
 
     def _forward_split(self, b: _Batch, all_logits: bool):
         cfg, params, t = self.cfg, self.model.params, self.timers

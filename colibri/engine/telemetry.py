@@ -75,6 +75,16 @@ class ExpertStats:
         np.add.at(self.counts[row], flat, 1)
         self.hits_since[row, flat] = True
 
+    def record_all(self, routes: np.ndarray) -> int:
+        """Count routes [rows, ...ids] of every MoE layer at once; returns the number of distinct
+        (layer, expert) pairs among them (the lookups of one forward)."""
+        flat = routes.reshape(self.rows, -1) + (np.arange(self.rows) * self.cols)[:, None]
+        chosen = np.bincount(flat.ravel(), minlength=self.rows * self.cols)
+        chosen = chosen.reshape(self.rows, self.cols)
+        self.counts += chosen
+        self.hits_since |= chosen > 0
+        return int(np.count_nonzero(chosen))
+
     def record_lookups(self, lookups: int, hits: int, misses: int = 0) -> None:
         self.lookups += lookups
         self.hits += hits
