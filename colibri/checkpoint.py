@@ -48,9 +48,12 @@ def raw_dtype(dtype: str) -> np.dtype:
 
 
 def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """Widen raw tensor bytes (as read) to float32; bf16 is the top half of an f32."""
+    """Widen raw tensor bytes (as read) to a new float32 array; bf16 is the top half of an f32,
+    shifted in one pass into a fresh array."""
     if dtype == "BF16":
-        return (raw.astype(np.uint32) << 16).view(np.float32)
+        out = np.empty(raw.shape, np.uint32)
+        np.left_shift(raw, 16, out=out, dtype=np.uint32)
+        return out.view(np.float32)
     return raw.astype(np.float32)
 
 

@@ -377,12 +377,7 @@ def _ranges(slab: ExpertSlab) -> list[tuple[tuple[Path, int, int], list[tuple[st
 def _widen(buf, dtype: str, offset: int, n: int) -> np.ndarray:
     """float32 copy of n raw bytes at offset of buf (no view into buf survives)."""
     dt = raw_dtype(dtype)
-    raw = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset)
-    if dtype == "BF16":  # bf16 is the top half of an f32: one pass, one new array
-        out = np.empty(raw.size, np.uint32)
-        np.left_shift(raw, 16, out=out, dtype=np.uint32)
-        return out.view(np.float32)
-    return to_f32(raw, dtype)  # astype: a new array, never a view of buf
+    return to_f32(np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset), dtype)
 
 
 class _Buffers:
