@@ -5,6 +5,7 @@ BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
 TSTAMP  := $(VENV)/.installed-test
+BSTAMP  := $(VENV)/.installed-bench
 DEMO    := data/models/demo
 SYNTH   := .cache/synth-demo
 MODEL   ?= $(if $(wildcard $(DEMO)/config.json),$(DEMO),$(SYNTH))
@@ -28,6 +29,15 @@ $(TSTAMP): pyproject.toml | $(PYTHON)
 $(SYNTH)/config.json: | $(STAMP)
 	$(BIN)/colibri synth --family qwen3_moe --layers 4 --experts 16 --top-k 4 --hidden 128 \
 		--moe-ff 64 --vocab 512 --seed 0 --out $(SYNTH)
+
+# The peers benchmark: the test extra (transformers) and the bench extra (llama-cpp-python,
+# compiled from source: several minutes on first install). Results in experiments/results/.
+$(BSTAMP): pyproject.toml | $(PYTHON)
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $(STAMP) $(TSTAMP) $@
+
+bench: $(BSTAMP)
+	$(PYTHON) experiments/bench_peers.py
 
 demo: $(STAMP) $(if $(wildcard $(DEMO)/config.json),,$(SYNTH)/config.json)
 	$(BIN)/colibri generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens $(MAXTOK)

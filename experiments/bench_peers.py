@@ -1,0 +1,448 @@
+"""python experiments/bench_peers.py [--rounds 2] [--tokens 64] [--prompt 128] [--shapes A,B]
+
+colibri beside what its users would pick instead, on the same synthetic f32 checkpoints, in one
+run: colibri (resident experts), transformers `generate` (greedy), and llama.cpp through
+llama-cpp-python (`pip install -e '.[bench]'`, skipped when absent) on the checkpoint converted
+to GGUF as f32 and q8_0. Each configuration runs in its own worker process (so peak RSS is its
+own) and the configurations alternate over --rounds rounds, best round kept, so that load from
+other processes falls on each of them alike. `make bench` runs this with the defaults.
+
+Measured per configuration: load seconds; prefill tok/s and TTFT for a --prompt-token prompt;
+greedy decode tok/s at batch 1 over --tokens tokens; for colibri also the aggregate tok/s of 4
+and 16 rows decoding at once (16 KV slots); peak RSS. Every configuration's greedy tokens are
+compared with colibri's (f32 peers should agree; q8_0 need not).
+
+The roofline: bytes of weights one decode step touches (attention, router, the experts chosen,
+lm_head; f32) divided by the memory bandwidth measured in the same run (the best of numpy
+reductions on every core and an OpenBLAS matrix-vector product, over 1 GiB). At 16 rows the
+experts touched are the distinct experts colibri's routers chose, counted per layer.
+Writes experiments/results/peers.md and peers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from colibri.report import markdown_table
+from colibri.synth import SynthSpec, synthesize
+
+SHAPES = {
+    # ~0.5B parameters: 8 layers x 64 experts of 3 x 768 x 384, top-8.
+    "qwen3_moe": SynthSpec(
+        family="qwen3_moe",
+        layers=8,
+        experts=64,
+        top_k=8,
+        hidden=768,
+        moe_ff=384,
+        vocab=8192,
+        kv_heads=4,
+        dtype="f32",
+        seed=0,
+        shard_mb=1024,
+    ),
+    # ~0.4B parameters: 8 layers x 64 experts of 3 x 512 x 512, top-8; OLMoE has no grouped
+    # KV heads (llama.cpp's olmoe expects full-width k norms).
+    "olmoe": SynthSpec(
+        family="olmoe",
+        layers=8,
+        experts=64,
+        top_k=8,
+        hidden=512,
+        moe_ff=512,
+        vocab=8192,
+        kv_heads=8,
+        dtype="f32",
+        seed=1,
+        shard_mb=1024,
+    ),
+}
+PEERS = ["colibri", "transformers", "llama.cpp f32", "llama.cpp q8_0"]
+CACHE = Path(".cache/bench-peers")
+RESULTS = Path(__file__).parent / "results"
+
+
+def prompt_ids(vocab: int, n: int) -> list[int]:
+    """A fixed prompt of n token ids drawn from the tokenizer's byte range and merges."""
+    return np.random.default_rng(7).integers(0, min(vocab, 4096), n).tolist()
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- workers (one per process) ----------------------------------------------------------------
+
+
+def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Row, Runner
+
+    t0 = time.perf_counter()
+    model = load_model(ckpt, progress=False)
+    assert model.store.all_resident, "the benchmark wants every expert resident"
+    runner = Runner(model, slots=16, capacity=len(prompt) + tokens + 8)
+    load_s = time.perf_counter() - t0
+
+    runner.prefill(0, prompt)  # compiles
+    t0 = time.perf_counter()
+    logits, _ = runner.prefill(0, prompt)
+    first = int(np.argmax(logits))
+    ttft = time.perf_counter() - t0
+    firsts = [first]
+    # Slots 1..15 hold other conversations: the prompt with its last 8 tokens changed.
+    head = len(prompt) - 8
+    kv = runner.export_slot(0, head)
+    rng = np.random.default_rng(1)
+    for s in range(1, 16):
+        runner.import_slot(s, kv)
+        tail = rng.integers(0, min(model.cfg.vocab_size, 4096), 8).tolist()
+        logits_s, _ = runner.prefill(s, tail, start=head)
+        firsts.append(int(np.argmax(logits_s)))
+
+    def decode(rows: int, n: int) -> tuple[float, list[int], list[int]]:
+        """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
+        layer (mean over steps)."""
+        nxt, out, distinct = firsts[:rows], [first], []
+        t = time.perf_counter()
+        for i in range(n):
+            pos = len(prompt) + i
+            logits, routes = runner.decode([Row(s, nxt[s], pos) for s in range(rows)])
+            nxt = np.argmax(logits[:rows], axis=-1).tolist()
+            out.append(nxt[0])
+            distinct.append([len(np.unique(r[:rows])) for r in routes])
+        return rows * n / (time.perf_counter() - t), out, np.mean(distinct, axis=0).tolist()
+
+    res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
+    for rows in (1, 4, 16):
+        decode(rows, tokens)  # compiles every KV bucket the measured pass meets
+        rate, out, distinct = decode(rows, tokens)
+        res[f"decode_tok_s_{rows}"] = rate
+        res[f"distinct_experts_{rows}"] = distinct
+        if rows == 1:
+            res["tokens"] = out
+        else:
+            # Slot 0 holds the batch-1 conversation: batching must not change its text.
+            res[f"batch_{rows}_equals_batch_1"] = out == res["tokens"]
+    return res
+
+
+def work_transformers(ckpt: Path, prompt: list[int], tokens: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([prompt])
+
+    def gen(n: int) -> tuple[float, list[int]]:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        return time.perf_counter() - t, out[0, len(prompt) :].tolist()
+
+    gen(2)  # warm-up
+    ttft, _ = gen(1)
+    total, out = gen(tokens + 1)
+    return {
+        "load_s": load_s,
+        "ttft_s": ttft,
+        "prefill_tok_s": len(prompt) / ttft,
+        "decode_tok_s_1": tokens / (total - ttft),
+        "tokens": out,
+    }
+
+
+def work_llama(gguf: Path, prompt: list[int], tokens: int) -> dict:
+    from colibri.gguf import llama_generate
+
+    t0 = time.perf_counter()
+    out, timings = llama_generate(gguf, prompt, tokens + 1, n_threads=os.cpu_count() or 1)
+    wall = time.perf_counter() - t0
+    return {
+        "load_s": timings["load_s"],
+        "ttft_s": timings["prefill_s"],
+        "prefill_tok_s": len(prompt) / timings["prefill_s"],
+        "decode_tok_s_1": tokens / timings["decode_s"],
+        "tokens": out,
+        "wall_s": wall,
+    }
+
+
+def worker(args) -> None:
+    prompt = json.loads(args.prompt_ids)
+    if args.worker == "colibri":
+        res = work_colibri(Path(args.path), prompt, args.tokens)
+    elif args.worker == "transformers":
+        res = work_transformers(Path(args.path), prompt, args.tokens)
+    else:
+        res = work_llama(Path(args.path), prompt, args.tokens)
+    res["peak_rss_mb"] = peak_rss_mb()
+    Path(args.out).write_text(json.dumps(res))
+
+
+# -- the machine ----------------------------------------------------------------------------
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+    """Read bandwidth GB/s: numpy sums over every core's share, and OpenBLAS gemv."""
+    threads = os.cpu_count() or 1
+    a = np.ones(int(gib * (1 << 30)) // 4, np.float32)
+    parts = np.array_split(a, threads)
+    best_sum = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best_sum = max(best_sum, a.nbytes / (time.perf_counter() - t) / 1e9)
+    m = a.reshape(-1, 4096)
+    v = np.ones(4096, np.float32)
+    best_gemv = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        m @ v
+        best_gemv = max(best_gemv, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return {"sum_gb_s": best_sum, "gemv_gb_s": best_gemv, "gb_s": max(best_sum, best_gemv)}
+
+
+def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
+    """f32 bytes of weights one decode step of `rows` rows reads (each weight once)."""
+    D, V = cfg.hidden, cfg.vocab_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    attn = D * q + D * kv + q * D + 2 * D  # projections and norms (q/k norms are tiny)
+    m = cfg.moe
+    per_expert = 3 * D * m.moe_ff
+    params = cfg.num_layers * (attn + D * m.num_experts)  # + router
+    params += sum(e * per_expert for e in experts_per_layer)
+    params += rows * D + V * D + D  # embedding rows, lm_head, final norm
+    return 4.0 * params
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def ensure_inputs(name: str, spec: SynthSpec, with_llama: bool) -> dict[str, Path]:
+    ckpt = CACHE / name
+    if not (ckpt / "config.json").exists():
+        synthesize(spec, ckpt)
+    paths = {"colibri": ckpt, "transformers": ckpt}
+    if with_llama:
+        from colibri.gguf import export_gguf
+
+        for peer, dtype in (("llama.cpp f32", "f32"), ("llama.cpp q8_0", "q8_0")):
+            out = CACHE / f"{name}-{dtype}.gguf"
+            if not out.exists():
+                export_gguf(ckpt, out, dtype=dtype)
+            paths[peer] = out
+    return paths
+
+
+def run_worker(peer: str, path: Path, prompt: list[int], tokens: int) -> dict:
+    out = CACHE / f"worker-{os.getpid()}.json"
+    kind = "llama" if peer.startswith("llama") else peer
+    cmd = [sys.executable, __file__, "--worker", kind, "--path", str(path)]
+    cmd += ["--tokens", str(tokens), "--prompt-ids", json.dumps(prompt), "--out", str(out)]
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    res = json.loads(out.read_text())
+    out.unlink()
+    print(
+        f"  {peer:16s} decode {res['decode_tok_s_1']:7.2f} tok/s  prefill "
+        f"{res['prefill_tok_s']:8.1f} tok/s  rss {res['peak_rss_mb']:6.0f} MB  "
+        f"({time.perf_counter() - t:.0f} s)",
+        flush=True,
+    )
+    return res
+
+
+def best_of(runs: list[dict]) -> dict:
+    """Best round per measure: highest rates, lowest times, the largest RSS."""
+    out = dict(runs[0])
+    for r in runs[1:]:
+        for k, v in r.items():
+            if not isinstance(v, float):
+                continue
+            if "tok_s" in k:
+                out[k] = max(out[k], v)
+            elif k.endswith("_s"):
+                out[k] = min(out[k], v)
+            elif k == "peak_rss_mb":
+                out[k] = max(out[k], v)
+    return out
+
+
+def agreement(a: list[int], b: list[int]) -> int:
+    """Leading greedy tokens two runs share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--prompt-ids", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from colibri.config import load_config
+    from colibri.engine.hwinfo import host
+
+    try:
+        import llama_cpp  # noqa: F401
+
+        with_llama = True
+    except ImportError:
+        with_llama = False
+        print("llama-cpp-python is not installed (pip install -e '.[bench]'): llama.cpp skipped")
+    peers = [p for p in PEERS if with_llama or not p.startswith("llama")]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    names = args.shapes.split(",")
+    inputs = {name: ensure_inputs(name, SHAPES[name], with_llama) for name in names}
+    bw = memory_bandwidth()
+    print(f"memory bandwidth: {bw['gb_s']:.1f} GB/s", flush=True)
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for name in names:
+            prompt = prompt_ids(SHAPES[name].vocab, args.prompt)
+            order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]  # rotate the order
+            print(f"round {rnd + 1}/{args.rounds}, {name}", flush=True)
+            for peer in order:
+                res = run_worker(peer, inputs[name][peer], prompt, args.tokens)
+                runs.setdefault((name, peer), []).append(res)
+    bw_end = memory_bandwidth()
+    bw["gb_s_end"] = bw_end["gb_s"]
+    gb_s = max(bw["gb_s"], bw_end["gb_s"])
+
+    rows, summary = [], {}
+    for name in names:
+        cfg = load_config(inputs[name]["colibri"])
+        col = best_of(runs[(name, "colibri")])
+        k = cfg.moe.top_k
+        roof1 = gb_s * 1e9 / step_bytes(cfg, [k] * cfg.num_layers, 1)
+        roof16 = 16 * gb_s * 1e9 / step_bytes(cfg, col["distinct_experts_16"], 16)
+        summary[name] = {"roofline_tok_s_1": roof1, "roofline_tok_s_16": roof16, "peers": {}}
+        for peer in peers:
+            r = best_of(runs[(name, peer)])
+            summary[name]["peers"][peer] = r
+            rows.append(
+                {
+                    "model": name,
+                    "engine": peer,
+                    "decode tok/s (batch 1)": r["decode_tok_s_1"],
+                    "colibri / this": col["decode_tok_s_1"] / r["decode_tok_s_1"],
+                    "prefill tok/s": r["prefill_tok_s"],
+                    "TTFT s": r["ttft_s"],
+                    "load s": r["load_s"],
+                    "peak RSS MB": r["peak_rss_mb"],
+                    "same greedy tokens": f"{agreement(col['tokens'], r['tokens'])}"
+                    f"/{len(col['tokens'])}",
+                }
+            )
+        rows.append(
+            {
+                "model": name,
+                "engine": "roofline (f32 weights / measured bandwidth)",
+                "decode tok/s (batch 1)": roof1,
+                "colibri / this": col["decode_tok_s_1"] / roof1,
+            }
+        )
+    table = pd.DataFrame(rows)
+    batch_rows = []
+    for name in names:
+        col = summary[name]["peers"]["colibri"]
+        for b in (1, 4, 16):
+            batch_rows.append(
+                {
+                    "model": name,
+                    "rows": b,
+                    "aggregate tok/s": col[f"decode_tok_s_{b}"],
+                    "x vs batch 1": col[f"decode_tok_s_{b}"] / col["decode_tok_s_1"],
+                    "distinct experts / layer": float(np.mean(col[f"distinct_experts_{b}"])),
+                    "roofline tok/s": (
+                        summary[name]["roofline_tok_s_1"]
+                        if b == 1
+                        else b * gb_s * 1e9 / step_bytes(cfg, col[f"distinct_experts_{b}"], b)
+                    ),
+                }
+            )
+    batch = pd.DataFrame(batch_rows)
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    print(batch.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+    write_results(args, host(), bw, gb_s, table, batch, summary)
+
+
+def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) -> None:
+    machine = (
+        f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; memory bandwidth "
+        f"{gb_s:.1f} GB/s (numpy sums {bw['sum_gb_s']:.1f}, OpenBLAS gemv {bw['gemv_gb_s']:.1f})"
+    )
+    shapes = {
+        n: f"synthetic {s.family}: {s.layers} layers x {s.experts} experts (top-{s.top_k}), "
+        f"hidden {s.hidden}, moe_ff {s.moe_ff}, vocab {s.vocab}, f32"
+        for n, s in SHAPES.items()
+        if n in summary
+    }
+    cmd = (
+        f"python experiments/bench_peers.py --rounds {args.rounds} --tokens {args.tokens} "
+        f"--prompt {args.prompt}"
+    )
+    md = [
+        "# colibri beside its peers",
+        "",
+        f"Command: `{cmd}`  ",
+        f"Machine: {machine}  ",
+        *[f"{n}: {d}  " for n, d in shapes.items()],
+        "",
+        f"Batch-1 greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt; "
+        f"best of {args.rounds} alternating rounds, each configuration in its own process.",
+        "",
+        markdown_table(table, index=False),
+        "",
+        "## colibri with several conversations decoding at once",
+        "",
+        markdown_table(batch, index=False),
+        "",
+    ]
+    (RESULTS / "peers.md").write_text("\n".join(md))
+    (RESULTS / "peers.json").write_text(
+        json.dumps(
+            {
+                "command": cmd,
+                "machine": machine,
+                "bandwidth": bw,
+                "shapes": shapes,
+                "results": summary,
+            },
+            indent=1,
+        )
+    )
+    print(f"wrote {RESULTS / 'peers.md'}")
+
+
+if __name__ == "__main__":
+    main()
