@@ -66,8 +66,9 @@ def test_chunks_assemble_bitwise():
 
 
 def test_plan_rows_one_by_one_at_batch_one_and_in_blocks_for_prefill(monkeypatch):
-    assert expert_plan(1, 8, 64) == (8, 4)  # every expert has one row: all go row by row
-    assert expert_plan(256, 8, 64) == (32, 4)
+    assert expert_plan(1, 8, 64) == (1, 1)  # decode: row by row
+    assert expert_plan(16, 8, 64) == (1, 1)
+    assert expert_plan(256, 8, 64) == (32, 8)  # prefill: blocks
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert expert_plan(1, 8, 64) == (1, 1)
     assert expert_plan(16, 8, 64) == (2, 1)

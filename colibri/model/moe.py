@@ -121,16 +121,21 @@ def expert_outputs(
 
 
 def expert_plan(rows: int, top_k: int, num_experts: int) -> tuple[int, int]:
-    """(block, least) for `expert_outputs`. Blocks grow with the rows each expert can expect.
+    """(block, least) for `expert_outputs`, from the rows each chosen expert can expect.
 
-    On CPU a remainder of fewer than 4 rows goes row by row: XLA streams a slab through a
-    matrix-vector product at memory speed, while a small matrix-matrix product costs about as
-    much as 3-4 of them (measured, 1-16 rows). Elsewhere every row goes in a block.
+    On CPU, XLA streams a slab through a matrix-vector product at memory speed and a repeated
+    expert's slabs come back from cache, while a small matrix-matrix product costs as much as
+    several of them: decode batches (under 8 rows per expert) go row by row, and only prefill
+    chunks use blocks (measured: experiments/bench_peers.py shapes, 1-256 rows). Elsewhere
+    every row goes in a block sized to the expected rows.
     """
     per_expert = rows * top_k / min(num_experts, rows * top_k)
     grow = 1 << max(0, math.ceil(math.log2(per_expert)))
     if jax.default_backend() == "cpu":
-        return max(8, min(grow, 64)), 4
+        if per_expert < 8:
+            return 1, 1
+        block = min(max(grow, 8), 32)
+        return block, block // 4
     return min(grow, 64), 1
 
 
