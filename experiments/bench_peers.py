@@ -12,10 +12,11 @@ greedy decode tok/s at batch 1 over --tokens tokens; for colibri also the aggreg
 and 16 rows decoding at once (16 KV slots); peak RSS. Every configuration's greedy tokens are
 compared with colibri's (f32 peers should agree; q8_0 need not).
 
-The roofline: bytes of weights one decode step touches (attention, router, the experts chosen,
-lm_head; f32) divided by the memory bandwidth measured in the same run (the best of numpy
-reductions on every core, an OpenBLAS and an XLA matrix-vector product, over 1 GiB). At 16 rows the
-experts touched are the distinct experts colibri's routers chose, counted per layer.
+The roofline (memory only): bytes of weights one decode step touches (attention, router, the
+experts chosen, lm_head; f32) divided by the memory bandwidth measured in the same run (the
+best of numpy reductions on every core, an OpenBLAS and an XLA matrix-vector product, over
+1 GiB). At 4 and 16 rows the experts touched are the distinct experts colibri's routers chose,
+counted per layer. llama.cpp runs with an f32 KV cache, as colibri keeps.
 Writes experiments/results/peers.md and peers.json.
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -79,7 +79,9 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from colibri.engine.hwinfo import peak_rss_gb
+
+    return peak_rss_gb() * 1024
 
 
 # -- workers (one per process) ----------------------------------------------------------------
@@ -172,7 +174,10 @@ def work_llama(gguf: Path, prompt: list[int], tokens: int) -> dict:
     from colibri.gguf import llama_generate
 
     t0 = time.perf_counter()
-    out, timings = llama_generate(gguf, prompt, tokens + 1, n_threads=os.cpu_count() or 1)
+    # An f32 KV cache, as colibri keeps (llama.cpp's default f16 cache moves logits by ~1e-3).
+    out, timings = llama_generate(
+        gguf, prompt, tokens + 1, n_threads=os.cpu_count() or 1, kv_type="f32"
+    )
     wall = time.perf_counter() - t0
     return {
         "load_s": timings["load_s"],
@@ -393,6 +398,7 @@ def main() -> None:
     table = pd.DataFrame(rows)
     batch_rows = []
     for name in names:
+        cfg = load_config(inputs[name]["colibri"])
         col = summary[name]["peers"]["colibri"]
         for b in (1, 4, 16):
             batch_rows.append(

@@ -38,7 +38,19 @@ class Device:
 
 
 def peak_rss_gb() -> float:
-    """Peak resident set size of this process, GiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    """Peak resident set size of this process, GiB.
+
+    Linux: VmHWM of /proc/self/status, the high-water mark of this program's own memory
+    (ru_maxrss also counts what the parent held when it forked us, kept across exec).
+    Elsewhere ru_maxrss (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / (1 << 20)  # kB
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / GIB if sys.platform == "darwin" else peak / (1 << 20)
 

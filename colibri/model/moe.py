@@ -104,18 +104,18 @@ def expert_outputs(
 
     out = jax.lax.fori_loop(0, big_end[-1], one_block, out)
 
-    # Remainders shorter than `least`: one row at a time.
-    p = jnp.arange(NK)
-    e = jnp.minimum(skey, S - 1)
-    single = (skey < S) & ~padded[e] & (p - start[e] >= full[e] * block)
-    (pos,) = jnp.nonzero(single, size=NK, fill_value=0)
+    if block > 1:  # remainders shorter than `least`: one row at a time
+        p = jnp.arange(NK)
+        e = jnp.minimum(skey, S - 1)
+        single = (skey < S) & ~padded[e] & (p - start[e] >= full[e] * block)
+        (pos,) = jnp.nonzero(single, size=NK, fill_value=0)
 
-    def one_row(i, out):
-        q = pos[i]
-        y = _expert_mlp(experts, xs[row_of[q]][None], skey[q])
-        return jax.lax.dynamic_update_slice(out, y, (q, 0))
+        def one_row(i, out):
+            q = pos[i]
+            y = _expert_mlp(experts, xs[row_of[q]][None], skey[q])
+            return jax.lax.dynamic_update_slice(out, y, (q, 0))
 
-    out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
+        out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
     y = jnp.zeros((NK, D), x.dtype).at[order].set(jnp.where((skey < S)[:, None], out[:NK], 0))
     return y.reshape(N, K, D)
 
