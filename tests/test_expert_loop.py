@@ -26,7 +26,7 @@ def reference(experts: dict, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
 _jitted = jax.jit(expert_outputs, static_argnums=(3, 4))
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     rows=st.integers(1, 9),
     top_k=st.integers(1, 4),
