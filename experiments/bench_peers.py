@@ -358,9 +358,8 @@ def main() -> None:
             for peer in order:
                 res = run_worker(peer, inputs[name][peer], prompt, args.tokens)
                 runs.setdefault((name, peer), []).append(res)
-    bw_end = memory_bandwidth()
-    bw["gb_s_end"] = bw_end["gb_s"]
-    gb_s = max(bw["gb_s"], bw_end["gb_s"])
+    bw = {"before": bw, "after": memory_bandwidth()}
+    gb_s = max(bw["before"]["gb_s"], bw["after"]["gb_s"])
 
     rows, summary = [], {}
     for name in names:
@@ -422,10 +421,14 @@ def main() -> None:
 
 
 def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) -> None:
+    probes = "; ".join(
+        f"{when}: numpy sums {b['sum_gb_s']:.1f}, OpenBLAS gemv {b['gemv_gb_s']:.1f}, "
+        f"XLA gemv {b['xla_gemv_gb_s']:.1f}"
+        for when, b in bw.items()
+    )
     machine = (
         f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; memory bandwidth "
-        f"{gb_s:.1f} GB/s (best of numpy sums {bw['sum_gb_s']:.1f}, OpenBLAS gemv "
-        f"{bw['gemv_gb_s']:.1f}, XLA gemv {bw['xla_gemv_gb_s']:.1f})"
+        f"{gb_s:.1f} GB/s, the best probe before and after the runs ({probes})"
     )
     shapes = {
         n: f"synthetic {s.family}: {s.layers} layers x {s.experts} experts (top-{s.top_k}), "
