@@ -78,6 +78,8 @@ class ExpertStats:
     def record_all(self, routes: np.ndarray) -> int:
         """Count routes [rows, ...ids] of every MoE layer at once; returns the number of distinct
         (layer, expert) pairs among them (the lookups of one forward)."""
+        if routes.size == 0:
+            return 0
         flat = routes.reshape(self.rows, -1) + (np.arange(self.rows) * self.cols)[:, None]
         chosen = np.bincount(flat.ravel(), minlength=self.rows * self.cols)
         chosen = chosen.reshape(self.rows, self.cols)
