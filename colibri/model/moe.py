@@ -76,6 +76,8 @@ def expert_outputs(
     key = jnp.where(flat >= 0, flat, S)  # unstaged entries sort last and are never computed
     order = jnp.argsort(key, stable=True)  # sorted position -> assignment
     skey = key[order]
+    if block == 1:  # row by row, in expert order: no blocks to lay out
+        return _one_by_one(experts, x, order, skey, S).reshape(N, K, D)
     counts = jnp.bincount(key, length=S + 1)[:S]  # rows per slot
     start = jnp.cumsum(counts) - counts  # first sorted position of each slot
     full = counts // block
@@ -104,20 +106,35 @@ def expert_outputs(
 
     out = jax.lax.fori_loop(0, big_end[-1], one_block, out)
 
-    if block > 1:  # remainders shorter than `least`: one row at a time
-        p = jnp.arange(NK)
-        e = jnp.minimum(skey, S - 1)
-        single = (skey < S) & ~padded[e] & (p - start[e] >= full[e] * block)
-        (pos,) = jnp.nonzero(single, size=NK, fill_value=0)
+    # Remainders shorter than `least`: one row at a time.
+    p = jnp.arange(NK)
+    e = jnp.minimum(skey, S - 1)
+    single = (skey < S) & ~padded[e] & (p - start[e] >= full[e] * block)
+    (pos,) = jnp.nonzero(single, size=NK, fill_value=0)
 
-        def one_row(i, out):
-            q = pos[i]
-            y = _expert_mlp(experts, xs[row_of[q]][None], skey[q])
-            return jax.lax.dynamic_update_slice(out, y, (q, 0))
+    def one_row(i, out):
+        q = pos[i]
+        y = _expert_mlp(experts, xs[row_of[q]][None], skey[q])
+        return jax.lax.dynamic_update_slice(out, y, (q, 0))
 
-        out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
+    out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
     y = jnp.zeros((NK, D), x.dtype).at[order].set(jnp.where((skey < S)[:, None], out[:NK], 0))
     return y.reshape(N, K, D)
+
+
+def _one_by_one(
+    experts: Experts, x: jax.Array, order: jax.Array, skey: jax.Array, S: int
+) -> jax.Array:
+    """[N*K, D]: assignment order[p] computed as one row for p over the staged positions."""
+    K = order.shape[0] // x.shape[0]
+
+    def one(p, out):
+        a = order[p]
+        y = _expert_mlp(experts, jax.lax.dynamic_slice_in_dim(x, a // K, 1), skey[p])
+        return jax.lax.dynamic_update_slice(out, y, (a, 0))
+
+    staged = jnp.sum(skey < S)
+    return jax.lax.fori_loop(0, staged, one, jnp.zeros((order.shape[0], x.shape[1]), x.dtype))
 
 
 def expert_plan(rows: int, top_k: int, num_experts: int) -> tuple[int, int]:
