@@ -77,8 +77,9 @@ def expert_outputs_blocked(
     """y [N, K, D]: expert ids[n, k] applied to x[n] [N, D], each expert on its own rows only.
 
     The N*K assignments are sorted by expert and each expert's run is padded to whole blocks
-    of `block` rows, so every block belongs to one expert (dropless, MegaBlocks-style). The
-    inference path for many rows runs all E experts on every row: E/K times the work.
+    of `block` rows, so every block belongs to one expert (dropless, MegaBlocks-style). Unlike
+    the inference loop (`moe.expert_outputs`), it gathers each block's weights, so it has a
+    fixed shape and reverse-mode gradients.
     """
     N, K = ids.shape
     E, NK = experts["gate"].shape[0], N * K

@@ -33,6 +33,7 @@ from colibri.checkpoint import Checkpoint
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.experts.budget import GiB, TierConfig
+from colibri.experts.disk import drop_page_cache
 from colibri.experts.usage import write_usage
 from colibri.report import markdown_table
 from colibri.synth import SynthSpec, synthesize
@@ -52,15 +53,6 @@ SPEC = SynthSpec(
 PROMPT = "The router sends every token to a few experts; the rest stay cold on disk."
 RESULTS = Path(__file__).parent / "results"
 STREAMING = "disk-streaming O_DIRECT"  # the run the load-bandwidth target is read from
-
-
-def drop_page_cache(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def pread_bandwidth(files: list[Path], threads: int, chunk: int = 4 << 20) -> float:

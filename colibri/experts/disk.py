@@ -156,15 +156,6 @@ class DiskReader:
             open_now = time.perf_counter() - self._busy_since if self._active else 0.0
             return self._busy + open_now
 
-    def drop_page_cache(self) -> None:
-        """Ask the kernel to forget cached pages of every checkpoint file (cold-read benchmarks)."""
-        for path in self.ckpt.files:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
     def close(self) -> None:
         self._workers.close()
         for fd in self._fds.values():
@@ -283,6 +274,16 @@ class DiskReader:
         if hasattr(os, "posix_fadvise"):  # no readahead: it read 1.5x the bytes asked for
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
+
+
+def drop_page_cache(files: list[Path]) -> None:
+    """Ask the kernel to forget cached pages of `files` (cold-read benchmarks)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _split(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:

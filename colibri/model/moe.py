@@ -77,7 +77,7 @@ def expert_outputs(
     order = jnp.argsort(key, stable=True)  # sorted position -> assignment
     skey = key[order]
     if block == 1:  # row by row, in expert order: no blocks to lay out
-        return _one_by_one(experts, x, order, skey, S).reshape(N, K, D)
+        return _one_by_one(experts, x, order, skey, S, K).reshape(N, K, D)
     counts = jnp.bincount(key, length=S + 1)[:S]  # rows per slot
     start = jnp.cumsum(counts) - counts  # first sorted position of each slot
     full = counts // block
@@ -123,10 +123,9 @@ def expert_outputs(
 
 
 def _one_by_one(
-    experts: Experts, x: jax.Array, order: jax.Array, skey: jax.Array, S: int
+    experts: Experts, x: jax.Array, order: jax.Array, skey: jax.Array, S: int, K: int
 ) -> jax.Array:
     """[N*K, D]: assignment order[p] computed as one row for p over the staged positions."""
-    K = order.shape[0] // x.shape[0]
 
     def one(p, out):
         a = order[p]
