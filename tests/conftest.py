@@ -16,6 +16,14 @@ import tiny  # noqa: E402
 FAMILIES = list(tiny.FAMILY_CONFIGS)
 
 
+def pytest_configure(config):
+    """Build the native CPU kernels once, before any engine subprocess would (first build:
+    about 10 s), so that no engine's start-up waits on the compiler."""
+    from colibri import kernels
+
+    kernels.build()
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised)."""

@@ -1,4 +1,9 @@
-"""The routed-expert loop: each (row, k) output is that expert's SwiGLU of that row, exactly."""
+"""The routed-expert loop: each (row, k) output is that expert's SwiGLU of that row, exactly.
+
+Both implementations run: XLA's loops (`native=False`, every plan) and the native CPU kernel
+(`native=True`, colibri.kernels), which must give the same numbers and be bitwise independent
+of which other rows share the call.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,30 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from colibri import kernels
 from colibri.model.moe import expert_outputs, expert_plan
 
 D, F = 8, 4
+PLANS = [(False, None), (False, (1, 1)), (False, (2, 1)), (False, (3, 2)), (False, (8, 4))]
+PLANS += [(False, (4, 9)), (True, None)]
 
 
 def reference(experts: dict, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    y = np.zeros((*ids.shape, D), np.float32)
+    y = np.zeros((*ids.shape, x.shape[1]), np.float32)
     for (n, k), e in np.ndenumerate(ids):
-        if e >= 0:
+        if 0 <= e < len(experts["gate"]):
             g, u, d = (np.asarray(experts[t][e], np.float64) for t in ("gate", "up", "down"))
             a, b = g @ x[n], u @ x[n]
             y[n, k] = d @ (a / (1 + np.exp(-a)) * b)
     return y
 
 
-_jitted = jax.jit(expert_outputs, static_argnums=(3, 4))
+_jitted = jax.jit(expert_outputs, static_argnums=(3, 4, 5))
+
+
+def test_native_kernel_builds_here():
+    """The CPU kernel compiles on this machine (a compiler is part of the test setup)."""
+    assert kernels.available()
 
 
 @settings(max_examples=15, deadline=None)
@@ -31,11 +44,12 @@ _jitted = jax.jit(expert_outputs, static_argnums=(3, 4))
     rows=st.integers(1, 9),
     top_k=st.integers(1, 4),
     slots=st.integers(4, 12),
-    plan=st.sampled_from([None, (1, 1), (2, 1), (3, 2), (8, 4), (4, 9)]),
+    how=st.sampled_from(PLANS),
     unstaged=st.floats(0, 1),
     seed=st.integers(0, 2**16),
 )
-def test_loop_matches_row_by_row(rows, top_k, slots, plan, unstaged, seed):
+def test_loop_matches_row_by_row(rows, top_k, slots, how, unstaged, seed):
+    native, plan = how
     rng = np.random.default_rng(seed)
     experts = {
         k: rng.standard_normal(s).astype(np.float32)
@@ -44,7 +58,7 @@ def test_loop_matches_row_by_row(rows, top_k, slots, plan, unstaged, seed):
     x = rng.standard_normal((rows, D)).astype(np.float32)
     ids = np.stack([rng.choice(slots, top_k, replace=False) for _ in range(rows)]).astype(np.int32)
     ids[rng.random(ids.shape) < unstaged] = -1  # not staged in this chunk
-    y = _jitted({k: jnp.asarray(v) for k, v in experts.items()}, x, ids, slots, plan)
+    y = _jitted({k: jnp.asarray(v) for k, v in experts.items()}, x, ids, slots, plan, native)
     np.testing.assert_allclose(np.asarray(y), reference(experts, x, ids), rtol=2e-5, atol=2e-5)
 
 
@@ -58,10 +72,11 @@ def test_chunks_assemble_bitwise():
     }
     x = jnp.asarray(rng.standard_normal((N, D)).astype(np.float32))
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(N)]).astype(np.int32)
-    for plan in (None, (2, 1), (4, 2)):  # rows by blocks, by rows, and both
-        whole = np.asarray(_jitted(experts, x, ids, E, plan))
+    # XLA: rows by blocks, by rows, and both; then the native kernel.
+    for native, plan in ((False, None), (False, (2, 1)), (False, (4, 2)), (True, None)):
+        whole = np.asarray(_jitted(experts, x, ids, E, plan, native))
         parts = [np.where(ids % 3 == c, ids, -1).astype(np.int32) for c in range(3)]
-        assembled = sum(np.asarray(_jitted(experts, x, p, E, plan)) for p in parts)
+        assembled = sum(np.asarray(_jitted(experts, x, p, E, plan, native)) for p in parts)
         np.testing.assert_array_equal(assembled, whole)
 
 
@@ -72,3 +87,29 @@ def test_plan_rows_one_by_one_at_batch_one_and_in_blocks_for_prefill(monkeypatch
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert expert_plan(1, 8, 64) == (1, 1)
     assert expert_plan(16, 8, 64) == (2, 1)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    dim=st.integers(1, 40),
+    ff=st.integers(1, 40),
+    rows=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_native_rows_are_batch_invariant_bitwise(dim, ff, rows, seed):
+    """Any width (vector tails included); each row alone gives bitwise its batched output,
+    whatever tile of 1-4 rows it fell in; ids outside [0, S) give zeros."""
+    rng = np.random.default_rng(seed)
+    S, K = 6, 3
+    experts = {
+        k: rng.standard_normal(s).astype(np.float32)
+        for k, s in (("gate", (S, ff, dim)), ("up", (S, ff, dim)), ("down", (S, dim, ff)))
+    }
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    ids = rng.integers(-2, S + 2, (rows, K)).astype(np.int32)  # repeats and out-of-range
+    dev = {k: jnp.asarray(v) for k, v in experts.items()}
+    y = np.asarray(_jitted(dev, x, ids, S, None, True))
+    np.testing.assert_allclose(y, reference(experts, x, ids), rtol=1e-4, atol=1e-4)
+    for n in rng.choice(rows, min(rows, 3), replace=False):
+        alone = np.asarray(_jitted(dev, x[n : n + 1], ids[n : n + 1], S, None, True))
+        np.testing.assert_array_equal(alone[0], y[n])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
+from colibri import kernels
 from colibri.config import RopeConfig
 
 
@@ -14,10 +17,40 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
+# Up to this many rows (a decode step of up to 16 conversations), float32 linears on CPU go to
+# the native kernel: it streams w once for all rows at memory speed on every core, where
+# XLA's small matrix products cost several passes (experiments/results/peers.md).
+NATIVE_ROWS = 16
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x @ w.T (+ b), with w stored as Hugging Face does: [out, in]."""
-    y = jnp.einsum("...i,oi->...o", x, w)
+    y = _native_linear(x, w) if _native_ok(x, w) else jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
+
+
+def _native_ok(x: jax.Array, w: jax.Array) -> bool:
+    rows = math.prod(x.shape[:-1])
+    if not (0 < rows <= NATIVE_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2):
+        return False
+    return jax.default_backend() == "cpu" and kernels.available()
+
+
+@jax.custom_vjp
+def _native_linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    return kernels.linear(x, w)
+
+
+def _native_linear_fwd(x, w):
+    return kernels.linear(x, w), (x, w)
+
+
+def _native_linear_bwd(res, dy):
+    x, w = res
+    return jnp.einsum("...o,oi->...i", dy, w), jnp.einsum("...o,...i->oi", dy, x)
+
+
+_native_linear.defvjp(_native_linear_fwd, _native_linear_bwd)
 
 
 def rope_cos_sin(rope: RopeConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array]:

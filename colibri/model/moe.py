@@ -7,6 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from colibri import kernels
 from colibri.config import MoeConfig
 from colibri.model.layers import linear, swiglu
 
@@ -56,8 +57,14 @@ def expert_outputs(
     ids: jax.Array,
     num_experts: int,
     plan: tuple[int, int] | None = None,
+    native: bool | None = None,
 ) -> jax.Array:
     """y [N, K, D]: expert ids[n, k] applied to x[n]; 0 where ids[n, k] == -1 (not staged).
+
+    On CPU the native kernel (`colibri.kernels.moe_experts`) computes it when it is built and
+    everything is float32 (`native=None`; True insists, False keeps to the XLA loops below).
+    It reads each chosen expert's weights once for all its rows, on every core, and is bitwise
+    independent of batching, chunking and slots in the same way.
 
     The N*K assignments are sorted by expert. Each expert's rows go through in blocks of
     `block` rows (one [block, D] x [D, F] product per matrix, slabs read by a dynamic slice,
@@ -70,6 +77,10 @@ def expert_outputs(
     """
     N, K = ids.shape
     S, F, D = experts["gate"].shape
+    if native is None:
+        native = _native_ok(experts, x)
+    if native:
+        return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
     block, least = plan or expert_plan(N, K, num_experts)
     flat = ids.reshape(-1)
@@ -120,6 +131,11 @@ def expert_outputs(
     out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
     y = jnp.zeros((NK, D), x.dtype).at[order].set(jnp.where((skey < S)[:, None], out[:NK], 0))
     return y.reshape(N, K, D)
+
+
+def _native_ok(experts: Experts, x: jax.Array) -> bool:
+    f32 = all(a.dtype == jnp.float32 for a in (x, *experts.values()))
+    return f32 and jax.default_backend() == "cpu" and kernels.available()
 
 
 def _one_by_one(

@@ -1,0 +1,149 @@
+"""Native CPU kernels, built on first use with the system C++ compiler and called through XLA FFI.
+
+`moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer and
+`linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
+the KV cache (see cpu.cc). The shared library is compiled once per source, JAX version and CPU into
+the user's cache folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written
+to a temporary name and renamed, so concurrent processes never load a half-written file.
+`COLIBRI_CPU_KERNELS=0` turns the kernels off (XLA's own loops run instead); so does a
+machine without a compiler, with one warning on stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu.cc")
+_TARGETS = {
+    "colibri_moe_experts": "ColibriMoeExperts",
+    "colibri_linear": "ColibriLinear",
+    "colibri_attend": "ColibriAttend",
+}
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(os.environ.get("COLIBRI_KERNEL_CACHE") or Path(base) / "colibri" / "kernels")
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build() -> Path:
+    """The compiled library, building it if this source/JAX/CPU has none yet."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
+        key.update(part)
+    key.update(" ".join(_FLAGS).encode())
+    out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@cache
+def available() -> bool:
+    """True once the kernels are built, loaded and registered with XLA for the CPU."""
+    if os.environ.get("COLIBRI_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(
+                target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
+            )
+    except (OSError, RuntimeError, AttributeError) as err:
+        log.warning("colibri CPU kernels unavailable, using XLA loops: %s", err)
+        return False
+    return True
+
+
+def moe_experts(
+    gate: jax.Array, up: jax.Array, down: jax.Array, x: jax.Array, ids: jax.Array
+) -> jax.Array:
+    """y [N, K, D] float32: expert ids[n, k] (slot index; outside [0, S) gives 0) on x[n]."""
+    _require()
+    N, K = ids.shape
+    D = x.shape[1]
+    call = jax.ffi.ffi_call(
+        "colibri_moe_experts",
+        jax.ShapeDtypeStruct((N, K, D), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(gate, up, down, x, ids.astype(jnp.int32))
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., I] @ w.T for w [O, I], float32: [..., O]."""
+    _require()
+    rows = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(
+        "colibri_linear",
+        jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(rows, w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, pos: jax.Array, scale: float
+) -> jax.Array:
+    """Attention of one new token per row, q [B, H, Dh], over positions 0..pos[b] of slot
+    slots[b] of the caches k, v [S, C, Hkv, Dh] (the new key already written): [B, H, Dh].
+    Rows whose slot is outside [0, S) give zeros."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
+    )
+    i32 = jnp.int32
+    return call(q, k, v, slots.astype(i32), pos.astype(i32), scale=np.float32(scale))
+
+
+def _require() -> None:
+    if not available():
+        raise RuntimeError("colibri CPU kernels are off or failed to build (see the log)")

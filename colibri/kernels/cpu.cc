@@ -1,0 +1,463 @@
+// CPU kernels for decode, called from XLA through the typed FFI: the routed experts of a
+// layer, a plain linear layer for a few rows, and attention of one new token per row.
+//
+// colibri_moe_experts:
+//   y[n, k] = down[s] @ (silu(gate[s] @ x[n]) * (up[s] @ x[n])),  s = ids[n, k]
+//
+// gate, up [S, F, D], down [S, D, F], x [N, D], ids [N, K] int32 -> y [N, K, D], float32.
+// Entries of ids outside [0, S) are experts that are not staged: their rows of y are 0.
+//
+// Decode is bound by memory traffic: every weight row an expert owns is read once per call
+// and multiplied against all the rows routed to that expert while it is in registers. The
+// work is shared out among XLA's intra-op threads in slices of ~128-256 KiB of weights:
+// first the hidden rows (gate and up) of every chosen expert, then their down projections.
+//
+// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T.
+//
+// Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
+// a fixed horizontal sum and then the scalar tail, whatever tile it is computed in. A row's
+// output therefore depends only on its input and the expert's weights, never on how many
+// other rows chose the same expert or which slot holds it: batched, chunked and staged
+// results are bitwise those of the row alone.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
+// instantiation of a loop rounds the same way.
+#if defined(__FMA__)
+inline v8 fma8(v8 a, v8 b, v8 c) {
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                              reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+}
+#else
+inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
+
+inline float hsum(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
+template <int TW, int TR>
+inline void dots(const float* const* w, const float* const* x, int64_t L, float* out) {
+  v8 acc[TW][TR];
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  int64_t c = 0;
+  for (; c + 8 <= L; c += 8) {
+    v8 wv[TW];
+    if constexpr (TR > 1) {  // compute-heavier tiles: keep the next weights coming
+      if ((c & 15) == 0)
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 1024, 0, 3);
+    }
+    for (int i = 0; i < TW; ++i) wv[i] = load8(w[i] + c);
+    for (int j = 0; j < TR; ++j) {
+      const v8 xv = load8(x[j] + c);
+      for (int i = 0; i < TW; ++i) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) {
+      float s = hsum(acc[i][j]);
+      for (int64_t t = c; t < L; ++t) s = std::fma(w[i][t], x[j][t], s);
+      out[i * TR + j] = s;
+    }
+}
+
+// Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
+// (length L): emit(row, j, value) for every row and input.
+template <int TW, int TR, typename Emit>
+inline void matvecs_tile(const float* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
+                         Emit emit) {
+  float out[TW * TR];
+  const float* w[TW];
+  int64_t row = 0;
+  for (; row + TW <= R; row += TW) {
+    for (int i = 0; i < TW; ++i) w[i] = W + (row + i) * ld;
+    dots<TW, TR>(w, x, L, out);
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < TR; ++j) emit(row + i, j, out[i * TR + j]);
+  }
+  for (; row < R; ++row) {
+    w[0] = W + row * ld;
+    dots<1, TR>(w, x, L, out);
+    for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
+  }
+}
+
+// Every input in tiles of up to 4 (the weights of a tile stay in L1 for the next one).
+template <typename Emit>
+void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
+             int64_t ld = 0) {
+  if (ld == 0) ld = L;
+  int64_t j0 = 0;
+  auto shifted = [&](int64_t i, int j, float v) { emit(i, j0 + j, v); };
+  for (; j0 + 4 <= r; j0 += 4) matvecs_tile<2, 4>(W, R, L, ld, x + j0, shifted);
+  const int64_t left = r - j0;
+  if (left == 3) matvecs_tile<2, 3>(W, R, L, ld, x + j0, shifted);
+  if (left == 2) matvecs_tile<4, 2>(W, R, L, ld, x + j0, shifted);
+  if (left == 1) matvecs_tile<8, 1>(W, R, L, ld, x + j0, shifted);
+}
+
+struct Problem {
+  const float* gate;
+  const float* up;
+  const float* down;
+  float* y;
+  int64_t F, D;
+  std::vector<int32_t> slot;   // the distinct staged experts, most rows first
+  std::vector<int64_t> first;  // their assignments: assign[first[i] .. first[i + 1])
+  std::vector<int64_t> assign;
+  std::vector<const float*> xrow;  // by sorted assignment: its input row
+  std::vector<const float*> hrow;  // and its hidden row in h
+  std::vector<float> h;            // [assignments, F]
+  int64_t fchunk, dchunk;          // weight rows per work item in each phase
+  int64_t fitems, ditems;          // work items per expert in each phase
+
+  int64_t phase1() const { return static_cast<int64_t>(slot.size()) * fitems; }
+  int64_t total() const { return static_cast<int64_t>(slot.size()) * (fitems + ditems); }
+
+  // Phase 1, item (expert i, chunk c): h = silu(gate . x) * (up . x) over its share of F.
+  void hidden(int64_t i, int64_t c) {
+    const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    float* hq = h.data() + q * F + f0;
+    const float* G = gate + (s * F + f0) * D;
+    const float* U = up + (s * F + f0) * D;
+    matvecs(G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
+    matvecs(U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) {
+      const float g = hq[j * F + f];
+      hq[j * F + f] = g / (1.0f + std::exp(-g)) * v;
+    });
+  }
+
+  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
+  void output(int64_t i, int64_t c) {
+    const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    const int64_t* a = assign.data() + q;
+    const float* Dn = down + (s * D + d0) * F;
+    matvecs(Dn, nd, F, &hrow[q], r,
+            [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
+  }
+};
+
+inline void relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// One call's work, shared out among XLA's intra-op threads: the caller and the helpers it
+// schedules each run drain() until no item is left. A helper that starts after the caller
+// has closed the call returns at once (the pool may run tasks late, or inline). The caller
+// spins while a started helper finishes its last item (microseconds): sleeping on a
+// condition variable here cost more than the work of a small layer.
+struct Gang {
+  static constexpr int64_t kClosed = int64_t{1} << 40;
+  std::atomic<int64_t> state{0};  // helpers running, plus kClosed once the caller is done
+
+  virtual ~Gang() = default;
+  virtual void drain() = 0;
+
+  void help() {
+    int64_t s = state.load(std::memory_order_relaxed);
+    do {
+      if (s & kClosed) return;
+    } while (!state.compare_exchange_weak(s, s + 1, std::memory_order_acquire));
+    drain();
+    state.fetch_sub(1, std::memory_order_release);
+  }
+
+  void finish() {
+    drain();
+    int64_t s = state.fetch_or(kClosed, std::memory_order_acq_rel);
+    while ((s & ~kClosed) != 0) {
+      relax();
+      s = state.load(std::memory_order_acquire);
+    }
+  }
+};
+
+// Run `gang` on the caller and up to items - 1 helpers from the pool.
+void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items) {
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
+                                            items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
+  gang->finish();
+}
+
+// The expert call, in small items so that the threads finish together: every expert's
+// phase-1 items, then (once they are all done) every expert's phase-2 items.
+struct ExpertCall : Gang {
+  Problem p;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> hidden_done{0};
+
+  void drain() override {
+    const int64_t n1 = p.phase1(), n = p.total();
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      if (k < n1) {
+        p.hidden(k / p.fitems, k % p.fitems);
+        hidden_done.fetch_add(1, std::memory_order_release);
+      } else {
+        while (hidden_done.load(std::memory_order_acquire) < n1) relax();
+        p.output((k - n1) / p.ditems, (k - n1) % p.ditems);
+      }
+    }
+  }
+};
+
+// Weight rows per work item: about `bytes` of weights, a multiple of 8 rows.
+int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
+  const int64_t n = std::max<int64_t>(8, bytes / std::max<int64_t>(row_bytes, 1) / 8 * 8);
+  return std::min(n, rows);
+}
+
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
+                      ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> x,
+                      ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+  const auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
+  const auto xd = x.dimensions(), id = ids.dimensions(), yd = y->dimensions();
+  if (gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || xd.size() != 2 || id.size() != 2 ||
+      yd.size() != 3)
+    return ffi::Error::InvalidArgument("colibri_moe_experts: wrong ranks");
+  const int64_t S = gd[0], F = gd[1], D = gd[2], N = xd[0], K = id[1];
+  if (ud[0] != S || ud[1] != F || ud[2] != D || dd[0] != S || dd[1] != D || dd[2] != F ||
+      xd[1] != D || id[0] != N || yd[0] != N || yd[1] != K || yd[2] != D)
+    return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
+
+  auto call = std::make_shared<ExpertCall>();
+  Problem& p = call->p;
+  p.gate = gate.typed_data();
+  p.up = up.typed_data();
+  p.down = down.typed_data();
+  p.y = y->typed_data();
+  p.F = F;
+  p.D = D;
+  const int32_t* sid = ids.typed_data();
+  const int64_t NK = N * K;
+
+  // Counting sort of the assignments by expert; unstaged ones get zero rows.
+  std::vector<int64_t> count(S + 1, 0);
+  for (int64_t a = 0; a < NK; ++a) {
+    const int32_t s = sid[a];
+    if (s >= 0 && s < S) {
+      ++count[s];
+    } else {
+      std::memset(p.y + a * D, 0, sizeof(float) * D);
+    }
+  }
+  std::vector<int32_t> used;
+  for (int32_t s = 0; s < S; ++s)
+    if (count[s]) used.push_back(s);
+  std::stable_sort(used.begin(), used.end(),
+                   [&](int32_t a, int32_t b) { return count[a] > count[b]; });
+  std::vector<int64_t> at(S, 0);
+  p.first.push_back(0);
+  for (int32_t s : used) {
+    at[s] = p.first.back();
+    p.first.push_back(p.first.back() + count[s]);
+  }
+  p.assign.resize(p.first.back());
+  for (int64_t a = 0; a < NK; ++a) {
+    const int32_t s = sid[a];
+    if (s >= 0 && s < S) p.assign[at[s]++] = a;
+  }
+  p.slot = std::move(used);
+  const int64_t staged = p.first.back();
+  p.h.resize(staged * F);
+  p.xrow.resize(staged);
+  p.hrow.resize(staged);
+  for (int64_t q = 0; q < staged; ++q) {
+    p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
+    p.hrow[q] = p.h.data() + q * F;
+  }
+  p.fchunk = chunk_rows(2 * D * 4, F, 256 << 10);
+  p.dchunk = chunk_rows(F * 4, D, 128 << 10);
+  p.fitems = (F + p.fchunk - 1) / p.fchunk;
+  p.ditems = (D + p.dchunk - 1) / p.dchunk;
+
+  run(pool, call, p.total());
+  return ffi::Error::Success();
+}
+
+// y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
+// each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
+struct LinearCall : Gang {
+  const float* w;
+  float* y;
+  int64_t M, O, I, chunk, items;
+  std::vector<const float*> xrow;
+  std::atomic<int64_t> next{0};
+
+  void drain() override {
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
+      matvecs(w + o0 * I, no, I, xrow.data(), M,
+              [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; });
+    }
+  }
+};
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("colibri_linear: wrong ranks");
+  const int64_t M = xd[0], I = xd[1], O = wd[0];
+  if (wd[1] != I || yd[0] != M || yd[1] != O)
+    return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
+  auto call = std::make_shared<LinearCall>();
+  call->w = w.typed_data();
+  call->y = y->typed_data();
+  call->M = M;
+  call->O = O;
+  call->I = I;
+  call->chunk = chunk_rows(I * 4, O, 128 << 10);
+  call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
+  call->xrow.resize(M);
+  for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
+  run(pool, call, call->items);
+  return ffi::Error::Success();
+}
+
+// Decode attention, one new token per row, straight from the KV cache:
+//   out[b, h] = softmax_t(scale * q[b, h] . k[slot_b, t, h / G]) . v[slot_b, t, h / G]
+// over t = 0 .. pos[b] (the new token's own key is already in the cache). q [B, H, Dh],
+// k and v [S, C, Hkv, Dh], slots and pos [B] int32 -> [B, H, Dh]; G = H / Hkv query heads
+// share a KV head. Rows whose slot is outside [0, S) (batch padding) get zeros. One work item
+// is one row's KV head: its keys and values are read once for its G query heads.
+struct AttendCall : Gang {
+  const float *q, *k, *v;
+  const int32_t *slot, *pos;
+  float* out;
+  int64_t B, H, Hkv, Dh, S, C;
+  float scale;
+  std::atomic<int64_t> next{0};
+
+  void drain() override {
+    const int64_t G = H / Hkv, items = B * Hkv;
+    std::vector<float> p;
+    std::vector<const float*> qs(G);
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t b = item / Hkv, g = item % Hkv, s = slot[b];
+      float* o = out + (b * H + g * G) * Dh;
+      std::fill(o, o + G * Dh, 0.0f);
+      if (s < 0 || s >= S || pos[b] < 0) continue;
+      const int64_t n = std::min<int64_t>(pos[b], C - 1) + 1;
+      for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
+      const int64_t ld = Hkv * Dh;  // floats from one position's key to the next
+      const float* kb = k + (s * C * Hkv + g) * Dh;
+      const float* vb = v + (s * C * Hkv + g) * Dh;
+      p.resize(G * n);
+      matvecs(kb, n, Dh, qs.data(), G, [&](int64_t t, int64_t j, float d) { p[j * n + t] = d; },
+              ld);
+      for (int64_t j = 0; j < G; ++j) {
+        float* pj = p.data() + j * n;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < n; ++t) m = std::max(m, pj[t] * scale);
+        float sum = 0.0f;
+        for (int64_t t = 0; t < n; ++t) {
+          pj[t] = std::exp(pj[t] * scale - m);
+          sum += pj[t];
+        }
+        const float inv = 1.0f / sum;
+        float* oj = o + j * Dh;
+        for (int64_t t = 0; t < n; ++t) {
+          const float w = pj[t] * inv;
+          const float* vr = vb + t * ld;
+          for (int64_t d = 0; d < Dh; ++d) oj[d] = std::fma(w, vr[d], oj[d]);
+        }
+      }
+    }
+  }
+};
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto sd = slots.dimensions(), pd = pos.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
+      od.size() != 3)
+    return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
+  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], C = kd[1], Hkv = kd[2];
+  if (kd[3] != Dh || vd[0] != S || vd[1] != C || vd[2] != Hkv || vd[3] != Dh || sd[0] != B ||
+      pd[0] != B || od[0] != B || od[1] != H || od[2] != Dh || Hkv == 0 || H % Hkv != 0)
+    return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
+  auto call = std::make_shared<AttendCall>();
+  call->q = q.typed_data();
+  call->k = k.typed_data();
+  call->v = v.typed_data();
+  call->slot = slots.typed_data();
+  call->pos = pos.typed_data();
+  call->out = out->typed_data();
+  call->B = B;
+  call->H = H;
+  call->Hkv = Hkv;
+  call->Dh = Dh;
+  call->S = S;
+  call->C = C;
+  call->scale = scale;
+  run(pool, call, B * Hkv);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttend, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,131 @@
+"""The native CPU kernels (colibri.kernels): built here, exact, batch-invariant, and optional.
+
+The routed-expert kernel is tested beside XLA's loops in test_expert_loop.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colibri import kernels
+from colibri.model import layers
+
+_native = jax.jit(kernels.linear)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    dim_in=st.integers(1, 40),
+    dim_out=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_matches_numpy_and_rows_are_batch_invariant(rows, dim_in, dim_out, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, dim_in)).astype(np.float32)
+    w = rng.standard_normal((dim_out, dim_in)).astype(np.float32)
+    y = np.asarray(_native(x, w))
+    np.testing.assert_allclose(
+        y, x.astype(np.float64) @ w.T.astype(np.float64), rtol=1e-4, atol=1e-4
+    )
+    for n in rng.choice(rows, min(rows, 3), replace=False):
+        np.testing.assert_array_equal(np.asarray(_native(x[n : n + 1], w))[0], y[n])
+
+
+def test_linear_keeps_leading_axes_and_bias():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 24)).astype(np.float32)
+    w = rng.standard_normal((40, 24)).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    assert layers._native_ok(jnp.asarray(x), jnp.asarray(w))  # 6 rows: the native path
+    y = np.asarray(jax.jit(layers.linear)(x, w, b))
+    assert y.shape == (2, 3, 40)
+    np.testing.assert_allclose(y, x @ w.T + b, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_routes_by_rows_and_dtype():
+    w = jnp.zeros((8, 4), jnp.float32)
+    assert layers._native_ok(jnp.zeros((layers.NATIVE_ROWS, 4)), w)
+    assert not layers._native_ok(jnp.zeros((layers.NATIVE_ROWS + 1, 4)), w)  # prefill: XLA
+    assert not layers._native_ok(jnp.zeros((1, 4), jnp.bfloat16), w.astype(jnp.bfloat16))
+
+
+def test_linear_gradient_is_the_matrix_product_gradient():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((4, 12)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((9, 12)).astype(np.float32))
+    t = jnp.asarray(rng.standard_normal((4, 9)).astype(np.float32))
+
+    def loss(f):
+        return lambda x, w: jnp.sum((f(x, w) - t) ** 2)
+
+    got = jax.grad(loss(layers.linear), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda x, w: x @ w.T), argnums=(0, 1))(x, w)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_can_be_turned_off():
+    env = dict(os.environ, COLIBRI_CPU_KERNELS="0")
+    code = (
+        "import jax.numpy as jnp\n"
+        "from colibri import kernels\n"
+        "from colibri.model import layers\n"
+        "assert not kernels.available()\n"
+        "assert not layers._native_ok(jnp.zeros((1, 4)), jnp.zeros((8, 4)))\n"
+        "print('off')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "off"
+
+
+def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
+    """A fresh cache folder gets one library under its content key and no temporary files."""
+    monkeypatch.setenv("COLIBRI_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    assert first.parent == tmp_path and first.suffix == ".so"
+    assert kernels.build() == first  # found, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    head_dim=st.integers(1, 20),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, seed):
+    """Decode attention from the cache in place: positions 0..pos of each row's slot, GQA
+    groups, padding rows (slot out of range) give zeros; each row alone is bitwise the same."""
+    rng = np.random.default_rng(seed)
+    S, C, H = 4, 9, kv_heads * group
+    k = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
+    q = rng.standard_normal((rows, H, head_dim)).astype(np.float32)
+    slots = rng.integers(0, S + 1, rows).astype(np.int32)  # S: a padding row
+    pos = rng.integers(0, C, rows).astype(np.int32)
+    scale = 1 / np.sqrt(head_dim)
+    got = np.asarray(jax.jit(kernels.attend, static_argnums=5)(q, k, v, slots, pos, scale))
+    for b in range(rows):
+        if slots[b] == S:
+            assert not got[b].any()
+            continue
+        for h in range(H):
+            keys = k[slots[b], : pos[b] + 1, h // group].astype(np.float64)
+            vals = v[slots[b], : pos[b] + 1, h // group].astype(np.float64)
+            s = keys @ q[b, h] * scale
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(got[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5)
+        alone = kernels.attend(q[b : b + 1], k, v, slots[b : b + 1], pos[b : b + 1], scale)
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
