@@ -491,13 +491,15 @@ def test_non_loopback_bind_needs_a_key(model_dir):
 
 def test_queue_full_is_429_and_a_dead_engine_is_503(model_dir, tmp_path):
     gw = Gateway(
-        model_dir, "--kv-slots", "1", "--max-queue", "1", "--ctx", "1024", log=tmp_path / "log"
+        model_dir, "--kv-slots", "1", "--max-queue", "1", "--ctx", "32768", log=tmp_path / "log"
     )
     try:
         url = gw.url + "/v1/chat/completions"
         body = {"messages": [{"role": "user", "content": "jumps over the lazy"}], "temperature": 0}
         queued: list[httpx.Response] = []
-        long = {**body, "max_tokens": 1000, "stream": True}
+        # Long enough to still be decoding when the engine is killed (the tiny model decodes
+        # over a thousand tokens a second).
+        long = {**body, "max_tokens": 30000, "stream": True}
         with httpx.stream("POST", url, json=long, timeout=60) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if '"content"' in line)  # running in slot 0

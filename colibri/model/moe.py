@@ -153,7 +153,8 @@ def _one_by_one(
 
 
 def expert_plan(rows: int, top_k: int, num_experts: int) -> tuple[int, int]:
-    """(block, least) for `expert_outputs`, from the rows each chosen expert can expect.
+    """(block, least) for `expert_outputs`' XLA loops, from the rows each chosen expert can
+    expect (the native CPU kernel needs no plan).
 
     On CPU, XLA streams a slab through a matrix-vector product at memory speed and a repeated
     expert's slabs come back from cache, while a small matrix-matrix product costs as much as
