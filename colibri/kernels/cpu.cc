@@ -385,17 +385,25 @@ struct AttendCall : Gang {
         float* pj = p.data() + j * n;
         float m = -INFINITY;
         for (int64_t t = 0; t < n; ++t) m = std::max(m, pj[t] * scale);
+        for (int64_t t = 0; t < n; ++t) pj[t] = std::exp(pj[t] * scale - m);
         float sum = 0.0f;
-        for (int64_t t = 0; t < n; ++t) {
-          pj[t] = std::exp(pj[t] * scale - m);
-          sum += pj[t];
-        }
+        for (int64_t t = 0; t < n; ++t) sum += pj[t];
         const float inv = 1.0f / sum;
-        float* oj = o + j * Dh;
-        for (int64_t t = 0; t < n; ++t) {
-          const float w = pj[t] * inv;
-          const float* vr = vb + t * ld;
-          for (int64_t d = 0; d < Dh; ++d) oj[d] = std::fma(w, vr[d], oj[d]);
+        for (int64_t t = 0; t < n; ++t) pj[t] *= inv;
+      }
+      // o[j] += p[j, t] * v[t], each value row read once for the group's heads.
+      const int64_t body = Dh / 8 * 8;
+      for (int64_t t = 0; t < n; ++t) {
+        const float* vr = vb + t * ld;
+        for (int64_t j = 0; j < G; ++j) {
+          const float w = p[j * n + t];
+          const v8 wv = v8{} + w;
+          float* oj = o + j * Dh;
+          for (int64_t d = 0; d < body; d += 8) {
+            const v8 r = fma8(wv, load8(vr + d), load8(oj + d));
+            std::memcpy(oj + d, &r, sizeof r);
+          }
+          for (int64_t d = body; d < Dh; ++d) oj[d] = std::fma(w, vr[d], oj[d]);
         }
       }
     }
