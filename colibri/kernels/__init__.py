@@ -103,6 +103,12 @@ def available() -> bool:
     return True
 
 
+def usable(*arrays: jax.Array) -> bool:
+    """Whether the kernels can take these operands: all float32, on CPU, kernels built."""
+    f32 = all(a.dtype == jnp.float32 for a in arrays)
+    return f32 and jax.default_backend() == "cpu" and available()
+
+
 def moe_experts(
     gate: jax.Array, up: jax.Array, down: jax.Array, x: jax.Array, ids: jax.Array
 ) -> jax.Array:

@@ -48,11 +48,6 @@ def _softmax_attend(
     return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
-def _native_ok(q: jax.Array, k_cache: jax.Array) -> bool:
-    f32 = q.dtype == k_cache.dtype == jnp.float32
-    return f32 and jax.default_backend() == "cpu" and kernels.available()
-
-
 def gqa(
     cfg: ModelConfig,
     w: dict,
@@ -81,7 +76,7 @@ def gqa(
         apply_rope(k, cos, sin, cfg.rope.interleave),
     )
     cache = {"k": _write(cache["k"], slots, pos, k), "v": _write(cache["v"], slots, pos, v)}
-    if T == 1 and _native_ok(q, cache["k"]):  # decode on CPU: read the cache in place
+    if T == 1 and kernels.usable(q, cache["k"], cache["v"]):  # CPU decode: the cache in place
         out = kernels.attend(q[:, 0], cache["k"], cache["v"], slots, pos[:, 0], cfg.attn_scale)
         return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
     ks, vs = _read(cache["k"], slots, kv_len), _read(cache["v"], slots, kv_len)

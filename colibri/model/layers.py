@@ -31,9 +31,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 
 def _native_ok(x: jax.Array, w: jax.Array) -> bool:
     rows = math.prod(x.shape[:-1])
-    if not (0 < rows <= NATIVE_ROWS and x.dtype == w.dtype == jnp.float32 and w.ndim == 2):
-        return False
-    return jax.default_backend() == "cpu" and kernels.available()
+    return 0 < rows <= NATIVE_ROWS and w.ndim == 2 and kernels.usable(x, w)
 
 
 @jax.custom_vjp

@@ -78,7 +78,7 @@ def expert_outputs(
     N, K = ids.shape
     S, F, D = experts["gate"].shape
     if native is None:
-        native = _native_ok(experts, x)
+        native = kernels.usable(x, *experts.values())
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
@@ -131,11 +131,6 @@ def expert_outputs(
     out = jax.lax.fori_loop(0, jnp.sum(single), one_row, out)
     y = jnp.zeros((NK, D), x.dtype).at[order].set(jnp.where((skey < S)[:, None], out[:NK], 0))
     return y.reshape(N, K, D)
-
-
-def _native_ok(experts: Experts, x: jax.Array) -> bool:
-    f32 = all(a.dtype == jnp.float32 for a in (x, *experts.values()))
-    return f32 and jax.default_backend() == "cpu" and kernels.available()
 
 
 def _one_by_one(
