@@ -91,27 +91,29 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
 }
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
-// (length L): emit(row, j, value) for every row and input.
+// (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
+// quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
+// prefetched in parallel, and weights stream ~30% faster than from TW adjacent rows.
 template <int TW, int TR, typename Emit>
 inline void matvecs_tile(const float* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit) {
   float out[TW * TR];
   const float* w[TW];
-  int64_t row = 0;
-  for (; row + TW <= R; row += TW) {
-    for (int i = 0; i < TW; ++i) w[i] = W + (row + i) * ld;
+  const int64_t gap = R / TW;
+  for (int64_t row = 0; row < gap; ++row) {
+    for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
     dots<TW, TR>(w, x, L, out);
     for (int i = 0; i < TW; ++i)
-      for (int j = 0; j < TR; ++j) emit(row + i, j, out[i * TR + j]);
+      for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
   }
-  for (; row < R; ++row) {
+  for (int64_t row = gap * TW; row < R; ++row) {
     w[0] = W + row * ld;
     dots<1, TR>(w, x, L, out);
     for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
   }
 }
 
-// Every input in tiles of up to 4 (the weights of a tile stay in L1 for the next one).
+// Every input in tiles of up to 4 (the weights of a tile stay in cache for the next one).
 template <typename Emit>
 void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
              int64_t ld = 0) {
@@ -122,7 +124,7 @@ void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_
   const int64_t left = r - j0;
   if (left == 3) matvecs_tile<2, 3>(W, R, L, ld, x + j0, shifted);
   if (left == 2) matvecs_tile<4, 2>(W, R, L, ld, x + j0, shifted);
-  if (left == 1) matvecs_tile<8, 1>(W, R, L, ld, x + j0, shifted);
+  if (left == 1) matvecs_tile<4, 1>(W, R, L, ld, x + j0, shifted);
 }
 
 struct Problem {
