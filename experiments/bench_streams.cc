@@ -1,0 +1,114 @@
+// Weight streaming rate of matrix-vector products, by how the rows read side by side are laid
+// out: built and run by bench_streams.py. Every dot product is one 8-lane FMA chain, as in
+// colibri/kernels/cpu.cc; only the order in which rows are visited changes.
+//
+// usage: bench_streams ROW_FLOATS CHUNK_ROWS MIB REPEATS
+// prints "layout rows_side_by_side gap_rows GB/s" per layout, best of REPEATS.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline float hsum(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// y[r] = W[r] . x over a chunk of R rows of L floats, TW rows at a time, `gap` rows apart.
+template <int TW>
+void chunk(const float* W, int64_t R, int64_t L, int64_t gap, const float* x, float* y) {
+  for (int64_t b = 0; b < R; b += TW * gap)
+    for (int64_t o = 0; o < gap; ++o) {
+      const float* w[TW];
+      v8 acc[TW];
+      for (int i = 0; i < TW; ++i) {
+        w[i] = W + (b + o + i * gap) * L;
+        acc[i] = v8{};
+      }
+      for (int64_t c = 0; c + 8 <= L; c += 8) {
+        const v8 xv = load8(x + c);
+        for (int i = 0; i < TW; ++i)
+          acc[i] = (v8)_mm256_fmadd_ps((__m256)load8(w[i] + c), (__m256)xv, (__m256)acc[i]);
+      }
+      for (int i = 0; i < TW; ++i) y[b + o + i * gap] = hsum(acc[i]);
+    }
+}
+
+// Plain read of the same bytes (four independent sums): the ceiling.
+void read_only(const float* W, int64_t n, float* y) {
+  v8 a{}, b{}, c{}, d{};
+  for (int64_t i = 0; i + 32 <= n; i += 32) {
+    a += load8(W + i);
+    b += load8(W + i + 8);
+    c += load8(W + i + 16);
+    d += load8(W + i + 24);
+  }
+  *y = hsum(a + b + c + d);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    std::fprintf(stderr, "usage: %s ROW_FLOATS CHUNK_ROWS MIB REPEATS\n", argv[0]);
+    return 2;
+  }
+  const int64_t L = std::atoll(argv[1]), R = std::atoll(argv[2]);
+  const int64_t bytes = std::atoll(argv[3]) << 20, reps = std::atoll(argv[4]);
+  const int64_t items = bytes / (R * L * 4);
+  std::vector<float> W(items * R * L), x(L, 0.5f);
+  for (size_t i = 0; i < W.size(); ++i) W[i] = float(i % 97) * 1e-3f;
+  struct Layout {
+    const char* name;
+    int tw;
+    int64_t gap;
+  } layouts[] = {{"read", 0, 0},
+                 {"1 row at a time", 1, 1},
+                 {"4 adjacent rows", 4, 1},
+                 {"8 adjacent rows", 8, 1},
+                 {"4 rows a quarter apart", 4, R / 4},
+                 {"8 rows an eighth apart", 8, R / 8}};
+  const int n = sizeof layouts / sizeof layouts[0];
+  std::vector<double> best(n, 0.0);
+  const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
+  for (int64_t rep = 0; rep < reps; ++rep)
+    for (int v = 0; v < n; ++v) {  // layouts interleaved: load from elsewhere hits all alike
+      std::atomic<int64_t> next{0};
+      auto work = [&](unsigned t) {
+        std::vector<float> y(R);
+        for (int64_t k; (k = next.fetch_add(1)) < items;) {
+          const float* w = W.data() + k * R * L;
+          switch (layouts[v].tw) {
+            case 0: read_only(w, R * L, y.data()); break;
+            case 1: chunk<1>(w, R, L, 1, x.data(), y.data()); break;
+            case 4: chunk<4>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
+            case 8: chunk<8>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
+          }
+        }
+      };
+      const auto t0 = std::chrono::steady_clock::now();
+      std::vector<std::thread> pool;
+      for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work, t);
+      work(0);
+      for (auto& th : pool) th.join();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best[v] = std::max(best[v], double(items * R * L * 4) / s / 1e9);
+    }
+  for (int v = 0; v < n; ++v)
+    std::printf("%s\t%d\t%lld\t%.2f\n", layouts[v].name, layouts[v].tw,
+                (long long)layouts[v].gap, best[v]);
+  return 0;
+}

@@ -1,0 +1,87 @@
+"""python experiments/bench_streams.py [--mib 400] [--repeats 5] [--rows 512,768,4096]
+
+How fast weights stream through a matrix-vector product depending on which rows are read side
+by side: the fact behind the row order of colibri's CPU kernels (colibri/kernels/cpu.cc). A
+small C++ program (bench_streams.cc, built here with the same flags as the kernels) computes
+y = W x over --mib MiB of float32 weights on every core, in work items of 64 rows, visiting the
+rows of an item one at a time, 4 or 8 neighbours side by side, or 4 (8) side by side a quarter
+(an eighth) of the item apart; a plain read of the same bytes is the ceiling. Best of --repeats,
+layouts interleaved. Rows of 512 and 768 floats are the expert rows of the peers shapes.
+Writes experiments/results/streams.md and streams.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+from colibri.report import markdown_table
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+CHUNK_ROWS = 64
+
+
+def build(out_dir: Path) -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise SystemExit("bench_streams needs a C++ compiler (g++ or c++; or set CXX)")
+    exe = out_dir / "bench_streams"
+    flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-pthread"]
+    subprocess.run([cxx, *flags, str(HERE / "bench_streams.cc"), "-o", str(exe)], check=True)
+    return exe
+
+
+def run(exe: Path, row_floats: int, mib: int, repeats: int) -> list[dict]:
+    args = [str(exe), str(row_floats), str(CHUNK_ROWS), str(mib), str(repeats)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        name, side, gap, gb_s = line.split("\t")
+        rows.append(
+            {
+                "row KiB": row_floats * 4 / 1024,
+                "layout": name,
+                "streams per thread": int(side) or 1,
+                "gap KiB": int(gap) * row_floats * 4 / 1024,
+                "GB/s": float(gb_s),
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=400)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rows", default="512,768,4096", help="floats per weight row")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(Path(tmp))
+        rows = [r for n in args.rows.split(",") for r in run(exe, int(n), args.mib, args.repeats)]
+    df = pd.DataFrame(rows)
+    ref = df[df["layout"] == "4 adjacent rows"].set_index("row KiB")["GB/s"]
+    df["x vs 4 adjacent"] = df["GB/s"] / df["row KiB"].map(ref)
+    table = markdown_table(df, index=False)
+    print(table)
+    RESULTS.mkdir(exist_ok=True)
+    text = (
+        "# Weight streaming by row layout\n\n"
+        f"`python experiments/bench_streams.py --mib {args.mib} --repeats {args.repeats} "
+        f"--rows {args.rows}`; {os.cpu_count()} threads, items of {CHUNK_ROWS} rows.\n\n"
+        f"{table}\n"
+    )
+    (RESULTS / "streams.md").write_text(text)
+    (RESULTS / "streams.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {RESULTS / 'streams.md'}")
+
+
+if __name__ == "__main__":
+    main()
