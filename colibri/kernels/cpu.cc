@@ -93,7 +93,8 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
 // quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
-// prefetched in parallel, and weights stream ~30% faster than from TW adjacent rows.
+// prefetched in parallel; rows of 2-3 KiB stream 1.5-1.8x faster than from TW adjacent rows
+// (experiments/bench_streams.py).
 template <int TW, int TR, typename Emit>
 inline void matvecs_tile(const float* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit) {
