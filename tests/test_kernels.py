@@ -102,14 +102,15 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     rows=st.integers(1, 6),
     kv_heads=st.integers(1, 3),
     group=st.integers(1, 4),
-    head_dim=st.integers(1, 20),
+    head_dim=st.one_of(st.integers(1, 20), st.sampled_from([64, 72, 100, 128])),
+    capacity=st.integers(1, 40),
     seed=st.integers(0, 2**16),
 )
-def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, seed):
+def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity, seed):
     """Decode attention from the cache in place: positions 0..pos of each row's slot, GQA
     groups, padding rows (slot out of range) give zeros; each row alone is bitwise the same."""
     rng = np.random.default_rng(seed)
-    S, C, H = 4, 9, kv_heads * group
+    S, C, H = 4, capacity, kv_heads * group
     k = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
     q = rng.standard_normal((rows, H, head_dim)).astype(np.float32)
@@ -129,3 +130,21 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, seed):
             np.testing.assert_allclose(got[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5)
         alone = kernels.attend(q[b : b + 1], k, v, slots[b : b + 1], pos[b : b + 1], scale)
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
+def test_attend_weights_far_below_the_peak_are_zero_not_nan():
+    """One key scores thousands above the rest: the others' weights underflow to exactly 0 and
+    the output is that position's value row."""
+    rng = np.random.default_rng(0)
+    Dh, C = 64, 21
+    k = rng.standard_normal((1, C, 1, Dh)).astype(np.float32)
+    v = rng.standard_normal((1, C, 1, Dh)).astype(np.float32)
+    k[0, 13, 0] = 0.0
+    k[0, 13, 0, 0] = 100.0
+    q = np.zeros((1, 1, Dh), np.float32)
+    q[0, 0, 0] = 100.0
+    got = np.asarray(
+        kernels.attend(q, k, v, np.zeros(1, np.int32), np.full(1, C - 1, np.int32), 1 / 8)
+    )
+    np.testing.assert_allclose(got[0, 0], v[0, 13, 0], rtol=1e-6)
+    assert np.isfinite(got).all()
