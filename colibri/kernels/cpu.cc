@@ -74,14 +74,15 @@ inline float hsum(v8 v) {
 
 inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
 
-// e^x for x <= 0 (softmax arguments), 8 lanes: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in
-// two parts), e^r by a degree-6 polynomial (relative error ~1e-7), times 2^k put together in
-// the exponent bits. Below -87, where floats turn subnormal, the result is 0, as for -inf.
+// e^x, 8 lanes: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by a degree-6
+// polynomial (relative error ~1e-7), times 2^k put together in the exponent bits. Below -87,
+// where floats turn subnormal, the result is 0, as for -inf; above 88 it is e^88.
 inline v8 exp8(v8 x) {
   typedef int32_t i8 __attribute__((vector_size(32)));
-  const v8 lo = v8{} - 87.0f;
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
   const i8 keep = x >= lo;
   x = max8(x, lo);
+  x = x < hi ? x : hi;
   v8 k = x * 1.44269504088896341f;
 #if defined(__AVX__)
   k = reinterpret_cast<v8>(_mm256_round_ps(reinterpret_cast<__m256>(k),
@@ -101,6 +102,9 @@ inline v8 exp8(v8 x) {
   const i8 two_k = (__builtin_convertvector(k, i8) + 127) << 23;
   return reinterpret_cast<v8>(reinterpret_cast<i8>(y * reinterpret_cast<v8>(two_k)) & keep);
 }
+
+// silu(g) = g / (1 + e^-g), 8 lanes.
+inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
 
 // out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
 template <int TW, int TR>
@@ -184,7 +188,8 @@ struct Problem {
   std::vector<int64_t> assign;
   std::vector<const float*> xrow;  // by sorted assignment: its input row
   std::vector<const float*> hrow;  // and its hidden row in h
-  std::vector<float> h;            // [assignments, F]
+  std::vector<float> h;            // [assignments, F]: the hidden rows
+  std::vector<float> u;            // [assignments, F]: up projections, before the product
   int64_t fchunk, dchunk;          // weight rows per work item in each phase
   int64_t fitems, ditems;          // work items per expert in each phase
 
@@ -198,11 +203,27 @@ struct Problem {
     float* hq = h.data() + q * F + f0;
     const float* G = gate + (s * F + f0) * D;
     const float* U = up + (s * F + f0) * D;
+    float* uq = u.data() + q * F + f0;
     matvecs(G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
-    matvecs(U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) {
-      const float g = hq[j * F + f];
-      hq[j * F + f] = g / (1.0f + std::exp(-g)) * v;
-    });
+    matvecs(U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
+    for (int64_t j = 0; j < r; ++j) swiglu(hq + j * F, uq + j * F, nf);
+  }
+
+  // h[0 .. n) <- silu(h) * u, 8 lanes at a time (the tail too, so every element is computed
+  // the same way wherever it falls).
+  static void swiglu(float* h, const float* u, int64_t n) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const v8 y = silu8(load8(h + t)) * load8(u + t);
+      std::memcpy(h + t, &y, sizeof y);
+    }
+    if (t < n) {
+      v8 hv{}, uv{};
+      std::memcpy(&hv, h + t, sizeof(float) * (n - t));
+      std::memcpy(&uv, u + t, sizeof(float) * (n - t));
+      const v8 y = silu8(hv) * uv;
+      std::memcpy(h + t, &y, sizeof(float) * (n - t));
+    }
   }
 
   // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
@@ -343,6 +364,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
   p.slot = std::move(used);
   const int64_t staged = p.first.back();
   p.h.resize(staged * F);
+  p.u.resize(staged * F);
   p.xrow.resize(staged);
   p.hrow.resize(staged);
   for (int64_t q = 0; q < staged; ++q) {
