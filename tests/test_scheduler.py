@@ -172,13 +172,31 @@ def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(model, refer
     def broken(rows):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(sched.runner, "decode", broken)
-    events = sched.step()
-    assert sorted(events, key=lambda ev: ev.id) == [Failed(1, "INTERNAL"), Failed(2, "INTERNAL")]
+    monkeypatch.setattr(sched.runner, "decode_async", broken)
+    events = sched.step()  # the forward in flight lands; the next one fails to start
+    assert [type(ev) for ev in events] == [Token, Token, Failed, Failed]
+    assert sorted(ev.id for ev in events[2:]) == [1, 2]
+    assert {ev.code for ev in events[2:]} == {"INTERNAL"}
     assert not sched.busy and sched.history(0) == []
     monkeypatch.undo()
     req = _req(model, 3, 0, "The quick", 6)
     assert _tokens(_run(sched, req), 3) == reference(req.prompt, 6)
+
+
+def test_a_forward_that_fails_while_running_ends_its_requests(model, reference, monkeypatch):
+    sched = _sched(model, slots=2)
+    sched.submit(_req(model, 1, 0, "The quick", 10))
+    sched.step()
+    fwd = sched.inflight[1]
+
+    def broken():
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(fwd, "result", broken)
+    sched.submit(_req(model, 2, 1, "Der schnelle", 4))  # admitted after the failed forward
+    events = sched.step()
+    assert events[0] == Failed(1, "INTERNAL") and sched.history(0) == []
+    assert _tokens(events + _run(sched), 2) == reference(_req(model, 2, 1, "Der schnelle").prompt, 4)
 
 
 def test_reports_hits_and_usage_at_every_turn_end(model):

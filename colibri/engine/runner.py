@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -26,11 +28,51 @@ def bucket(n: int, lo: int = _MIN_BUCKET, hi: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Row:
-    """One decode row: the slot it extends, the token it feeds, and that token's position."""
+    """One decode row: the slot it extends, the token it feeds, and that token's position.
+
+    With `take` >= 0 the row feeds instead the greedy token of row `take` of the forward it
+    is chained to (see `Runner.decode_async`), a token the host has not seen yet."""
 
     slot: int
     token: int
     pos: int
+    take: int = -1
+
+
+@partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",), donate_argnums=(3,))
+def _decode_forward(cfg, params, experts, cache, tokens, fed, take, pos, slots, *, kv_len):
+    """`transformer.forward` of one token per row: tokens[b], or fed[take[b]] where
+    take[b] >= 0 (the previous forward's greedy tokens, which never leave the device).
+    Also returns the rows' greedy tokens, padded to the length of `fed`."""
+    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens[:, 0])[:, None]
+    last = jnp.zeros_like(slots)
+    logits, cache, routes = transformer.forward(
+        cfg, params, experts, cache, toks, pos, slots, last, kv_len=kv_len
+    )
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return logits, cache, routes, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
+
+
+class InFlight:
+    """A decode forward that has been started; `result()` waits for it (once) and returns
+    logits [B, V] and routes [n_moe, B, K], as `Runner.decode` does; `greedy()` its rows'
+    greedy tokens [B] (the argmax of their logits, lowest id on ties)."""
+
+    def __init__(self, runner: Runner, batch: _Batch, out: tuple, greedy: jax.Array):
+        self._runner, self._batch, self._out = runner, batch, out
+        self.greedy_dev = greedy  # [Bmax] on the device: what chained rows feed
+        self._value: tuple[np.ndarray, np.ndarray] | None = None
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._value is None:
+            logits, routes = self._runner._land(self._batch, self._out)
+            self._runner._count_decoded(self._batch.rows)
+            self._value = logits, routes[:, :, 0]
+        return self._value
+
+    def greedy(self) -> np.ndarray:
+        self.result()
+        return np.asarray(self.greedy_dev)[: self._batch.rows]
 
 
 @dataclass(frozen=True)
@@ -66,6 +108,7 @@ class Runner:
         self.split = profile or not self.store.all_resident
         self.decoded = 0
         self._next_repin = self.store.tiers.repin
+        self._no_tokens = jnp.zeros((bucket(slots, lo=1),), jnp.int32)  # unchained decode
 
     # -- public steps --------------------------------------------------------------------
 
@@ -101,12 +144,28 @@ class Runner:
 
     def decode(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
         """One token for each row, all in one forward: logits [B, V], routes [n_moe, B, K]."""
+        return self.decode_async(rows).result()
+
+    def decode_async(self, rows: list[Row], after: InFlight | None = None) -> InFlight:
+        """Start the forward of `decode(rows)` and return at once; `result()` waits for it.
+
+        Rows with `take` >= 0 feed the greedy token of row `take` of `after`, an earlier
+        forward that may still be running: where experts are resident the new forward is
+        queued behind it without the host waiting for either (`chains`); otherwise the host
+        waits for `after` and feeds its tokens itself."""
         B = bucket(len(rows), lo=1)
         toks = np.zeros((B, 1), np.int32)
         pos = np.zeros((B, 1), np.int32)
+        take = np.full((B,), -1, np.int32)
         slots = np.full((B,), self.slots, np.int32)  # padding rows: out-of-range slot, dropped
         for i, r in enumerate(rows):
-            toks[i, 0], pos[i, 0], slots[i] = r.token, r.pos, r.slot
+            toks[i, 0], pos[i, 0], slots[i], take[i] = r.token, r.pos, r.slot, r.take
+        chained = bool((take >= 0).any())
+        if chained and after is None:
+            raise ValueError("rows take tokens from an earlier forward, but none was given")
+        if chained and self.split:
+            picked = take >= 0
+            toks[picked, 0] = after.greedy()[take[picked]]
         batch = _Batch(
             toks,
             pos,
@@ -116,9 +175,29 @@ class Runner:
             width=1,
             kv_len=self._kv_len(max(r.pos for r in rows)),
         )
-        logits, routes = self._forward(batch)
-        self._count_decoded(len(rows))
-        return logits, routes[:, :, 0]
+        if self.split:
+            logits, routes = self._forward_split(batch, all_logits=False)
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return InFlight(self, batch, (logits, routes), greedy)
+        fed = after.greedy_dev if chained else self._no_tokens
+        logits, self.cache, r, greedy = _decode_forward(
+            self.cfg,
+            self.model.params,
+            self.store.resident,
+            self.cache,
+            toks,
+            fed,
+            take,
+            pos,
+            slots,
+            kv_len=batch.kv_len,
+        )
+        return InFlight(self, batch, (logits, r), greedy)
+
+    @property
+    def chains(self) -> bool:
+        """Whether a chained forward starts without waiting for the one it feeds from."""
+        return not self.split
 
     def full_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
@@ -177,20 +256,27 @@ class Runner:
     def _forward(self, b: _Batch, all_logits: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Logits of the real rows and routes [n_moe, rows, width, K] of real tokens."""
         if self.split:
-            logits, routes = self._forward_split(b, all_logits)
+            return self._land(b, self._forward_split(b, all_logits))
+        logits, self.cache, r = transformer.forward(
+            self.cfg,
+            self.model.params,
+            self.store.resident,
+            self.cache,
+            b.tokens,  # numpy in: jit transfers it without dispatching an op per array
+            b.pos,
+            b.slots,
+            b.last,
+            kv_len=b.kv_len,
+            all_logits=all_logits,
+        )
+        return self._land(b, (logits, r))
+
+    def _land(self, b: _Batch, out: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a forward: host logits of the real rows and routes of real tokens."""
+        logits, r = out
+        if self.split:
+            routes = r
         else:
-            logits, self.cache, r = transformer.forward(
-                self.cfg,
-                self.model.params,
-                self.store.resident,
-                self.cache,
-                b.tokens,  # numpy in: jit transfers it without dispatching an op per array
-                b.pos,
-                b.slots,
-                b.last,
-                kv_len=b.kv_len,
-                all_logits=all_logits,
-            )
             routes = np.asarray(r)[:, : b.rows, : b.width]
             self._record(routes)
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds

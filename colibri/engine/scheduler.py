@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from colibri.engine.kvstore import KVStore
-from colibri.engine.runner import Row, Runner
+from colibri.engine.runner import InFlight, Row, Runner
 from colibri.engine.sampling import log_softmax, sample
 from colibri.engine.telemetry import RepinEvent
 
@@ -190,6 +190,8 @@ class Scheduler:
         self.waiting: deque[GenRequest] = deque()
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
         self.steps = 0  # decode steps so far
+        self.inflight: tuple[list[_Run], InFlight] | None = None  # the decode forward running
+        self.next_inflight: tuple[list[_Run], InFlight] | None = None  # started during a step
 
     # ------------------------------------------------------------------ public surface
 
@@ -247,11 +249,21 @@ class Scheduler:
         return [ev for rid in self.in_flight() for ev in self.stop(rid)]
 
     def step(self) -> list[Event]:
-        """Admit waiting requests (serial prefill), then one batched decode forward."""
+        """One decode step: land the forward in flight and choose its tokens, admit waiting
+        requests (serial prefill), and have the next decode forward over every active request
+        running before this step's events are built (and written out by the caller).
+
+        When every request of the forward in flight decodes greedily, the next forward is
+        started before the host waits for it, fed from its greedy tokens on the device; a row
+        whose token turns out to be a stop token is then computed once for nothing."""
+        chained = self._chain()
+        decoded, chosen = self._collect()
         events = self._admit()
-        if self.active:
-            events += self._decode()
-        return events
+        if self.active and not chained:
+            events += self._launch()
+        self.inflight = self.next_inflight
+        self.next_inflight = None
+        return self._report_decoded(decoded, chosen) + events
 
     # ------------------------------------------------------------------ admission
 
@@ -312,38 +324,112 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
 
-    def _decode(self) -> list[Event]:
+    def _launch(self) -> list[Event]:
+        """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
         rows = [Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)) for r in runs]
         try:
-            logits, routes = self.runner.decode(rows)  # [B, V], [n_moe, B, K]
+            self.next_inflight = (runs, self.runner.decode_async(rows))
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return [ev for r in runs for ev in self._fail(r.req.id)]
-        events: list[Event] = self._repins()
+        return []
+
+    def _chain(self) -> bool:
+        """Start the next forward behind the one in flight, if every live request in it is
+        greedy: those that will not reach their limit feed its greedy token one position
+        further; requests admitted since feed their pending token."""
+        if self.inflight is None or not self.runner.chains:
+            return False
+        runs, fwd = self.inflight
+        live = [(i, r) for i, r in enumerate(runs) if self.active.get(r.req.id) is r]
+        if not live or any(r.req.temperature > 0 for _, r in live):
+            return False
+        rows, chained = [], []
+        for i, r in live:
+            if r.emitted + 1 < r.limit:  # the token it gets now is not its last
+                rows.append(Row(r.req.slot, 0, len(self.slots[r.req.slot].history) + 1, take=i))
+                chained.append(r)
+        running = {id(r) for r in runs}
+        fresh = [r for r in self.active.values() if id(r) not in running]
+        for r in fresh:
+            rows.append(Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)))
+        if not rows:
+            return False
+        try:
+            self.next_inflight = (chained + fresh, self.runner.decode_async(rows, after=fwd))
+        except Exception:
+            log.exception("starting a chained decode step failed; it starts after this one")
+            return False
+        return True
+
+    def _collect(self) -> tuple[list[Event], list[tuple[_Run, int, np.ndarray]]]:
+        """Wait for the forward in flight and choose each of its requests' next token; requests
+        that end are taken out of `active` (their reports are built later, by the caller)."""
+        if self.inflight is None:
+            return [], []
+        runs, fwd = self.inflight
+        self.inflight = None
+        live = [r for r in runs if self.active.get(r.req.id) is r]  # not cancelled or stopped
+        try:
+            logits, routes = fwd.result()  # [B, V], [n_moe, B, K]
+        except Exception:
+            log.exception("decode step failed; ending its %d requests", len(live))
+            return [ev for r in live for ev in self._fail(r.req.id)], []
+        events = self._repins()
         self.steps += 1
         if self.steps % self.config.hits_every == 0:
             events.append(HitsTick(self.runner.stats.take_hits()))
+        greedy = fwd.greedy()  # what chained rows fed; sampled rows draw below
+        chosen = []
         for i, run in enumerate(runs):
+            if self.active.get(run.req.id) is not run:
+                continue
             self.slots[run.req.slot].history.append(run.pending)
-            run.pending = None
             run.routes.append(routes[:, i : i + 1])  # a view: counted once, at the turn's end
-            events += self._guarded(run.req.id, self._advance, run, logits[i])
+            try:
+                tok = int(greedy[i]) if run.req.temperature <= 0 else self._sample(run, logits[i])
+            except Exception:
+                log.exception("request %d failed", run.req.id)
+                events += self._fail(run.req.id)
+                continue
+            chosen.append((run, tok, logits[i]))
+            self._choose(run, tok)
+        return events, chosen
+
+    def _report_decoded(
+        self, events: list[Event], chosen: list[tuple[_Run, int, np.ndarray]]
+    ) -> list[Event]:
+        for run, tok, logits in chosen:
+            events += self._guarded(run.req.id, self._report, run, tok, logits)
         return events
+
+    def _sample(self, run: _Run, logits: np.ndarray) -> int:
+        return sample(logits, run.req.temperature, run.req.top_p, run.rng)
 
     def _advance(self, run: _Run, logits: np.ndarray) -> list[Event]:
         """Sample the next token from logits [V]: emit it, or end the turn."""
-        req = run.req
-        tok = sample(logits, req.temperature, req.top_p, run.rng)
+        tok = self._sample(run, logits)
+        self._choose(run, tok)
+        return self._report(run, tok, logits)
+
+    def _choose(self, run: _Run, tok: int) -> None:
+        """Take `tok` as the run's next token: it is fed next, or the run ends (out of
+        `active`, so that the next forward leaves it out)."""
+        ends = tok in self.config.stop_ids or run.emitted + 1 >= run.limit
+        run.pending = None if ends else tok
+        if ends:
+            self.active.pop(run.req.id)
+
+    def _report(self, run: _Run, tok: int, logits: np.ndarray) -> list[Event]:
+        """The events of a chosen token: the token itself, then DONE if the turn ended."""
         if tok in self.config.stop_ids:
-            self.active.pop(req.id)
             return self._finish(run, limited=False)
+        req = run.req
         events: list[Event] = [Token(req.id, tok, self.token_bytes(tok), self._topk(logits))]
         run.emitted += 1
         if run.emitted >= run.limit:
-            self.active.pop(req.id)
             return events + self._finish(run, limited=True)
-        run.pending = tok
         return events
 
     def _topk(self, logits: np.ndarray) -> tuple[tuple[float, bytes], ...]:
