@@ -193,10 +193,11 @@ def test_a_forward_that_fails_while_running_ends_its_requests(model, reference, 
         raise RuntimeError("injected")
 
     monkeypatch.setattr(fwd, "result", broken)
-    sched.submit(_req(model, 2, 1, "Der schnelle", 4))  # admitted after the failed forward
+    second = _req(model, 2, 1, "Der schnelle", 4)
+    sched.submit(second)  # admitted after the failed forward
     events = sched.step()
     assert events[0] == Failed(1, "INTERNAL") and sched.history(0) == []
-    assert _tokens(events + _run(sched), 2) == reference(_req(model, 2, 1, "Der schnelle").prompt, 4)
+    assert _tokens(events + _run(sched), 2) == reference(second.prompt, 4)
 
 
 def test_reports_hits_and_usage_at_every_turn_end(model):
