@@ -247,6 +247,26 @@ def test_sampling_is_seeded_by_seed_and_id(model):
     assert sample(0, 5) != sample(1, 5)
 
 
+def test_greedy_and_sampled_requests_together_are_each_as_alone(model, reference):
+    sampled = dict(temperature=1.0, top_p=0.9)
+    alone = _tokens(_run(_sched(model), _req(model, 2, 1, "Der", 9, **sampled)), 2)
+    sched = _sched(model)
+    chained: list[bool] = []
+    start = sched.runner.decode_async
+    sched.runner.decode_async = lambda rows, after=None: (
+        chained.append(bool(after)) or start(rows, after)
+    )
+    greedy = _req(model, 1, 0, "The quick", 14)
+    events = [ev for ev in sched.submit(greedy)]
+    for _ in range(4):  # the greedy request alone: its forwards are chained
+        events += sched.step()
+    assert chained == [False, True, True, True]
+    events += _run(sched, _req(model, 2, 1, "Der", 9, **sampled))  # now they are not
+    assert _tokens(events, 1) == reference(greedy.prompt, 14)
+    assert _tokens(events, 2) == alone
+    assert chained.count(False) > 2
+
+
 def test_restored_slots_continue_as_if_never_stopped(model, tmp_path):
     turn = _req(model, 1, 2, "The quick brown fox", 8)
     follow = _req(model, 2, 2, "The quick brown fox jumps over the lazy dog", 8)

@@ -38,6 +38,33 @@ def batched_greedy(runner: Runner, prompts: list[list[int]], steps: int = STEPS)
     return out
 
 
+def chained_greedy(runner: Runner, prompts: list[list[int]], steps: int = STEPS) -> list[list[int]]:
+    """As batched_greedy, but each forward is fed the previous one's greedy tokens through
+    `decode_async(rows, after=...)`, started before the host has seen them."""
+    first = [int(np.argmax(runner.prefill(s, ids)[0])) for s, ids in enumerate(prompts)]
+    fwd = runner.decode_async([Row(s, first[s], len(p)) for s, p in enumerate(prompts)])
+    out = [[t] for t in first]
+    for step in range(1, steps):
+        rows = [Row(s, -1, len(p) + step, take=s) for s, p in enumerate(prompts)]
+        fwd, prev = runner.decode_async(rows, after=fwd), fwd
+        for s, t in enumerate(prev.greedy()):
+            out[s].append(int(t))
+    return out
+
+
+def test_chained_forwards_feed_the_greedy_tokens(checkpoints):
+    d = checkpoints("qwen3_moe")
+    model = load_model(d, progress=False)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    reference = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
+    fused = Runner(model, slots=4, capacity=64)
+    assert fused.chains and chained_greedy(fused, prompts) == reference
+    split = Runner(model, slots=4, capacity=64, profile=True)  # the host feeds the tokens
+    assert not split.chains and chained_greedy(split, prompts) == reference
+    with pytest.raises(ValueError, match="earlier forward"):
+        fused.decode_async([Row(0, -1, 5, take=0)])
+
+
 def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
     per_layer = eb * layers
     return {

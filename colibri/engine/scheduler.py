@@ -339,8 +339,8 @@ class Scheduler:
         """Start the next forward behind the one in flight, if every live request in it is
         greedy: those that will not reach their limit feed its greedy token one position
         further; requests admitted since feed their pending token."""
-        if self.inflight is None or not self.runner.chains:
-            return False
+        if self.inflight is None or not self.runner.chains or self.waiting:
+            return False  # waiting prompts are prefilled first, not behind a queued forward
         runs, fwd = self.inflight
         live = [(i, r) for i, r in enumerate(runs) if self.active.get(r.req.id) is r]
         if not live or any(r.req.temperature > 0 for _, r in live):
