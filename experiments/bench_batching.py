@@ -7,8 +7,8 @@ synthetic qwen3_moe checkpoint, driven over stdin/stdout exactly as a server wou
   the rate is DATA frames per second between the moment all N have their first token and the
   first DONE (every slot decoding the whole window). Best of --trials runs after a warm-up,
   the sizes interleaved so that load from other processes falls on each of them alike.
-  Beside it, the same batch sizes through `Runner.decode` alone, in-process: the ceiling the
-  engine's scheduling and protocol work is measured against.
+  Beside it, the same batch sizes through bare chained `Runner.decode_async` forwards,
+  in-process: the ceiling the engine's scheduling and protocol work is measured against.
 - TTFT while 15 other slots decode: 15 long requests decode; a 16th prompt is submitted and
   timed from its SUBMIT write to its first DATA. Median of --trials, beside the TTFT of the same
   prompt on an idle engine.
@@ -126,7 +126,8 @@ def ttft(engine: Engine, busy: int, prompt: str) -> float:
 
 
 def runner_only(ckpt: Path, tokens: int, trials: int) -> dict[int, float]:
-    """tok/s of bare batched decode forwards over the positions an engine run goes through."""
+    """tok/s of bare batched decode forwards over the positions an engine run goes through,
+    each fed the previous one's greedy tokens on the device, as the engine's greedy steps are."""
     from colibri.engine.model import load_model
     from colibri.engine.runner import Row, Runner
 
@@ -135,8 +136,12 @@ def runner_only(ckpt: Path, tokens: int, trials: int) -> dict[int, float]:
     for trial in range(trials + 1):  # the first pass compiles
         for n in out:
             t = time.perf_counter()
-            for pos in range(24, 24 + tokens):  # ~ the prompt length, then one token a step
-                runner.decode([Row(slot, 7 + slot, pos) for slot in range(n)])
+            fwd = runner.decode_async([Row(slot, 7 + slot, 24) for slot in range(n)])
+            for pos in range(25, 24 + tokens):  # ~ the prompt length, then one token a step
+                rows = [Row(slot, -1, pos, take=slot) for slot in range(n)]
+                fwd, done = runner.decode_async(rows, after=fwd), fwd
+                done.result()
+            fwd.result()
             out[n] = max(out[n], n * tokens / (time.perf_counter() - t)) if trial else 0.0
     return out
 
@@ -179,7 +184,7 @@ def report(r: dict) -> str:
         {
             "engine tok/s": eng,
             "x vs 1 slot": {n: v / eng[1] for n, v in eng.items()},
-            "Runner.decode alone tok/s": bare,
+            "bare forwards tok/s": bare,
             "x vs 1 row": {n: v / bare[1] for n, v in bare.items()},
         }
     )
@@ -199,7 +204,7 @@ def report(r: dict) -> str:
             f"16 slots give **{r['speedup_16_vs_1']:.1f}x** the aggregate tok/s of one "
             "(target: at least 6x). The engine decodes at "
             f"{100 * eng[1] / bare[1]:.0f}% (1 slot) and {100 * eng[16] / bare[16]:.0f}% "
-            "(16 slots) of the rate of bare `Runner.decode` forwards of the same rows; those "
+            "(16 slots) of the rate of bare chained forwards of the same rows; those "
             f"forwards' own 16-row/1-row ratio is {bare[16] / bare[1]:.1f}x. On a shared 2-core "
             "machine these rates move by tens of percent with other processes' load.",
             "",

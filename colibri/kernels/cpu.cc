@@ -238,19 +238,27 @@ struct Problem {
   }
 };
 
-inline void relax() {
+// Wait until done() holds: spin briefly, then give the core away between checks. The thread
+// waited for may itself be waiting for a core (XLA's threads, the Python thread that drives
+// the engine and other processes share few cores), and spinning on would starve it.
+template <typename Done>
+inline void wait_until(Done done) {
+  for (int spins = 0; !done(); ++spins) {
 #if defined(__x86_64__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
+    if (spins < 512) {
+      _mm_pause();
+      continue;
+    }
 #endif
+    std::this_thread::yield();
+  }
 }
 
 // One call's work, shared out among XLA's intra-op threads: the caller and the helpers it
 // schedules each run drain() until no item is left. A helper that starts after the caller
 // has closed the call returns at once (the pool may run tasks late, or inline). The caller
-// spins while a started helper finishes its last item (microseconds): sleeping on a
-// condition variable here cost more than the work of a small layer.
+// waits (wait_until) while a started helper finishes its last item, usually microseconds:
+// sleeping on a condition variable here cost more than the work of a small layer.
 struct Gang {
   static constexpr int64_t kClosed = int64_t{1} << 40;
   std::atomic<int64_t> state{0};  // helpers running, plus kClosed once the caller is done
@@ -269,11 +277,8 @@ struct Gang {
 
   void finish() {
     drain();
-    int64_t s = state.fetch_or(kClosed, std::memory_order_acq_rel);
-    while ((s & ~kClosed) != 0) {
-      relax();
-      s = state.load(std::memory_order_acquire);
-    }
+    state.fetch_or(kClosed, std::memory_order_acq_rel);
+    wait_until([&] { return (state.load(std::memory_order_acquire) & ~kClosed) == 0; });
   }
 };
 
@@ -299,7 +304,7 @@ struct ExpertCall : Gang {
         p.hidden(k / p.fitems, k % p.fitems);
         hidden_done.fetch_add(1, std::memory_order_release);
       } else {
-        while (hidden_done.load(std::memory_order_acquire) < n1) relax();
+        wait_until([&] { return hidden_done.load(std::memory_order_acquire) >= n1; });
         p.output((k - n1) / p.ditems, (k - n1) % p.ditems);
       }
     }
