@@ -531,12 +531,17 @@ _LINE_KINDS = (
 _BY_KIND = {cls.KIND: cls for cls in _LINE_KINDS}
 
 
+def format_data(rid: int, payload: bytes) -> bytes:
+    """``DATA <id> <n>\\n<payload>\\n``: what format_event gives for Data(rid, payload)."""
+    return b"DATA %d %d\n%b\n" % (rid, len(payload), payload)
+
+
 def format_event(ev: Event) -> bytes:
     """The exact bytes of one engine line, newline included (DATA: header, payload, newline)."""
     if isinstance(ev, Ready):
         return READY_LINE + b"\n"
     if isinstance(ev, Data):
-        return b"DATA %d %d\n" % (ev.id, len(ev.payload)) + ev.payload + b"\n"
+        return format_data(ev.id, ev.payload)
     if isinstance(ev, Unknown):
         return ev.raw + b"\n"
     return _line(ev.KIND, ev.to_fields())

@@ -164,7 +164,10 @@ class _Loop:
 
     def emit(self, events: list[Event]) -> None:
         for ev in events:
-            self.send(*lines(ev))
+            if type(ev) is Token and not ev.topk:  # most lines, built without a Data object
+                self.out.send(codec.format_data(ev.id, ev.text))
+            else:
+                self.send(*lines(ev))
 
     def handle(self, item: codec.Request | FrameError | None) -> None:
         """One frame from the reader; nothing here may end the loop but the end of input."""

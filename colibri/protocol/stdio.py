@@ -27,18 +27,29 @@ def claim_stdout() -> BinaryIO:
 
 
 class LineWriter:
-    """Writes each protocol line with one write and one flush; a vanished reader is not fatal."""
+    """Writes each protocol line with one write, unbuffered (the flush is implied); a vanished
+    reader is not fatal."""
 
     def __init__(self, stream: BinaryIO):
         self.stream = stream
         self.broken = False
+        try:
+            self._fd: int | None = stream.fileno()
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            self._fd = None  # not a file (an in-memory stream): write and flush it
 
     def send(self, line: bytes) -> None:
         if self.broken:
             return
         try:
-            self.stream.write(line)
-            self.stream.flush()
+            if self._fd is None:
+                self.stream.write(line)
+                self.stream.flush()
+                return
+            view = memoryview(line)
+            while view:  # a pipe takes the whole line unless a signal cuts the write short
+                view = view[os.write(self._fd, view) :]
         except (BrokenPipeError, ValueError, OSError) as e:
             self.broken = True  # the server is gone; finish quietly (EOF on stdin follows)
             log.warning("stdout closed (%s); output dropped from now on", e)
