@@ -114,16 +114,19 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         firsts.append(int(np.argmax(logits_s)))
 
     def decode(rows: int, n: int) -> tuple[float, list[int], list[int]]:
-        """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
-        layer (mean over steps)."""
-        nxt, out, distinct = firsts[:rows], [first], []
+        """n greedy steps of slots 0..rows-1, each forward fed the previous one's greedy tokens
+        on the device, as the engine's greedy steps are: tok/s, slot 0's tokens, distinct
+        experts per MoE layer (mean over steps)."""
+        out, distinct = [first], []
         t = time.perf_counter()
-        for i in range(n):
-            pos = len(prompt) + i
-            logits, routes = runner.decode([Row(s, nxt[s], pos) for s in range(rows)])
-            nxt = np.argmax(logits[:rows], axis=-1).tolist()
-            out.append(nxt[0])
+        fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
+        for i in range(1, n + 1):
+            chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]
+            nxt = runner.decode_async(chained, after=fwd) if i < n else None
+            _, routes = fwd.result()
+            out.append(int(fwd.greedy()[0]))
             distinct.append([len(np.unique(r[:rows])) for r in routes])
+            fwd = nxt
         return rows * n / (time.perf_counter() - t), out, np.mean(distinct, axis=0).tolist()
 
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
