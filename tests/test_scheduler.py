@@ -128,10 +128,18 @@ def test_the_stop_token_ends_a_turn_unsent(model, reference):
     greedy = reference(req.prompt, 8)
     at = next(i for i in range(1, 8) if greedy[i] not in greedy[:i])
     sched = _sched(model, stop_ids=(greedy[at],))
-    events = _run(sched, req)
+    before = sched.runner.stats.counts.copy()  # the model's statistics outlive a scheduler
+    other = _req(model, 2, 1, "The quick brown", 12)  # decodes on after request 1 stops
+    events = _run(sched, req, other)
     assert _tokens(events, 1) == greedy[:at]
     report = _finished(events, 1).report
     assert report.emitted == at and not report.length_limited
+    # Request 1's row in the forward chained behind its stop token was computed for nothing:
+    # it is not counted. Fed: each prompt, then every emitted token but a limit's last.
+    done = _finished(events, 2).report
+    fed = len(req.prompt) + at + len(other.prompt) + done.emitted - done.length_limited
+    counted = (sched.runner.stats.counts - before).sum(axis=1)
+    assert (counted == fed * model.cfg.moe.top_k).all()
 
 
 def test_refusals(model):

@@ -63,10 +63,12 @@ class InFlight:
         self.greedy_dev = greedy  # [Bmax] on the device: what chained rows feed
         self._value: tuple[np.ndarray, np.ndarray] | None = None
 
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
+    def result(self, keep: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`keep` (heeded on the first call): the rows that still matter; the others (a request
+        that ended while this forward was queued) stay out of the expert statistics."""
         if self._value is None:
-            logits, routes = self._runner._land(self._batch, self._out)
-            self._runner._count_decoded(self._batch.rows)
+            logits, routes = self._runner._land(self._batch, self._out, keep)
+            self._runner._count_decoded(self._batch.rows if keep is None else sum(keep))
             self._value = logits, routes[:, :, 0]
         return self._value
 
@@ -271,14 +273,17 @@ class Runner:
         )
         return self._land(b, (logits, r))
 
-    def _land(self, b: _Batch, out: tuple) -> tuple[np.ndarray, np.ndarray]:
-        """Wait for a forward: host logits of the real rows and routes of real tokens."""
+    def _land(
+        self, b: _Batch, out: tuple, keep: list[bool] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for a forward: host logits of the real rows and routes of real tokens (those
+        of rows in `keep` are counted in the statistics)."""
         logits, r = out
         if self.split:
             routes = r
         else:
             routes = np.asarray(r)[:, : b.rows, : b.width]
-            self._record(routes)
+            self._record(routes if keep is None else routes[:, np.asarray(keep, bool)])
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return np.asarray(logits)[: b.rows], routes
 

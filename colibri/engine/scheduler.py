@@ -370,10 +370,13 @@ class Scheduler:
             return [], []
         runs, fwd = self.inflight
         self.inflight = None
-        live = [r for r in runs if self.active.get(r.req.id) is r]  # not cancelled or stopped
+        keep = [self.active.get(r.req.id) is r for r in runs]  # not ended since it started
+        if not any(keep):
+            return [], []  # every row was computed for nothing: no step, no statistics
         try:
-            logits, routes = fwd.result()  # [B, V], [n_moe, B, K]
+            logits, routes = fwd.result(keep)  # [B, V], [n_moe, B, K]
         except Exception:
+            live = [r for r, k in zip(runs, keep, strict=True) if k]
             log.exception("decode step failed; ending its %d requests", len(live))
             return [ev for r in live for ev in self._fail(r.req.id)], []
         events = self._repins()
@@ -383,7 +386,7 @@ class Scheduler:
         greedy = fwd.greedy()  # what chained rows fed; sampled rows draw below
         chosen = []
         for i, run in enumerate(runs):
-            if self.active.get(run.req.id) is not run:
+            if not keep[i]:
                 continue
             self.slots[run.req.slot].history.append(run.pending)
             run.routes.append(routes[:, i : i + 1])  # a view: counted once, at the turn's end
