@@ -39,15 +39,18 @@ class Row:
     take: int = -1
 
 
-@partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",), donate_argnums=(3,))
-def _decode_forward(cfg, params, experts, cache, tokens, fed, take, pos, slots, *, kv_len):
-    """`transformer.forward` of one token per row: tokens[b], or fed[take[b]] where
-    take[b] >= 0 (the previous forward's greedy tokens, which never leave the device).
-    Also returns the rows' greedy tokens, padded to the length of `fed`."""
-    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens[:, 0])[:, None]
-    last = jnp.zeros_like(slots)
+@partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len",), donate_argnums=(3,))
+def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
+    """`transformer.forward` of one token per row. weights: the leaves of (params, experts)
+    (a flat list crosses jit's argument handling faster than the nested dicts); rows [4, B]
+    int32: token, position, slot and take of each row, one transfer. A row feeds its token,
+    or fed[take] where take >= 0 (the previous forward's greedy tokens, which never leave
+    the device). Also returns the rows' greedy tokens, padded to the length of `fed`."""
+    params, experts = jax.tree.unflatten(weights_def, weights)
+    tokens, pos, slots, take = rows
+    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens)[:, None]
     logits, cache, routes = transformer.forward(
-        cfg, params, experts, cache, toks, pos, slots, last, kv_len=kv_len
+        cfg, params, experts, cache, toks, pos[:, None], slots, jnp.zeros_like(slots), kv_len=kv_len
     )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return logits, cache, routes, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
@@ -111,6 +114,7 @@ class Runner:
         self.decoded = 0
         self._next_repin = self.store.tiers.repin
         self._no_tokens = jnp.zeros((bucket(slots, lo=1),), jnp.int32)  # unchained decode
+        self._flat: tuple | None = None  # see _weights
 
     # -- public steps --------------------------------------------------------------------
 
@@ -156,21 +160,20 @@ class Runner:
         queued behind it without the host waiting for either (`chains`); otherwise the host
         waits for `after` and feeds its tokens itself."""
         B = bucket(len(rows), lo=1)
-        toks = np.zeros((B, 1), np.int32)
-        pos = np.zeros((B, 1), np.int32)
-        take = np.full((B,), -1, np.int32)
-        slots = np.full((B,), self.slots, np.int32)  # padding rows: out-of-range slot, dropped
+        packed = np.zeros((4, B), np.int32)  # token, position, slot, take
+        packed[2], packed[3] = self.slots, -1  # padding rows: out-of-range slot, dropped
         for i, r in enumerate(rows):
-            toks[i, 0], pos[i, 0], slots[i], take[i] = r.token, r.pos, r.slot, r.take
-        chained = bool((take >= 0).any())
+            packed[:, i] = r.token, r.pos, r.slot, r.take
+        toks, pos, slots, take = packed
+        chained = any(r.take >= 0 for r in rows)
         if chained and after is None:
             raise ValueError("rows take tokens from an earlier forward, but none was given")
         if chained and self.split:
             picked = take >= 0
-            toks[picked, 0] = after.greedy()[take[picked]]
+            toks[picked] = after.greedy()[take[picked]]
         batch = _Batch(
-            toks,
-            pos,
+            toks[:, None],
+            pos[:, None],
             slots,
             np.zeros((B,), np.int32),
             rows=len(rows),
@@ -182,19 +185,19 @@ class Runner:
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return InFlight(self, batch, (logits, routes), greedy)
         fed = after.greedy_dev if chained else self._no_tokens
+        weights_def, weights = self._weights()
         logits, self.cache, r, greedy = _decode_forward(
-            self.cfg,
-            self.model.params,
-            self.store.resident,
-            self.cache,
-            toks,
-            fed,
-            take,
-            pos,
-            slots,
-            kv_len=batch.kv_len,
+            self.cfg, weights_def, weights, self.cache, packed, fed, kv_len=batch.kv_len
         )
         return InFlight(self, batch, (logits, r), greedy)
+
+    def _weights(self) -> tuple:
+        """(treedef, leaves) of (params, resident experts), flattened once."""
+        src = (self.model.params, self.store.resident)
+        if self._flat is None or any(a is not b for a, b in zip(self._flat[0], src, strict=True)):
+            leaves, treedef = jax.tree.flatten(src)
+            self._flat = (src, treedef, leaves)
+        return self._flat[1], self._flat[2]
 
     @property
     def chains(self) -> bool:
