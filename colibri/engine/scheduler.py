@@ -154,6 +154,9 @@ class _Run:
     t_first: float = 0.0
 
 
+_Forward = tuple[list[_Run], InFlight]  # a decode forward started, and its rows' requests
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -190,8 +193,7 @@ class Scheduler:
         self.waiting: deque[GenRequest] = deque()
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
         self.steps = 0  # decode steps so far
-        self.inflight: tuple[list[_Run], InFlight] | None = None  # the decode forward running
-        self.next_inflight: tuple[list[_Run], InFlight] | None = None  # started during a step
+        self.inflight: _Forward | None = None  # the decode forward running between steps
 
     # ------------------------------------------------------------------ public surface
 
@@ -256,13 +258,13 @@ class Scheduler:
         When every request of the forward in flight decodes greedily, the next forward is
         started before the host waits for it, fed from its greedy tokens on the device; a row
         whose token turns out to be a stop token is then computed once for nothing."""
-        chained = self._chain()
+        nxt = self._chain()
         decoded, chosen = self._collect()
         events = self._admit()
-        if self.active and not chained:
-            events += self._launch()
-        self.inflight = self.next_inflight
-        self.next_inflight = None
+        if self.active and nxt is None:
+            nxt, failed = self._launch()
+            events += failed
+        self.inflight = nxt
         return self._report_decoded(decoded, chosen) + events
 
     # ------------------------------------------------------------------ admission
@@ -324,27 +326,26 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
 
-    def _launch(self) -> list[Event]:
+    def _launch(self) -> tuple[_Forward | None, list[Event]]:
         """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
         rows = [Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)) for r in runs]
         try:
-            self.next_inflight = (runs, self.runner.decode_async(rows))
+            return (runs, self.runner.decode_async(rows)), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
-            return [ev for r in runs for ev in self._fail(r.req.id)]
-        return []
+            return None, [ev for r in runs for ev in self._fail(r.req.id)]
 
-    def _chain(self) -> bool:
+    def _chain(self) -> _Forward | None:
         """Start the next forward behind the one in flight, if every live request in it is
         greedy: those that will not reach their limit feed its greedy token one position
         further; requests admitted since feed their pending token."""
         if self.inflight is None or not self.runner.chains or self.waiting:
-            return False  # waiting prompts are prefilled first, not behind a queued forward
+            return None  # waiting prompts are prefilled first, not behind a queued forward
         runs, fwd = self.inflight
         live = [(i, r) for i, r in enumerate(runs) if self.active.get(r.req.id) is r]
         if not live or any(r.req.temperature > 0 for _, r in live):
-            return False
+            return None
         rows, chained = [], []
         for i, r in live:
             if r.emitted + 1 < r.limit:  # the token it gets now is not its last
@@ -355,13 +356,12 @@ class Scheduler:
         for r in fresh:
             rows.append(Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)))
         if not rows:
-            return False
+            return None
         try:
-            self.next_inflight = (chained + fresh, self.runner.decode_async(rows, after=fwd))
+            return chained + fresh, self.runner.decode_async(rows, after=fwd)
         except Exception:
             log.exception("starting a chained decode step failed; it starts after this one")
-            return False
-        return True
+            return None
 
     def _collect(self) -> tuple[list[Event], list[tuple[_Run, int, np.ndarray]]]:
         """Wait for the forward in flight and choose each of its requests' next token; requests
