@@ -282,10 +282,15 @@ struct Gang {
   }
 };
 
-// Run `gang` on the caller and up to items - 1 helpers from the pool.
-void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items) {
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
-                                            items - 1);
+// Calls with less work than this run on the caller alone: a helper costs more than it saves
+// there, and takes the core the engine's thread starts the next forward on. Work: bytes of
+// weights (or KV) read, times the passes over them (one per tile of four inputs).
+constexpr int64_t kSoloWork = 512 << 10;
+
+// Run `gang` on the caller and up to items - 1 helpers from the pool (none below kSoloWork).
+void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work) {
+  const int64_t most = work < kSoloWork ? 0 : std::max<int64_t>(pool.num_threads() - 1, 0);
+  const int64_t helpers = std::min<int64_t>(most, items - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
   gang->finish();
 }
@@ -382,7 +387,9 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
   p.ditems = (D + p.dchunk - 1) / p.dchunk;
 
-  run(pool, call, p.total());
+  const int64_t experts = static_cast<int64_t>(p.slot.size());
+  const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
+  run(pool, call, p.total(), experts * 3 * F * D * 4 * passes);
   return ffi::Error::Success();
 }
 
@@ -422,7 +429,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
-  run(pool, call, call->items);
+  run(pool, call, call->items, O * I * 4 * ((M + 3) / 4));
   return ffi::Error::Success();
 }
 
@@ -537,7 +544,11 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   call->S = S;
   call->C = C;
   call->scale = scale;
-  run(pool, call, B * Hkv);
+  int64_t bytes = 0;  // keys and values read
+  for (int64_t b = 0; b < B; ++b)
+    if (call->slot[b] >= 0 && call->slot[b] < S && call->pos[b] >= 0)
+      bytes += (std::min<int64_t>(call->pos[b], C - 1) + 1) * Hkv * Dh * 8;
+  run(pool, call, B * Hkv, bytes);
   return ffi::Error::Success();
 }
 
