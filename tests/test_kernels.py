@@ -73,6 +73,44 @@ def test_linear_gradient_is_the_matrix_product_gradient():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_calls_shared_among_threads_equal_each_row_alone():
+    """Calls big enough to be shared out among XLA's threads (over ~512 KiB of work; the test
+    models' calls are smaller and run on the caller alone), with ragged last slices: each row
+    is bitwise what the row alone gives (for attention, a call small enough to run alone)."""
+    rng = np.random.default_rng(3)
+    f32 = np.float32
+    x = rng.standard_normal((16, 260)).astype(f32)
+    w = rng.standard_normal((1030, 260)).astype(f32)
+    y = np.asarray(_native(x, w))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.T, rtol=1e-4, atol=1e-3)
+    for n in (0, 7, 15):
+        np.testing.assert_array_equal(np.asarray(_native(x[n : n + 1], w))[0], y[n])
+
+    S, F, D, K = 12, 136, 130, 4
+    gate, up = (rng.standard_normal((S, F, D)).astype(f32) * 0.1 for _ in range(2))
+    down = rng.standard_normal((S, D, F)).astype(f32) * 0.1
+    ids = rng.integers(0, S, (16, K)).astype(np.int32)
+    xe = rng.standard_normal((16, D)).astype(f32)
+    experts = jax.jit(kernels.moe_experts)
+    ye = np.asarray(experts(gate, up, down, xe, ids))
+    h = np.einsum("nd,nkfd->nkf", xe, gate[ids]), np.einsum("nd,nkfd->nkf", xe, up[ids])
+    ref = np.einsum("nkf,nkdf->nkd", h[0] / (1 + np.exp(-h[0])) * h[1], down[ids])
+    np.testing.assert_allclose(ye, ref, rtol=1e-4, atol=1e-4)
+    for n in (0, 9):
+        alone = experts(gate, up, down, xe[n : n + 1], ids[n : n + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0], ye[n])
+
+    C, Hkv, G, Dh = 300, 2, 2, 64
+    k, v = (rng.standard_normal((16, C, Hkv, Dh)).astype(f32) for _ in range(2))
+    q = rng.standard_normal((16, Hkv * G, Dh)).astype(f32)
+    slots, pos = np.arange(16, dtype=np.int32), rng.integers(150, C, 16).astype(np.int32)
+    attend = jax.jit(kernels.attend, static_argnums=5)
+    got = np.asarray(attend(q, k, v, slots, pos, 0.125))
+    for b in (0, 5, 15):
+        alone = attend(q[b : b + 1], k, v, slots[b : b + 1], pos[b : b + 1], 0.125)
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
 def test_kernels_can_be_turned_off():
     env = dict(os.environ, COLIBRI_CPU_KERNELS="0")
     code = (
