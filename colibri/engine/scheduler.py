@@ -2,8 +2,10 @@
 
 No I/O: callers hand in requests and get back engine events (the protocols turn them into lines).
 Each slot remembers the tokens whose KV it holds, so a request reuses the longest common prefix
-and prefills only the rest. A step admits waiting requests (serial prefill, within a token
-budget) and then runs one decode forward in which every active request contributes one row.
+and prefills only the rest. A step lands the decode forward in flight (every active request
+contributed one row), admits waiting requests (serial prefill, within a token budget) and
+starts the next forward before it returns the landed forward's events, so that the caller
+writes them while the forward runs (`Scheduler.step` says when forwards chain on the device).
 """
 
 from __future__ import annotations
