@@ -114,7 +114,8 @@ class Runner:
         self.decoded = 0
         self._next_repin = self.store.tiers.repin
         self._no_tokens = jnp.zeros((bucket(slots, lo=1),), jnp.int32)  # unchained decode
-        self._flat: tuple | None = None  # see _weights
+        # (params, resident experts) as the decode forward takes them, flattened once
+        self._weights, self._weights_def = jax.tree.flatten((model.params, self.store.resident))
 
     # -- public steps --------------------------------------------------------------------
 
@@ -185,19 +186,10 @@ class Runner:
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return InFlight(self, batch, (logits, routes), greedy)
         fed = after.greedy_dev if chained else self._no_tokens
-        weights_def, weights = self._weights()
         logits, self.cache, r, greedy = _decode_forward(
-            self.cfg, weights_def, weights, self.cache, packed, fed, kv_len=batch.kv_len
+            self.cfg, self._weights_def, self._weights, self.cache, packed, fed, kv_len=batch.kv_len
         )
         return InFlight(self, batch, (logits, r), greedy)
-
-    def _weights(self) -> tuple:
-        """(treedef, leaves) of (params, resident experts), flattened once."""
-        src = (self.model.params, self.store.resident)
-        if self._flat is None or any(a is not b for a, b in zip(self._flat[0], src, strict=True)):
-            leaves, treedef = jax.tree.flatten(src)
-            self._flat = (src, treedef, leaves)
-        return self._flat[1], self._flat[2]
 
     @property
     def chains(self) -> bool:
