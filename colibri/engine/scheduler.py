@@ -331,12 +331,16 @@ class Scheduler:
     def _launch(self) -> tuple[_Forward | None, list[Event]]:
         """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
-        rows = [Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)) for r in runs]
+        rows = [self._row(r) for r in runs]
         try:
             return (runs, self.runner.decode_async(rows)), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return None, [ev for r in runs for ev in self._fail(r.req.id)]
+
+    def _row(self, run: _Run) -> Row:
+        """The decode row of a run that feeds its pending token at the end of its slot."""
+        return Row(run.req.slot, run.pending, len(self.slots[run.req.slot].history))
 
     def _chain(self) -> _Forward | None:
         """Start the next forward behind the one in flight, if every live request in it is
@@ -355,8 +359,7 @@ class Scheduler:
                 chained.append(r)
         running = {id(r) for r in runs}
         fresh = [r for r in self.active.values() if id(r) not in running]
-        for r in fresh:
-            rows.append(Row(r.req.slot, r.pending, len(self.slots[r.req.slot].history)))
+        rows += [self._row(r) for r in fresh]
         if not rows:
             return None
         try:
