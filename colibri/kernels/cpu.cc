@@ -75,6 +75,37 @@ inline float hsum(v8 v) {
 
 inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
 
+// out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
+// eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
+// instead of lane by lane through memory, which cost as much as the products of a short dot.
+template <int N>
+inline void hsums(const v8* acc, float* out) {
+#if defined(__AVX__)
+  constexpr int P = (N + 7) / 8 * 8;
+  __m256 a[P];
+  for (int i = 0; i < P; ++i)
+    a[i] = i < N ? reinterpret_cast<const __m256&>(acc[i]) : _mm256_setzero_ps();
+  for (int g = 0; g < P; g += 8) {
+    __m256 h[4];  // h[k] = [a(2k): v0+v4, v1+v5, v2+v6, v3+v7 | a(2k+1): the same]
+    for (int k = 0; k < 4; ++k) {
+      const __m256 x = a[g + 2 * k], y = a[g + 2 * k + 1];
+      h[k] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                           _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    // ((v0+v4) + (v1+v5)) + ((v2+v6) + (v3+v7)) of a0 a2 a4 a6 | a1 a3 a5 a7.
+    const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    float r[8];
+    _mm256_storeu_ps(r, q);
+    for (int i = 0; i < 8; ++i) {
+      const int at = g + (i < 4 ? 2 * i : 2 * (i - 4) + 1);
+      if (at < N) out[at] = r[i];
+    }
+  }
+#else
+  for (int i = 0; i < N; ++i) out[i] = hsum(acc[i]);
+#endif
+}
+
 // e^x, 8 lanes: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by a degree-6
 // polynomial (relative error ~1e-7), times 2^k put together in the exponent bits. Below -87,
 // where floats turn subnormal, the result is 0, as for -inf; above 88 it is e^88.
@@ -130,12 +161,14 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
       for (int i = 0; i < TW; ++i) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
     }
   }
-  for (int i = 0; i < TW; ++i)
-    for (int j = 0; j < TR; ++j) {
-      float s = hsum(acc[i][j]);
-      for (int64_t t = c; t < L; ++t) s = std::fma(w[i][t], x[j][t], s);
-      out[i * TR + j] = s;
-    }
+  hsums<TW * TR>(&acc[0][0], out);
+  if (c < L)
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < TR; ++j) {
+        float s = out[i * TR + j];
+        for (int64_t t = c; t < L; ++t) s = std::fma(w[i][t], x[j][t], s);
+        out[i * TR + j] = s;
+      }
 }
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
