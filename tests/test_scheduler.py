@@ -142,6 +142,48 @@ def test_the_stop_token_ends_a_turn_unsent(model, reference):
     assert (counted == fed * model.cfg.moe.top_k).all()
 
 
+def test_bursts_give_the_tokens_ticks_and_counts_of_single_steps(model, reference):
+    """Greedy requests decoded in bursts of several steps a forward give what one step a
+    forward gives: tokens, their interleaving, HITS ticks, reports and expert counts; a stop
+    token or a limit inside a burst ends its request there, and a request submitted while a
+    burst runs joins when it lands."""
+    first = _req(model, 1, 0, "Der schnelle", 16)
+    greedy = reference(first.prompt, 16)  # (without a stop token)
+    at = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
+    assert at <= 6  # greedy[0] comes from the prefill: the stop token is inside the 1st burst
+
+    def run(burst: int, burst_ms: float = 1e6):  # (1e6: whatever the steps take)
+        stop = (greedy[at],)
+        sched = _sched(model, slots=3, burst=burst, burst_ms=burst_ms, stop_ids=stop)
+        before = sched.runner.stats.counts.copy()
+        calls: list[int] = []
+        start = sched.runner.decode_async
+        sched.runner.decode_async = lambda rows, after=None, steps=1: (
+            calls.append(steps) or start(rows, after, steps)
+        )
+        reqs = [first, _req(model, 2, 1, "The quick brown", 11)]
+        events = [ev for r in reqs for ev in sched.submit(r)]
+        events += sched.step() + sched.step()
+        events += _run(sched, _req(model, 3, 2, "def add(a, b):", 13))
+        counts = sched.runner.stats.counts - before
+        return events, sched.steps, counts, calls
+
+    one, steps1, counts1, calls1 = run(1)
+    six, steps6, counts6, calls6 = run(6)
+    assert set(calls1) == {1} and max(calls6) > 1 and len(calls6) < len(calls1)
+    assert set(run(6, burst_ms=0)[3][1:]) == {1}  # no step is that fast (the first: unknown)
+    for rid in (1, 2, 3):
+        assert _tokens(six, rid) == _tokens(one, rid)
+        a, b = _finished(six, rid).report, _finished(one, rid).report
+        assert (a.emitted, a.length_limited, a.entropy) == (b.emitted, b.length_limited, b.entropy)
+    assert _tokens(six, 1) == greedy[:at]  # its stop token came inside a burst
+    together = [ev.id for ev in six if isinstance(ev, Token) and ev.id < 3]
+    assert together == [ev.id for ev in one if isinstance(ev, Token) and ev.id < 3]
+    for events, steps in ((one, steps1), (six, steps6)):  # (request 3 joins later in bursts)
+        assert sum(isinstance(ev, HitsTick) for ev in events) == steps // 6
+    np.testing.assert_array_equal(counts6, counts1)
+
+
 def test_refusals(model):
     sched = _sched(model, slots=2)
     assert sched.submit(_req(model, 1, 0, "The quick", 20)) == []
@@ -172,12 +214,12 @@ def test_cancel_and_stop_between_steps(model):
 
 
 def test_a_failing_step_ends_its_requests_and_the_scheduler_goes_on(model, reference, monkeypatch):
-    sched = _sched(model, slots=2)
+    sched = _sched(model, slots=2, burst=1)  # one token a forward (bursts: test_bursts_...)
     sched.submit(_req(model, 1, 0, "The quick", 10))
     sched.submit(_req(model, 2, 1, "Der schnelle", 10))
     sched.step()
 
-    def broken(rows):
+    def broken(rows, **kw):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(sched.runner, "decode_async", broken)
@@ -261,14 +303,14 @@ def test_greedy_and_sampled_requests_together_are_each_as_alone(model, reference
     sched = _sched(model)
     chained: list[bool] = []
     start = sched.runner.decode_async
-    sched.runner.decode_async = lambda rows, after=None: (
-        chained.append(bool(after)) or start(rows, after)
+    sched.runner.decode_async = lambda rows, after=None, steps=1: (
+        chained.append(bool(after)) or start(rows, after, steps)
     )
     greedy = _req(model, 1, 0, "The quick", 14)
     events = [ev for ev in sched.submit(greedy)]
-    for _ in range(4):  # the greedy request alone: its forwards are chained
+    for _ in range(3):  # the greedy request alone: its forwards (bursts of 6, 6, 1) chain
         events += sched.step()
-    assert chained == [False, True, True, True]
+    assert chained == [False, True, True]
     events += _run(sched, _req(model, 2, 1, "Der", 9, **sampled))  # now they are not
     assert _tokens(events, 1) == reference(greedy.prompt, 14)
     assert _tokens(events, 2) == alone

@@ -65,6 +65,43 @@ def test_chained_forwards_feed_the_greedy_tokens(checkpoints):
         fused.decode_async([Row(0, -1, 5, take=0)])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
+def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
+    """decode_async(steps=n): n greedy steps in one program give, step by step, the tokens
+    and routes of n single chained forwards; a second burst chains behind the first."""
+    model = load_model(checkpoints(family), progress=False)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    reference = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
+    single, burst = Runner(model, slots=4, capacity=64), Runner(model, slots=4, capacity=64)
+    first = [int(np.argmax(burst.prefill(s, ids)[0])) for s, ids in enumerate(prompts)]
+    for s, ids in enumerate(prompts):
+        single.prefill(s, ids)
+    rows = [Row(s, first[s], len(p)) for s, p in enumerate(prompts)]
+    a = burst.decode_async(rows, steps=4)
+    b = burst.decode_async(
+        [Row(s, -1, len(p) + 4, take=s) for s, p in enumerate(prompts)], after=a, steps=5
+    )
+    assert a.steps == 4 and b.steps == 5
+    tokens = np.concatenate([a.tokens(), b.tokens()])  # [9, rows]
+    assert [[first[s], *tokens[:, s]] for s in range(4)] == reference
+    logits, routes = b.result()
+    assert logits is None and routes.shape[:3] == (5, len(model.cfg.moe_layer_ids), 4)
+    fwd = single.decode_async(rows)
+    for step in range(1, 9):
+        nxt = single.decode_async(
+            [Row(s, -1, len(p) + step, take=s) for s, p in enumerate(prompts)], after=fwd
+        )
+        want = fwd.result()[1]
+        got = a.result()[1][step - 1] if step <= 4 else routes[step - 5]
+        np.testing.assert_array_equal(got, want)
+        fwd = nxt
+    split = Runner(model, slots=4, capacity=64, profile=True)
+    with pytest.raises(ValueError, match="resident"):
+        split.decode_async(rows, steps=2)
+    with pytest.raises(ValueError, match="outside the context"):
+        burst.decode_async([Row(0, 1, 60)], steps=5)
+
+
 def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
     per_layer = eb * layers
     return {

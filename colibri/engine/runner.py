@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,28 +57,66 @@ def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
     return logits, cache, routes, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
 
 
+@partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len", "steps"), donate_argnums=(3,))
+def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps):
+    """`steps` greedy decode steps in one program: as `_decode_forward`, then each row feeds
+    its own greedy token one position further, `steps` times. Returns routes
+    [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B] and those of the last
+    step padded to the length of `fed` (what a forward chained behind this one feeds)."""
+    params, experts = jax.tree.unflatten(weights_def, weights)
+    tokens, pos, slots, take = rows
+    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens)
+    last = jnp.zeros_like(slots)
+
+    def step(carry, _):
+        cache, toks, pos = carry
+        logits, cache, routes = transformer.forward(
+            cfg, params, experts, cache, toks[:, None], pos[:, None], slots, last, kv_len=kv_len
+        )
+        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (cache, greedy, pos + 1), (routes, greedy)
+
+    (cache, greedy, _), (routes, tokens) = jax.lax.scan(
+        step, (cache, toks, pos), None, length=steps
+    )
+    return cache, routes, tokens, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
+
+
 class InFlight:
-    """A decode forward that has been started; `result()` waits for it (once) and returns
-    logits [B, V] and routes [n_moe, B, K], as `Runner.decode` does; `greedy()` its rows'
-    greedy tokens [B] (the argmax of their logits, lowest id on ties)."""
+    """A decode forward that has been started, of one step or a burst of `steps` greedy
+    steps. `result()` waits for it (once) and returns logits [B, V] and routes
+    [n_moe, B, K], as `Runner.decode` does, or for a burst None and routes
+    [steps, n_moe, B, K]; `tokens()` its rows' greedy tokens at every step [steps, B] (the
+    argmax of their logits, lowest id on ties)."""
 
-    def __init__(self, runner: Runner, batch: _Batch, out: tuple, greedy: jax.Array):
+    def __init__(self, runner: Runner, batch: _Batch, out: tuple, greedy: jax.Array, steps=1):
         self._runner, self._batch, self._out = runner, batch, out
-        self.greedy_dev = greedy  # [Bmax] on the device: what chained rows feed
-        self._value: tuple[np.ndarray, np.ndarray] | None = None
+        self.steps = steps
+        self.t_start = time.perf_counter()  # when it was started (queued, if chained)
+        self.greedy_dev = greedy  # [Bmax] on the device, the last step's: what chained rows feed
+        self._value: tuple[np.ndarray | None, np.ndarray] | None = None
 
-    def result(self, keep: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """`keep` (heeded on the first call): the rows that still matter; the others (a request
-        that ended while this forward was queued) stay out of the expert statistics."""
+    def result(self, keep=None) -> tuple[np.ndarray | None, np.ndarray]:
+        """`keep` (heeded on the first call): the rows that still matter [B], or for a burst
+        the (step, row) pairs [steps, B]; the others (a request that ended before) stay out
+        of the expert statistics."""
         if self._value is None:
-            logits, routes = self._runner._land(self._batch, self._out, keep)
-            self._runner._count_decoded(self._batch.rows if keep is None else sum(keep))
-            self._value = logits, routes[:, :, 0]
+            if self.steps == 1:
+                logits, routes = self._runner._land(self._batch, self._out, keep)
+                self._runner._count_decoded(self._batch.rows if keep is None else sum(keep))
+                self._value = logits, routes[:, :, 0]
+            else:
+                self._value = None, self._runner._land_burst(self._batch, self._out[0], keep)
         return self._value
 
+    def tokens(self) -> np.ndarray:
+        if self.steps == 1:
+            return np.asarray(self.greedy_dev)[None, : self._batch.rows]
+        return np.asarray(self._out[1])[:, : self._batch.rows]
+
     def greedy(self) -> np.ndarray:
-        self.result()
-        return np.asarray(self.greedy_dev)[: self._batch.rows]
+        """The rows' greedy tokens at the last step [B]."""
+        return self.tokens()[-1]
 
 
 @dataclass(frozen=True)
@@ -153,13 +192,21 @@ class Runner:
         """One token for each row, all in one forward: logits [B, V], routes [n_moe, B, K]."""
         return self.decode_async(rows).result()
 
-    def decode_async(self, rows: list[Row], after: InFlight | None = None) -> InFlight:
+    def decode_async(
+        self, rows: list[Row], after: InFlight | None = None, steps: int = 1
+    ) -> InFlight:
         """Start the forward of `decode(rows)` and return at once; `result()` waits for it.
 
-        Rows with `take` >= 0 feed the greedy token of row `take` of `after`, an earlier
-        forward that may still be running: where experts are resident the new forward is
-        queued behind it without the host waiting for either (`chains`); otherwise the host
-        waits for `after` and feeds its tokens itself."""
+        Rows with `take` >= 0 feed the greedy token of row `take` of `after` (its last step),
+        an earlier forward that may still be running: where experts are resident the new
+        forward is queued behind it without the host waiting for either (`chains`);
+        otherwise the host waits for `after` and feeds its tokens itself.
+
+        steps > 1 (resident experts only): a burst of greedy steps in one program, row by
+        row as `steps` chained forwards would compute them (their tokens from `tokens()`);
+        the host dispatches once and its thread is free meanwhile."""
+        if steps > 1 and not self.chains:
+            raise ValueError("bursts of decode steps need every expert resident")
         B = bucket(len(rows), lo=1)
         packed = np.zeros((4, B), np.int32)  # token, position, slot, take
         packed[2], packed[3] = self.slots, -1  # padding rows: out-of-range slot, dropped
@@ -172,6 +219,9 @@ class Runner:
         if chained and self.split:
             picked = take >= 0
             toks[picked] = after.greedy()[take[picked]]
+        last = max(r.pos for r in rows) + steps - 1
+        if last >= self.capacity:
+            raise ValueError(f"position {last} is outside the context of {self.capacity}")
         batch = _Batch(
             toks[:, None],
             pos[:, None],
@@ -179,16 +229,18 @@ class Runner:
             np.zeros((B,), np.int32),
             rows=len(rows),
             width=1,
-            kv_len=self._kv_len(max(r.pos for r in rows)),
+            kv_len=self._kv_len(last),
         )
         if self.split:
             logits, routes = self._forward_split(batch, all_logits=False)
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return InFlight(self, batch, (logits, routes), greedy)
         fed = after.greedy_dev if chained else self._no_tokens
-        logits, self.cache, r, greedy = _decode_forward(
-            self.cfg, self._weights_def, self._weights, self.cache, packed, fed, kv_len=batch.kv_len
-        )
+        args = (self.cfg, self._weights_def, self._weights, self.cache, packed, fed)
+        if steps > 1:
+            self.cache, r, tokens, greedy = _decode_burst(*args, kv_len=batch.kv_len, steps=steps)
+            return InFlight(self, batch, (r, tokens), greedy, steps)
+        logits, self.cache, r, greedy = _decode_forward(*args, kv_len=batch.kv_len)
         return InFlight(self, batch, (logits, r), greedy)
 
     @property
@@ -281,6 +333,17 @@ class Runner:
             self._record(routes if keep is None else routes[:, np.asarray(keep, bool)])
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return np.asarray(logits)[: b.rows], routes
+
+    def _land_burst(self, b: _Batch, r: jax.Array, keep=None) -> np.ndarray:
+        """Wait for a burst: routes [steps, n_moe, rows, K]; each step's (rows in `keep`) is
+        counted in the statistics as one forward's."""
+        routes = np.asarray(r)[:, :, : b.rows, 0]
+        for s, step in enumerate(routes):
+            rows = slice(None) if keep is None else np.asarray(keep[s], bool)
+            self._record(step[:, rows])
+            self._count_decoded(b.rows if keep is None else int(np.count_nonzero(keep[s])))
+        self.timers.total["t_edisk"] = self.store.disk.thread_seconds
+        return routes
 
     def _record(self, routes: np.ndarray) -> None:
         """Selection counts of real tokens; in the fused path every lookup is a device hit."""

@@ -58,6 +58,8 @@ class SchedulerConfig:
     hits_every: int = 6  # decode steps between HitsTick events
     prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
+    burst: int = 6  # most decode steps per forward, up to hits_every (Scheduler.step)
+    burst_ms: float = 5.0  # longest a burst may be expected to take (a new request waits it)
 
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
@@ -65,6 +67,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.hits_every < 1:
             raise ValueError(f"hits_every={self.hits_every} must be >= 1")
+        if self.burst < 1:
+            raise ValueError(f"burst={self.burst} must be >= 1")
+        if self.burst_ms < 0:
+            raise ValueError(f"burst_ms={self.burst_ms} must be >= 0")
 
 
 # ---------------------------------------------------------------------------- events
@@ -152,6 +158,7 @@ class _Run:
     lookups0: tuple[int, int]  # (lookups, hits) at acceptance: DONE's hit_pct is this turn's
     routes: list[np.ndarray] = field(default_factory=list)  # [n_moe, T, K] per forward
     emitted: int = 0
+    chosen: int = 0  # tokens chosen, emitted or about to be (reports follow the next launch)
     pending: int | None = None  # last sampled token, fed at the next decode step
     t_first: float = 0.0
 
@@ -196,6 +203,8 @@ class Scheduler:
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
         self.steps = 0  # decode steps so far
         self.inflight: _Forward | None = None  # the decode forward running between steps
+        self._periods: deque[float] = deque(maxlen=8)  # seconds per decode step, lately
+        self._landed = 0.0  # when the last forward landed
 
     # ------------------------------------------------------------------ public surface
 
@@ -259,7 +268,16 @@ class Scheduler:
 
         When every request of the forward in flight decodes greedily, the next forward is
         started before the host waits for it, fed from its greedy tokens on the device; a row
-        whose token turns out to be a stop token is then computed once for nothing."""
+        whose token turns out to be a stop token is then computed once for nothing.
+
+        When moreover no prompt waits, no TOPK is asked for and every request has tokens
+        enough left, a forward is a burst of `config.burst` steps in one program (experts
+        resident): the host dispatches once for them all, where that costs as much as the
+        step itself on small models. Bursts are taken while the recent steps say one would
+        last at most `config.burst_ms`, and end on the HITS ticks; requests submitted,
+        cancelled or stopped meanwhile are handled when the burst lands, and the steps of a
+        request that ends inside one are left out of every count. A burst's tokens are those
+        of its steps one by one."""
         nxt = self._chain()
         decoded, chosen = self._collect()
         events = self._admit()
@@ -332,8 +350,9 @@ class Scheduler:
         """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
         rows = [self._row(r) for r in runs]
+        steps = self._burst(runs, [r.limit - r.chosen for r in runs], self.steps)
         try:
-            return (runs, self.runner.decode_async(rows)), []
+            return (runs, self.runner.decode_async(rows, steps=steps)), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return None, [ev for r in runs for ev in self._fail(r.req.id)]
@@ -352,18 +371,21 @@ class Scheduler:
         live = [(i, r) for i, r in enumerate(runs) if self.active.get(r.req.id) is r]
         if not live or any(r.req.temperature > 0 for _, r in live):
             return None
+        n = fwd.steps  # tokens each live request gets from the forward in flight
         rows, chained = [], []
         for i, r in live:
-            if r.emitted + 1 < r.limit:  # the token it gets now is not its last
-                rows.append(Row(r.req.slot, 0, len(self.slots[r.req.slot].history) + 1, take=i))
+            if r.chosen + n < r.limit:  # the last token it gets now is not its last
+                rows.append(Row(r.req.slot, 0, len(self.slots[r.req.slot].history) + n, take=i))
                 chained.append(r)
         running = {id(r) for r in runs}
         fresh = [r for r in self.active.values() if id(r) not in running]
         rows += [self._row(r) for r in fresh]
         if not rows:
             return None
+        left = [r.limit - r.chosen - n for r in chained] + [r.limit - r.chosen for r in fresh]
+        steps = self._burst(chained + fresh, left, self.steps + n)
         try:
-            return chained + fresh, self.runner.decode_async(rows, after=fwd)
+            return chained + fresh, self.runner.decode_async(rows, after=fwd, steps=steps)
         except Exception:
             log.exception("starting a chained decode step failed; it starts after this one")
             return None
@@ -379,31 +401,79 @@ class Scheduler:
         if not any(keep):
             return [], []  # every row was computed for nothing: no step, no statistics
         try:
-            logits, routes = fwd.result(keep)  # [B, V], [n_moe, B, K]
+            greedy = fwd.tokens()  # [steps, B]: what chained rows fed; sampled rows draw below
+            steps = self._live_steps(runs, keep, greedy) if fwd.steps > 1 else [keep]
+            logits, routes = fwd.result(steps[0] if fwd.steps == 1 else steps)
         except Exception:
             live = [r for r, k in zip(runs, keep, strict=True) if k]
             log.exception("decode step failed; ending its %d requests", len(live))
             return [ev for r in live for ev in self._fail(r.req.id)], []
+        if fwd.steps == 1:
+            routes = routes[None]  # [steps, n_moe, B, K]
+        self._time(fwd)
         events = self._repins()
-        self.steps += 1
-        if self.steps % self.config.hits_every == 0:
-            events.append(HitsTick(self.runner.stats.take_hits()))
-        greedy = fwd.greedy()  # what chained rows fed; sampled rows draw below
         chosen = []
-        for i, run in enumerate(runs):
-            if not keep[i]:
-                continue
-            self.slots[run.req.slot].history.append(run.pending)
-            run.routes.append(routes[:, i : i + 1])  # a view: counted once, at the turn's end
-            try:
-                tok = int(greedy[i]) if run.req.temperature <= 0 else self._sample(run, logits[i])
-            except Exception:
-                log.exception("request %d failed", run.req.id)
-                events += self._fail(run.req.id)
-                continue
-            chosen.append((run, tok, logits[i]))
-            self._choose(run, tok)
+        for s, live in enumerate(steps):
+            if not any(live):
+                break  # the rest of a burst whose requests all ended: no decode step
+            self.steps += 1
+            for i, run in enumerate(runs):
+                if not live[i]:
+                    continue
+                self.slots[run.req.slot].history.append(run.pending)
+                run.routes.append(routes[s, :, i : i + 1])  # a view, counted at the turn's end
+                try:
+                    temp = run.req.temperature
+                    tok = int(greedy[s, i]) if temp <= 0 else self._sample(run, logits[i])
+                except Exception:
+                    log.exception("request %d failed", run.req.id)
+                    events += self._fail(run.req.id)
+                    continue
+                chosen.append((run, tok, None if logits is None else logits[i]))
+                self._choose(run, tok)
+            if self.steps % self.config.hits_every == 0:
+                events.append(HitsTick(self.runner.stats.take_hits()))
         return events, chosen
+
+    @property
+    def step_s(self) -> float | None:
+        """Seconds a decode step takes lately: the median of the last 8 forwards' (one that
+        compiled a new shape is an outlier), None before the first."""
+        return float(np.median(self._periods)) if self._periods else None
+
+    def _time(self, fwd: InFlight) -> None:
+        """Note the seconds per step of a forward that just landed: from its start, or from
+        the previous landing if it was queued behind that one."""
+        now = time.perf_counter()
+        self._periods.append((now - max(fwd.t_start, self._landed)) / fwd.steps)
+        self._landed = now
+
+    def _burst(self, runs: list[_Run], left: list[int], at: int) -> int:
+        """Steps of the next forward over `runs`, which have `left` tokens to go and start at
+        decode step `at`: a burst when every request decodes greedily on resident experts,
+        no prompt waits and no TOPK is asked for, and the burst is due to end within
+        `burst_ms` (the engine's first forward, of unknown length, is given the chance), by
+        the next HITS tick and before any request's limit. Otherwise 1 (one length of burst
+        only: each is a program compiled per batch and context size)."""
+        cfg = self.config
+        n = min(cfg.burst, cfg.hits_every)
+        if n == 1 or not self.runner.chains or self.waiting or cfg.topk:
+            return 1
+        if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
+            return 1
+        slow = self.step_s is not None and n * self.step_s > cfg.burst_ms / 1e3
+        return 1 if slow or any(r.req.temperature > 0 for r in runs) else n
+
+    def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
+        """Which rows of a burst still matter at each of its steps: those kept, up to and
+        including the step whose token ends their request (a stop token or the last)."""
+        live, out = list(keep), []
+        for s, toks in enumerate(tokens):
+            out.append(list(live))
+            for i, run in enumerate(runs):
+                if live[i] and self._ends(run, int(toks[i]), ahead=s):
+                    live[i] = False
+        return out
 
     def _report_decoded(
         self, events: list[Event], chosen: list[tuple[_Run, int, np.ndarray]]
@@ -421,10 +491,15 @@ class Scheduler:
         self._choose(run, tok)
         return self._report(run, tok, logits)
 
+    def _ends(self, run: _Run, tok: int, ahead: int = 0) -> bool:
+        """Whether `tok`, chosen `ahead` tokens after the run's last choice, ends its turn."""
+        return tok in self.config.stop_ids or run.chosen + ahead + 1 >= run.limit
+
     def _choose(self, run: _Run, tok: int) -> None:
         """Take `tok` as the run's next token: it is fed next, or the run ends (out of
         `active`, so that the next forward leaves it out)."""
-        ends = tok in self.config.stop_ids or run.emitted + 1 >= run.limit
+        ends = self._ends(run, tok)
+        run.chosen += 1
         run.pending = None if ends else tok
         if ends:
             self.active.pop(run.req.id)
@@ -440,10 +515,10 @@ class Scheduler:
             return events + self._finish(run, limited=True)
         return events
 
-    def _topk(self, logits: np.ndarray) -> tuple[tuple[float, bytes], ...]:
-        k = min(self.config.topk, logits.shape[-1])
-        if k == 0:
+    def _topk(self, logits: np.ndarray | None) -> tuple[tuple[float, bytes], ...]:
+        if self.config.topk == 0 or logits is None:  # bursts (no logits) only without TOPK
             return ()
+        k = min(self.config.topk, logits.shape[-1])
         lp = log_softmax(logits)
         best = np.argpartition(-lp, k - 1)[:k]
         best = best[np.lexsort((best, -lp[best]))]  # descending, ties by token id

@@ -26,6 +26,7 @@ class EngineSettings:
     serve_topk: bool = False  # SERVE_TOPK=1: a TOPK line after every DATA
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
+    burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -39,6 +40,7 @@ class EngineSettings:
             serve_topk=r.flag("SERVE_TOPK"),
             kvsave=r.flag("KVSAVE"),
             seed=r.int("SEED", 0, lo=0),
+            burst=r.int("BURST", 6, lo=1, hi=6),
         )
 
 

@@ -46,6 +46,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
             seed=settings.seed,
             topk=TOPK if settings.serve_topk else 0,
             stop_ids=cfg.eos_token_ids,
+            burst=settings.burst,
         ),
         store=_store(settings, model_dir, env),
     )
