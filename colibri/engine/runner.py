@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -96,7 +97,7 @@ class InFlight:
         self.greedy_dev = greedy  # [Bmax] on the device, the last step's: what chained rows feed
         self._value: tuple[np.ndarray | None, np.ndarray] | None = None
 
-    def result(self, keep=None) -> tuple[np.ndarray | None, np.ndarray]:
+    def result(self, keep: Sequence | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """`keep` (heeded on the first call): the rows that still matter [B], or for a burst
         the (step, row) pairs [steps, B]; the others (a request that ended before) stay out
         of the expert statistics."""
@@ -110,6 +111,8 @@ class InFlight:
         return self._value
 
     def tokens(self) -> np.ndarray:
+        """The rows' greedy tokens at every step [steps, B] (waits for them, not for the
+        statistics: `result` records those)."""
         if self.steps == 1:
             return np.asarray(self.greedy_dev)[None, : self._batch.rows]
         return np.asarray(self._out[1])[:, : self._batch.rows]
@@ -334,7 +337,7 @@ class Runner:
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return np.asarray(logits)[: b.rows], routes
 
-    def _land_burst(self, b: _Batch, r: jax.Array, keep=None) -> np.ndarray:
+    def _land_burst(self, b: _Batch, r: jax.Array, keep: Sequence | None = None) -> np.ndarray:
         """Wait for a burst: routes [steps, n_moe, rows, K]; each step's (rows in `keep`) is
         counted in the statistics as one forward's."""
         routes = np.asarray(r)[:, :, : b.rows, 0]
