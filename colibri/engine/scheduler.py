@@ -403,8 +403,8 @@ class Scheduler:
             return [], []  # every row was computed for nothing: no step, no statistics
         try:
             greedy = fwd.tokens()  # [steps, B]: what chained rows fed; sampled rows draw below
-            steps = self._live_steps(runs, keep, greedy) if fwd.steps > 1 else [keep]
-            logits, routes = fwd.result(steps[0] if fwd.steps == 1 else steps)
+            masks = self._live_steps(runs, keep, greedy) if fwd.steps > 1 else [keep]
+            logits, routes = fwd.result(keep if fwd.steps == 1 else masks)
         except Exception:
             live = [r for r, k in zip(runs, keep, strict=True) if k]
             log.exception("decode step failed; ending its %d requests", len(live))
@@ -414,12 +414,12 @@ class Scheduler:
         self._time(fwd)
         events = self._repins()
         chosen = []
-        for s, live in enumerate(steps):
+        for s, live in enumerate(masks):
             if not any(live):
                 break  # the rest of a burst whose requests all ended: no decode step
             self.steps += 1
             for i, run in enumerate(runs):
-                if not live[i]:
+                if not live[i] or self.active.get(run.req.id) is not run:  # (failed meanwhile)
                     continue
                 self.slots[run.req.slot].history.append(run.pending)
                 run.routes.append(routes[s, :, i : i + 1])  # a view, counted at the turn's end
