@@ -209,7 +209,7 @@ class Runner:
         row as `steps` chained forwards would compute them (their tokens from `tokens()`);
         the host dispatches once and its thread is free meanwhile."""
         if steps > 1 and not self.chains:
-            raise ValueError("bursts of decode steps need every expert resident")
+            raise ValueError("bursts of decode steps need every expert resident and no profile")
         B = bucket(len(rows), lo=1)
         packed = np.zeros((4, B), np.int32)  # token, position, slot, take
         packed[2], packed[3] = self.slots, -1  # padding rows: out-of-range slot, dropped
