@@ -41,6 +41,35 @@ class Row:
     take: int = -1
 
 
+def _feed(weights_def, weights, rows, fed):
+    """What both decode programs start from: (params, experts) from their leaves, and each
+    row's token (its own, or fed[take] where take >= 0), position and slot."""
+    params, experts = jax.tree.unflatten(weights_def, weights)
+    tokens, pos, slots, take = rows
+    return params, experts, jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens), pos, slots
+
+
+def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len):
+    """One token per row: logits, cache, routes and the rows' greedy tokens."""
+    logits, cache, routes = transformer.forward(
+        cfg,
+        params,
+        experts,
+        cache,
+        toks[:, None],
+        pos[:, None],
+        slots,
+        jnp.zeros_like(slots),
+        kv_len=kv_len,
+    )
+    return logits, cache, routes, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _padded(fed, greedy):
+    """Greedy tokens padded to the length of `fed`: what a forward chained behind feeds."""
+    return jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
+
+
 @partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len",), donate_argnums=(3,))
 def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
     """`transformer.forward` of one token per row. weights: the leaves of (params, experts)
@@ -48,14 +77,11 @@ def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
     int32: token, position, slot and take of each row, one transfer. A row feeds its token,
     or fed[take] where take >= 0 (the previous forward's greedy tokens, which never leave
     the device). Also returns the rows' greedy tokens, padded to the length of `fed`."""
-    params, experts = jax.tree.unflatten(weights_def, weights)
-    tokens, pos, slots, take = rows
-    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens)[:, None]
-    logits, cache, routes = transformer.forward(
-        cfg, params, experts, cache, toks, pos[:, None], slots, jnp.zeros_like(slots), kv_len=kv_len
+    params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
+    logits, cache, routes, greedy = _greedy_step(
+        cfg, params, experts, cache, toks, pos, slots, kv_len
     )
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return logits, cache, routes, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
+    return logits, cache, routes, _padded(fed, greedy)
 
 
 @partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len", "steps"), donate_argnums=(3,))
@@ -63,24 +89,20 @@ def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps)
     """`steps` greedy decode steps in one program: as `_decode_forward`, then each row feeds
     its own greedy token one position further, `steps` times. Returns routes
     [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B] and those of the last
-    step padded to the length of `fed` (what a forward chained behind this one feeds)."""
-    params, experts = jax.tree.unflatten(weights_def, weights)
-    tokens, pos, slots, take = rows
-    toks = jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens)
-    last = jnp.zeros_like(slots)
+    step padded to the length of `fed`."""
+    params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
 
     def step(carry, _):
         cache, toks, pos = carry
-        logits, cache, routes = transformer.forward(
-            cfg, params, experts, cache, toks[:, None], pos[:, None], slots, last, kv_len=kv_len
+        _, cache, routes, greedy = _greedy_step(
+            cfg, params, experts, cache, toks, pos, slots, kv_len
         )
-        greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (cache, greedy, pos + 1), (routes, greedy)
 
     (cache, greedy, _), (routes, tokens) = jax.lax.scan(
         step, (cache, toks, pos), None, length=steps
     )
-    return cache, routes, tokens, jnp.zeros_like(fed).at[: greedy.shape[0]].set(greedy)
+    return cache, routes, tokens, _padded(fed, greedy)
 
 
 class InFlight:

@@ -5,7 +5,8 @@ Each slot remembers the tokens whose KV it holds, so a request reuses the longes
 and prefills only the rest. A step lands the decode forward in flight (every active request
 contributed one row), admits waiting requests (serial prefill, within a token budget) and
 starts the next forward before it returns the landed forward's events, so that the caller
-writes them while the forward runs (`Scheduler.step` says when forwards chain on the device).
+writes them while the forward runs (`Scheduler.step` says when forwards chain on the device
+and when one is a burst of several steps).
 """
 
 from __future__ import annotations
