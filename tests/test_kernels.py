@@ -101,7 +101,7 @@ def test_calls_shared_among_threads_equal_each_row_alone():
         np.testing.assert_array_equal(np.asarray(alone)[0], ye[n])
 
     C, Hkv, G, Dh = 300, 2, 2, 64
-    k, v = (rng.standard_normal((16, C, Hkv, Dh)).astype(f32) for _ in range(2))
+    k, v = (rng.standard_normal((16, Hkv, C, Dh)).astype(f32) for _ in range(2))
     q = rng.standard_normal((16, Hkv * G, Dh)).astype(f32)
     slots, pos = np.arange(16, dtype=np.int32), rng.integers(150, C, 16).astype(np.int32)
     attend = jax.jit(kernels.attend, static_argnums=5)
@@ -149,8 +149,8 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity
     groups, padding rows (slot out of range) give zeros; each row alone is bitwise the same."""
     rng = np.random.default_rng(seed)
     S, C, H = 4, capacity, kv_heads * group
-    k = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
-    v = rng.standard_normal((S, C, kv_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((S, kv_heads, C, head_dim)).astype(np.float32)
+    v = rng.standard_normal((S, kv_heads, C, head_dim)).astype(np.float32)
     q = rng.standard_normal((rows, H, head_dim)).astype(np.float32)
     slots = rng.integers(0, S + 1, rows).astype(np.int32)  # S: a padding row
     pos = rng.integers(0, C, rows).astype(np.int32)
@@ -161,8 +161,8 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity
             assert not got[b].any()
             continue
         for h in range(H):
-            keys = k[slots[b], : pos[b] + 1, h // group].astype(np.float64)
-            vals = v[slots[b], : pos[b] + 1, h // group].astype(np.float64)
+            keys = k[slots[b], h // group, : pos[b] + 1].astype(np.float64)
+            vals = v[slots[b], h // group, : pos[b] + 1].astype(np.float64)
             s = keys @ q[b, h] * scale
             p = np.exp(s - s.max())
             np.testing.assert_allclose(got[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5)
@@ -175,14 +175,14 @@ def test_attend_weights_far_below_the_peak_are_zero_not_nan():
     the output is that position's value row."""
     rng = np.random.default_rng(0)
     Dh, C = 64, 21
-    k = rng.standard_normal((1, C, 1, Dh)).astype(np.float32)
-    v = rng.standard_normal((1, C, 1, Dh)).astype(np.float32)
-    k[0, 13, 0] = 0.0
-    k[0, 13, 0, 0] = 100.0
+    k = rng.standard_normal((1, 1, C, Dh)).astype(np.float32)
+    v = rng.standard_normal((1, 1, C, Dh)).astype(np.float32)
+    k[0, 0, 13] = 0.0
+    k[0, 0, 13, 0] = 100.0
     q = np.zeros((1, 1, Dh), np.float32)
     q[0, 0, 0] = 100.0
     got = np.asarray(
         kernels.attend(q, k, v, np.zeros(1, np.int32), np.full(1, C - 1, np.int32), 1 / 8)
     )
-    np.testing.assert_allclose(got[0, 0], v[0, 13, 0], rtol=1e-6)
+    np.testing.assert_allclose(got[0, 0], v[0, 0, 13], rtol=1e-6)
     assert np.isfinite(got).all()

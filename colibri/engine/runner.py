@@ -14,7 +14,7 @@ import numpy as np
 from colibri.engine import steps
 from colibri.engine.model import Model
 from colibri.engine.telemetry import Timers
-from colibri.model import transformer
+from colibri.model import attention, transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
 _MIN_BUCKET = 8
@@ -299,17 +299,16 @@ class Runner:
     def export_slot(self, slot: int, length: int) -> dict[str, np.ndarray]:
         """The first `length` cached positions of `slot`, per layer, as host arrays."""
         return {
-            f"{i}.{name}": np.asarray(buf[slot, :length])
+            f"{i}.{name}": data
             for i, layer in enumerate(self.cache)
-            for name, buf in layer.items()
+            for name, data in attention.export_positions(layer, slot, length).items()
         }
 
     def import_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
         """Put arrays from `export_slot` back into `slot` (positions 0..length-1)."""
         for i, layer in enumerate(self.cache):
-            for name in list(layer):
-                data = arrays[f"{i}.{name}"]
-                layer[name] = layer[name].at[slot, : data.shape[0]].set(data)
+            mine = {name: arrays[f"{i}.{name}"] for name in layer}
+            self.cache[i] = attention.import_positions(layer, slot, mine)
 
     # -- internals -----------------------------------------------------------------------
 

@@ -140,7 +140,7 @@ def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, pos: jax.Array, scale: float
 ) -> jax.Array:
     """Attention of one new token per row, q [B, H, Dh], over positions 0..pos[b] of slot
-    slots[b] of the caches k, v [S, C, Hkv, Dh] (the new key already written): [B, H, Dh].
+    slots[b] of the caches k, v [S, Hkv, C, Dh] (the new key already written): [B, H, Dh].
     Rows whose slot is outside [0, S) give zeros."""
     _require()
     call = jax.ffi.ffi_call(

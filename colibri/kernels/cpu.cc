@@ -504,9 +504,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 // Decode attention, one new token per row, straight from the KV cache:
 //   out[b, h] = softmax_t(scale * q[b, h] . k[slot_b, t, h / G]) . v[slot_b, t, h / G]
 // over t = 0 .. pos[b] (the new token's own key is already in the cache). q [B, H, Dh],
-// k and v [S, C, Hkv, Dh], slots and pos [B] int32 -> [B, H, Dh]; G = H / Hkv query heads
+// k and v [S, Hkv, C, Dh], slots and pos [B] int32 -> [B, H, Dh]; G = H / Hkv query heads
 // share a KV head. Rows whose slot is outside [0, S) (batch padding) get zeros. One work item
-// is one row's KV head: its keys and values are read once for its G query heads.
+// is one row's KV head: its keys and values, each one contiguous block, are read once for its
+// G query heads.
 struct AttendCall : Gang {
   const float *q, *k, *v;
   const int32_t *slot, *pos;
@@ -526,9 +527,9 @@ struct AttendCall : Gang {
       if (s < 0 || s >= S || pos[b] < 0) continue;
       const int64_t n = std::min<int64_t>(pos[b], C - 1) + 1;
       for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
-      const int64_t ld = Hkv * Dh;  // floats from one position's key to the next
-      const float* kb = k + (s * C * Hkv + g) * Dh;
-      const float* vb = v + (s * C * Hkv + g) * Dh;
+      const int64_t ld = Dh;  // floats from one position's key to the next
+      const float* kb = k + (s * Hkv + g) * C * Dh;
+      const float* vb = v + (s * Hkv + g) * C * Dh;
       const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
       p.resize(G * np);
       matvecs(kb, n, Dh, qs.data(), G, [&](int64_t t, int64_t j, float d) { p[j * np + t] = d; },
@@ -594,8 +595,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
       od.size() != 3)
     return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
-  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], C = kd[1], Hkv = kd[2];
-  if (kd[3] != Dh || vd[0] != S || vd[1] != C || vd[2] != Hkv || vd[3] != Dh || sd[0] != B ||
+  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], Hkv = kd[1], C = kd[2];
+  if (kd[3] != Dh || vd[0] != S || vd[1] != Hkv || vd[2] != C || vd[3] != Dh || sd[0] != B ||
       pd[0] != B || od[0] != B || od[1] != H || od[2] != Dh || Hkv == 0 || H % Hkv != 0)
     return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
   auto call = std::make_shared<AttendCall>();

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from colibri import kernels
 from colibri.config import ModelConfig
 from colibri.model.layers import apply_rope, linear, rms_norm, rope_cos_sin
 
-# Cache layout per layer: GQA {"k", "v": [S, C, Hkv, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
+# Cache layout per layer: GQA {"k", "v": [S, Hkv, C, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
 # with S slots and C cached positions. Rows of a batch name their slot; row b's token t sits
 # at position pos[b, t]. Padding rows use slot S (out of range): their writes are dropped.
+# GQA keeps each head's positions together: decode attention streams one head's keys and
+# values of a conversation from one contiguous block, twice as fast as from rows of all heads
+# a position apart (olmoe shape, 16 rows). `export_positions` gives every array by position.
 Cache = dict[str, jax.Array]
 
 
@@ -23,7 +27,7 @@ def init_layer_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
             "lat": jnp.zeros((slots, capacity, cfg.mla.kv_lora_rank), jnp.float32),
             "kr": jnp.zeros((slots, capacity, cfg.mla.qk_rope_head_dim), jnp.float32),
         }
-    shape = (slots, capacity, cfg.num_kv_heads, cfg.head_dim)
+    shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
 
 
@@ -32,20 +36,57 @@ def _write(buf: jax.Array, slots: jax.Array, pos: jax.Array, new: jax.Array) -> 
     return buf.at[slots[:, None], pos].set(new, mode="drop")
 
 
+def _write_heads(buf: jax.Array, slots: jax.Array, pos: jax.Array, new: jax.Array) -> jax.Array:
+    """buf[slots[b], :, pos[b, t]] = new[b, t] for buf [S, Hkv, C, Dh], new [B, T, Hkv, Dh]."""
+    return buf.at[slots[:, None], :, pos].set(new, mode="drop")
+
+
 def _read(buf: jax.Array, slots: jax.Array, kv_len: int) -> jax.Array:
     """The first kv_len cached positions of each row's slot: [B, kv_len, ...]."""
     return jnp.take(buf[:, :kv_len], slots, axis=0, mode="clip")
 
 
+def _read_heads(buf: jax.Array, slots: jax.Array, kv_len: int) -> jax.Array:
+    """As `_read` for buf [S, Hkv, C, Dh]: [B, Hkv, kv_len, Dh]."""
+    return jnp.take(buf[:, :, :kv_len], slots, axis=0, mode="clip")
+
+
 def _softmax_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, scale: float
 ) -> jax.Array:
-    """q [B, T, Hkv, G, Dq], k [B, S, Hkv, Dq], v [B, S, Hkv, Dv] -> [B, T, Hkv, G, Dv]."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * scale
-    visible = jnp.arange(k.shape[1])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    """q [B, T, Hkv, G, Dq], k [B, Hkv, S, Dq], v [B, Hkv, S, Dv] -> [B, T, Hkv, G, Dv]."""
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) * scale
+    visible = jnp.arange(k.shape[2])[None, None, :] <= pos[:, :, None]  # [B, T, S]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v)
+
+
+def export_positions(layer: Cache, slot: int, length: int) -> dict[str, np.ndarray]:
+    """The first `length` positions of `slot` in one layer's cache, position first
+    ([length, ...] per array, whatever the layout), as host arrays."""
+    out = {}
+    for name, buf in layer.items():
+        if name in _HEADS_FIRST:
+            out[name] = np.ascontiguousarray(np.asarray(buf[slot, :, :length]).swapaxes(0, 1))
+        else:
+            out[name] = np.asarray(buf[slot, :length])
+    return out
+
+
+def import_positions(layer: Cache, slot: int, arrays: dict[str, np.ndarray]) -> Cache:
+    """`layer` with positions 0..n-1 of `slot` set from `export_positions`' arrays."""
+    out = {}
+    for name, buf in layer.items():
+        data = arrays[name]
+        if name in _HEADS_FIRST:
+            out[name] = buf.at[slot, :, : data.shape[0]].set(data.swapaxes(0, 1))
+        else:
+            out[name] = buf.at[slot, : data.shape[0]].set(data)
+    return out
+
+
+_HEADS_FIRST = ("k", "v")  # GQA arrays: [S, Hkv, C, Dh]
 
 
 def gqa(
@@ -75,11 +116,14 @@ def gqa(
         apply_rope(q, cos, sin, cfg.rope.interleave),
         apply_rope(k, cos, sin, cfg.rope.interleave),
     )
-    cache = {"k": _write(cache["k"], slots, pos, k), "v": _write(cache["v"], slots, pos, v)}
+    cache = {
+        "k": _write_heads(cache["k"], slots, pos, k),
+        "v": _write_heads(cache["v"], slots, pos, v),
+    }
     if T == 1 and kernels.usable(q, cache["k"], cache["v"]):  # CPU decode: the cache in place
         out = kernels.attend(q[:, 0], cache["k"], cache["v"], slots, pos[:, 0], cfg.attn_scale)
         return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
-    ks, vs = _read(cache["k"], slots, kv_len), _read(cache["v"], slots, kv_len)
+    ks, vs = _read_heads(cache["k"], slots, kv_len), _read_heads(cache["v"], slots, kv_len)
     out = _softmax_attend(q.reshape(B, T, Hkv, H // Hkv, Dh), ks, vs, pos, cfg.attn_scale)
     return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
 
@@ -143,7 +187,8 @@ def mla_attend(
     kr = _read(cache["kr"], slots, kv_len)[:, :, None]
     k_rope = jnp.broadcast_to(kr, (*k_nope.shape[:3], m.qk_rope_head_dim))
     kf = jnp.concatenate([k_nope, k_rope], axis=-1)
-    out = _softmax_attend(q[:, :, :, None], kf, v, pos, cfg.attn_scale)  # heads as Hkv, G = 1
+    kf, v = kf.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, H, S, ...]: heads as Hkv, G = 1
+    out = _softmax_attend(q[:, :, :, None], kf, v, pos, cfg.attn_scale)
     return linear(out.reshape(B, T, cfg.num_heads * m.v_head_dim), w["o"], w.get("o_bias"))
 
 
