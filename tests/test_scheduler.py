@@ -154,7 +154,8 @@ def test_bursts_give_the_tokens_ticks_and_counts_of_single_steps(model, referenc
 
     def run(burst: int, burst_ms: float = 1e6):  # (1e6: whatever the steps take)
         stop = (greedy[at],)
-        sched = _sched(model, slots=3, burst=burst, burst_ms=burst_ms, stop_ids=stop)
+        limits = {"burst_ms": burst_ms, "full_burst_ms": burst_ms}
+        sched = _sched(model, slots=3, burst=burst, stop_ids=stop, **limits)
         before = sched.runner.stats.counts.copy()
         calls: list[int] = []
         start = sched.runner.decode_async
@@ -182,6 +183,25 @@ def test_bursts_give_the_tokens_ticks_and_counts_of_single_steps(model, referenc
     for events, steps in ((one, steps1), (six, steps6)):  # (request 3 joins later in bursts)
         assert sum(isinstance(ev, HitsTick) for ev in events) == steps // 6
     np.testing.assert_array_equal(counts6, counts1)
+
+
+def test_bursts_last_longer_while_every_slot_is_taken(model):
+    """No new prompt can start while every KV slot is taken: bursts then go by
+    `full_burst_ms`, otherwise by `burst_ms`."""
+
+    def launches(slots: int) -> list[int]:
+        limits = {"burst_ms": 0, "full_burst_ms": 1e6}
+        sched = _sched(model, slots=slots, burst=6, stop_ids=(), **limits)
+        calls: list[int] = []
+        start = sched.runner.decode_async
+        sched.runner.decode_async = lambda rows, after=None, steps=1: (
+            calls.append(steps) or start(rows, after, steps)
+        )
+        _run(sched, _req(model, 1, 0, "Der schnelle", 30), _req(model, 2, 1, "The quick", 30))
+        return calls[2:]  # (those launched before a step was timed may be bursts)
+
+    assert max(launches(2)) == 6
+    assert set(launches(3)) == {1}
 
 
 def test_refusals(model):

@@ -62,6 +62,7 @@ class SchedulerConfig:
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
     burst: int = 6  # most decode steps per forward, up to hits_every (Scheduler.step)
     burst_ms: float = 5.0  # longest a burst may be expected to take (a new request waits it)
+    full_burst_ms: float = 20.0  # the same while every KV slot is taken (no prompt can wait)
 
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
@@ -71,8 +72,9 @@ class SchedulerConfig:
             raise ValueError(f"hits_every={self.hits_every} must be >= 1")
         if self.burst < 1:
             raise ValueError(f"burst={self.burst} must be >= 1")
-        if self.burst_ms < 0:
-            raise ValueError(f"burst_ms={self.burst_ms} must be >= 0")
+        for name in ("burst_ms", "full_burst_ms"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
 
 # ---------------------------------------------------------------------------- events
@@ -277,7 +279,9 @@ class Scheduler:
         enough left, a forward is a burst of `config.burst` steps in one program (experts
         resident): the host dispatches once for them all, where that costs as much as the
         step itself on small models. Bursts are taken while the recent steps say one would
-        last at most `config.burst_ms`, and end on the HITS ticks; requests submitted,
+        last at most `config.burst_ms` (`config.full_burst_ms` while every KV slot is taken:
+        no new prompt can start until a request ends, and only CANCEL, STOP and refusals
+        wait for the burst), and end on the HITS ticks; requests submitted,
         cancelled or stopped meanwhile are handled when the burst lands, and the steps of a
         request that ends inside one are left out of every count. A burst's tokens are those
         of its steps one by one."""
@@ -457,16 +461,19 @@ class Scheduler:
         """Steps of the next forward over `runs`, which have `left` tokens to go and start at
         decode step `at`: a burst when every request decodes greedily on resident experts,
         no prompt waits and no TOPK is asked for, and the burst is due to end within
-        `burst_ms` (the engine's first forward, of unknown length, is given the chance), by
-        the next HITS tick and before any request's limit. Otherwise 1 (one length of burst
-        only: each is a program compiled per batch and context size)."""
+        `burst_ms` (`full_burst_ms` while every slot is taken; the engine's first forward, of
+        unknown length, is given the chance), by the next HITS tick and before any request's
+        limit. Otherwise 1 (one length of burst only: each is a program compiled per batch
+        and context size)."""
         cfg = self.config
         n = min(cfg.burst, cfg.hits_every)
         if n == 1 or not self.runner.chains or self.waiting or cfg.topk:
             return 1
         if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
             return 1
-        slow = self.step_s is not None and n * self.step_s > cfg.burst_ms / 1e3
+        full = all(slot.owner is not None for slot in self.slots)
+        limit_ms = cfg.full_burst_ms if full else cfg.burst_ms
+        slow = self.step_s is not None and n * self.step_s > limit_ms / 1e3
         return 1 if slow or any(r.req.temperature > 0 for r in runs) else n
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
