@@ -216,8 +216,8 @@ inline void all_inputs(const float* const* w, const int64_t* rows, const float* 
   if (r - j0 == 1) tile<TW, 1>(w, rows, x, j0, L, emit);
 }
 
-// Up to four inputs: one tile a weight row tile. More: each tile of three weight rows meets
-// every input, four at a time, while it is in L1. Going through the matrix once per four
+// Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
+// every input, four at a time, while it is in L1. A pass over the matrix for every four
 // inputs instead re-read the weights from L2 and ran ~30% slower at 8-16 inputs (olmoe shape).
 // Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
 // AVX registers: 12% faster per 16-row layer than two rows by four.

@@ -17,6 +17,7 @@ from colibri.model.layers import apply_rope, linear, rms_norm, rope_cos_sin
 # values of a conversation from one contiguous block, twice as fast as from rows of all heads
 # a position apart (olmoe shape, 16 rows). `export_positions` gives every array by position.
 Cache = dict[str, jax.Array]
+_HEADS_FIRST = ("k", "v")  # the arrays laid out [S, Hkv, C, Dh]
 
 
 def init_layer_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
@@ -84,9 +85,6 @@ def import_positions(layer: Cache, slot: int, arrays: dict[str, np.ndarray]) -> 
         else:
             out[name] = buf.at[slot, : data.shape[0]].set(data)
     return out
-
-
-_HEADS_FIRST = ("k", "v")  # GQA arrays: [S, Hkv, C, Dh]
 
 
 def gqa(
