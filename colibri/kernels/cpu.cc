@@ -374,13 +374,25 @@ struct ExpertCall : Gang {
     const int64_t n1 = p.phase1(), n = p.total();
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       if (k < n1) {
-        p.hidden(k / p.fitems, k % p.fitems);
+        const auto [e, c] = pick(k, p.fitems);
+        p.hidden(e, c);
         hidden_done.fetch_add(1, std::memory_order_release);
       } else {
         wait_until([&] { return hidden_done.load(std::memory_order_acquire) >= n1; });
-        p.output((k - n1) / p.ditems, (k - n1) % p.ditems);
+        const auto [e, c] = pick(k - n1, p.ditems);
+        p.output(e, c);
       }
     }
+  }
+
+  // Item k of a phase with `per` items an expert: (expert, chunk). The experts (most rows
+  // first) go in pairs, the i-th busiest beside the i-th quietest, their items alternating:
+  // while one thread computes on a busy expert's weights the other streams a quiet one's.
+  std::pair<int64_t, int64_t> pick(int64_t k, int64_t per) const {
+    const int64_t E = static_cast<int64_t>(p.slot.size()), pairs = E / 2;
+    if (k >= 2 * pairs * per) return {pairs, k - 2 * pairs * per};  // the middle one, E odd
+    const int64_t i = k / (2 * per), w = k % (2 * per);
+    return {w % 2 == 0 ? i : E - 1 - i, w / 2};
   }
 };
 
