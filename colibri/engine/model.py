@@ -15,7 +15,7 @@ from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
 from colibri.jaxcache import enable_compilation_cache
 from colibri.tokenizer import Tokenizer
-from colibri.weights import load_dense
+from colibri.weights import fuse_qkv, load_dense
 
 log = logging.getLogger("colibri")
 
@@ -51,7 +51,7 @@ def load_model(
     ckpt = Checkpoint(model_dir)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-    params = jax.device_put(load_dense(ckpt, cfg))
+    params = jax.device_put(fuse_qkv(load_dense(ckpt, cfg)))
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     n_routed = store.expert_bytes // 4 * store.E * len(cfg.moe_layer_ids)

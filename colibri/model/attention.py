@@ -99,9 +99,13 @@ def gqa(
     """Grouped-query attention of x [B, T, D] at positions pos [B, T]; returns [B, T, D]."""
     B, T, _ = x.shape
     H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w["q"], w.get("q_bias"))
-    k = linear(x, w["k"], w.get("k_bias"))
-    v = linear(x, w["v"], w.get("v_bias"))
+    if "qkv" in w:  # stacked at load (weights.fuse_qkv): one linear call
+        qkv = linear(x, w["qkv"], w.get("qkv_bias"))
+        q, k, v = jnp.split(qkv, [H * Dh, (H + Hkv) * Dh], axis=-1)
+    else:
+        q = linear(x, w["q"], w.get("q_bias"))
+        k = linear(x, w["k"], w.get("k_bias"))
+        v = linear(x, w["v"], w.get("v_bias"))
     if cfg.qk_norm == "full":  # OLMoE normalises the whole projection before splitting heads
         q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
     if cfg.clip_qkv is not None:
