@@ -92,6 +92,9 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
     }
 
 
+_QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
+
+
 def fuse_qkv(dense: Params) -> Params:
     """`dense` with each GQA layer's q, k and v projections (and biases) stacked into one
     "qkv" matrix [(H + 2 Hkv) Dh, D], so a forward reads them in one linear call: on the CPU
@@ -100,18 +103,15 @@ def fuse_qkv(dense: Params) -> Params:
     trees already fused are left as they are."""
     layers = []
     for lw in dense["layers"]:
-        w = lw["attn"]
-        if "k" in w and "v" in w and "q" in w:
-            w = {k: v for k, v in w.items() if k not in _QKV}
-            w["qkv"] = np.concatenate([lw["attn"][k] for k in ("q", "k", "v")])
-            if "q_bias" in lw["attn"]:
-                w["qkv_bias"] = np.concatenate([lw["attn"][f"{k}_bias"] for k in ("q", "k", "v")])
+        attn = lw["attn"]
+        if all(name in attn for name in ("q", "k", "v")):
+            w = {name: a for name, a in attn.items() if name not in _QKV}
+            w["qkv"] = np.concatenate([attn[name] for name in ("q", "k", "v")])
+            if "q_bias" in attn:
+                w["qkv_bias"] = np.concatenate([attn[f"{name}_bias"] for name in ("q", "k", "v")])
             lw = {**lw, "attn": w}
         layers.append(lw)
     return {**dense, "layers": layers}
-
-
-_QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
 
 
 def load_experts(ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
