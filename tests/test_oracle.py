@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 import tiny
@@ -10,6 +13,7 @@ from conftest import FAMILIES
 from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
+from colibri.weights import load_dense
 
 PROMPT = "def add(a, b): The quick brown fox, naïve café 🐦"
 
@@ -40,12 +44,6 @@ def test_full_sequence_logits_match_transformers(case):
 def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
     """load_model stacks each GQA layer's q, k, v (and biases) into one matrix: prefill and
     decode on the kernels give bitwise the logits of the three separate projections."""
-    import dataclasses
-
-    import jax
-
-    from colibri.weights import load_dense
-
     _, model, _ = case
     attn = model.params["layers"][0]["attn"]
     if model.cfg.attention == "gqa":
