@@ -67,8 +67,9 @@ def test_chained_forwards_feed_the_greedy_tokens(checkpoints):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
-    """decode_async(steps=n): n greedy steps in one program give, step by step, the tokens
-    and routes of n single chained forwards; a second burst chains behind the first."""
+    """decode_async(steps=n): n greedy steps in one program give, step by step, the tokens,
+    routes and cached keys and values of n single chained forwards; a second burst chains
+    behind the first."""
     model = load_model(checkpoints(family), progress=False)
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     reference = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
@@ -95,6 +96,12 @@ def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
         got = a.result()[1][step - 1] if step <= 4 else routes[step - 5]
         np.testing.assert_array_equal(got, want)
         fwd = nxt
+    fwd.result()
+    for s, p in enumerate(prompts):  # the roped keys the burst cached: bitwise the steps'
+        got, want = burst.export_slot(s, len(p) + 8), single.export_slot(s, len(p) + 8)
+        assert got.keys() == want.keys()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     split = Runner(model, slots=4, capacity=64, profile=True)
     with pytest.raises(ValueError, match="resident"):
         split.decode_async(rows, steps=2)

@@ -14,7 +14,7 @@ import numpy as np
 from colibri.engine import steps
 from colibri.engine.model import Model
 from colibri.engine.telemetry import Timers
-from colibri.model import attention, transformer
+from colibri.model import attention, layers, transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
 _MIN_BUCKET = 8
@@ -49,7 +49,7 @@ def _feed(weights_def, weights, rows, fed):
     return params, experts, jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens), pos, slots
 
 
-def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len):
+def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len, rope=None):
     """One token per row: logits, cache, routes and the rows' greedy tokens."""
     logits, cache, routes = transformer.forward(
         cfg,
@@ -61,6 +61,7 @@ def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len):
         slots,
         jnp.zeros_like(slots),
         kv_len=kv_len,
+        rope=rope,
     )
     return logits, cache, routes, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -91,17 +92,19 @@ def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps)
     [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B] and those of the last
     step padded to the length of `fed`."""
     params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
+    # Every step's cos and sin before the loop: inside it XLA would compute them again in
+    # each layer's q and k fusions.
+    at = pos[None] + jnp.arange(steps, dtype=pos.dtype)[:, None]
+    cos, sin = layers.rope_cos_sin(cfg.rope, at[..., None])  # [steps, B, 1, R]
 
-    def step(carry, _):
+    def step(carry, rope):
         cache, toks, pos = carry
         _, cache, routes, greedy = _greedy_step(
-            cfg, params, experts, cache, toks, pos, slots, kv_len
+            cfg, params, experts, cache, toks, pos, slots, kv_len, rope
         )
         return (cache, greedy, pos + 1), (routes, greedy)
 
-    (cache, greedy, _), (routes, tokens) = jax.lax.scan(
-        step, (cache, toks, pos), None, length=steps
-    )
+    (cache, greedy, _), (routes, tokens) = jax.lax.scan(step, (cache, toks, pos), (cos, sin))
     return cache, routes, tokens, _padded(fed, greedy)
 
 

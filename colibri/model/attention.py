@@ -95,8 +95,10 @@ def gqa(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, Cache]:
-    """Grouped-query attention of x [B, T, D] at positions pos [B, T]; returns [B, T, D]."""
+    """Grouped-query attention of x [B, T, D] at positions pos [B, T]; returns [B, T, D].
+    `rope`: rope_cos_sin(cfg.rope, pos) when the caller computed it once for every layer."""
     B, T, _ = x.shape
     H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "qkv" in w:  # stacked at load (weights.fuse_qkv): one linear call
@@ -113,7 +115,7 @@ def gqa(
     q, k, v = q.reshape(B, T, H, Dh), k.reshape(B, T, Hkv, Dh), v.reshape(B, T, Hkv, Dh)
     if cfg.qk_norm == "head":
         q, k = rms_norm(q, w["q_norm"], cfg.rms_eps), rms_norm(k, w["k_norm"], cfg.rms_eps)
-    cos, sin = rope_cos_sin(cfg.rope, pos)
+    cos, sin = rope or rope_cos_sin(cfg.rope, pos)
     q, k = (
         apply_rope(q, cos, sin, cfg.rope.interleave),
         apply_rope(k, cos, sin, cfg.rope.interleave),
@@ -140,7 +142,13 @@ def mla_expand(cfg: ModelConfig, w: dict, lat: jax.Array) -> tuple[jax.Array, ja
 
 
 def mla_project(
-    cfg: ModelConfig, w: dict, cache: Cache, x: jax.Array, pos: jax.Array, slots: jax.Array
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Queries [B, T, H, Dn + R] (rope applied) for normed x; new latents and keys cached."""
     m = cfg.mla
@@ -154,7 +162,7 @@ def mla_project(
     ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))
     lat = rms_norm(ckv[..., : m.kv_lora_rank], w["kv_a_norm"], 1e-6)
     kr = ckv[..., m.kv_lora_rank :][:, :, None, :]  # [B, T, 1, R]: one roped key for all heads
-    cos, sin = rope_cos_sin(cfg.rope, pos)
+    cos, sin = rope or rope_cos_sin(cfg.rope, pos)
     q_rope = apply_rope(q[..., m.qk_nope_head_dim :], cos, sin, cfg.rope.interleave)
     kr = apply_rope(kr, cos, sin, cfg.rope.interleave)[:, :, 0]
     cache = {
@@ -202,8 +210,9 @@ def mla(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, Cache]:
     """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
-    q, cache = mla_project(cfg, w, cache, x, pos, slots)
+    q, cache = mla_project(cfg, w, cache, x, pos, slots, rope)
     k_nope, v = mla_expand_cached(cfg, w, cache, slots, kv_len)
     return mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len), cache

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from colibri.config import ModelConfig
 from colibri.model import attention, moe
-from colibri.model.layers import linear, rms_norm, swiglu
+from colibri.model.layers import linear, rms_norm, rope_cos_sin, swiglu
 
 Cache = list[attention.Cache]
 
@@ -26,11 +26,12 @@ def attention_block(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, attention.Cache]:
-    """x + attention(norm(x)) for x [B, T, D]."""
+    """x + attention(norm(x)) for x [B, T, D]; `rope` as attention.gqa takes it."""
     attend = attention.mla if cfg.attention == "mla" else attention.gqa
     h, cache = attend(
-        cfg, lw["attn"], cache, rms_norm(x, lw["ln1"], cfg.rms_eps), pos, slots, kv_len
+        cfg, lw["attn"], cache, rms_norm(x, lw["ln1"], cfg.rms_eps), pos, slots, kv_len, rope
     )
     return x + h, cache
 
@@ -79,18 +80,22 @@ def forward(
     *,
     kv_len: int,
     all_logits: bool = False,
+    rope: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, Cache, jax.Array]:
     """One forward with every routed expert resident.
 
     tokens, pos [B, T]; slots [B] (the KV slot of each row); last [B] (the row's last real token).
     `experts[i]` holds MoE layer i's stacked experts (by MoE-layer order). Returns logits
     ([B, V] at `last`, or [B, T, V] with all_logits), the updated cache, and the routing
-    ids [n_moe, B, T, K] for telemetry.
+    ids [n_moe, B, T, K] for telemetry. `rope`: the rotary cos and sin of `pos`
+    (`layers.rope_cos_sin`) when the caller has them; else computed here, once for all layers.
     """
     x = params["embed"][tokens]
+    if rope is None:
+        rope = rope_cos_sin(cfg.rope, pos)
     new_cache, routes = [], []
     for i, lw in enumerate(params["layers"]):
-        x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len)
+        x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len, rope)
         new_cache.append(c)
         if "moe" in lw:
             h, ids, wts = moe_route(cfg, lw, x)
