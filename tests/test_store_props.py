@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from colibri.checkpoint import Checkpoint
 from colibri.config import load_config
-from colibri.engine.telemetry import TIER_DEVICE, Timers
+from colibri.engine.telemetry import TIER_DEVICE, ExpertStats, Timers
 from colibri.experts.budget import TierConfig
 from colibri.experts.ram import RamCache
 from colibri.experts.store import ExpertStore
@@ -120,3 +120,24 @@ def test_usage_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     np.testing.assert_array_equal(read_usage(path, 2, 2), first)
     assert read_usage(path, 3, 2).sum() == 0  # another model's shape: ignored
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 6), st.integers(1, 3), st.integers(1, 16), st.integers(1, 4)),
+    experts=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+    masked=st.booleans(),
+)
+def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked):
+    """ExpertStats.record_steps (a burst's routes at once) leaves the counts and marks, and
+    gives the distinct pairs of each step, that record_all gives step by step."""
+    rng = np.random.default_rng(seed)
+    steps, layers, rows, k = shape
+    routes = rng.integers(0, experts, shape).astype(np.int32)
+    keep = rng.random((steps, rows)) < 0.6 if masked else None
+    one, burst = ExpertStats(layers, experts), ExpertStats(layers, experts)
+    want = [one.record_all(r if keep is None else r[:, keep[s]]) for s, r in enumerate(routes)]
+    assert burst.record_steps(routes, keep).tolist() == want
+    np.testing.assert_array_equal(burst.counts, one.counts)
+    np.testing.assert_array_equal(burst.hits_since, one.hits_since)

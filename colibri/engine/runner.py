@@ -365,10 +365,16 @@ class Runner:
         """Wait for a burst: routes [steps, n_moe, rows, K]; each step's (rows in `keep`) is
         counted in the statistics as one forward's."""
         routes = np.asarray(r)[:, :, : b.rows, 0]
-        for s, step in enumerate(routes):
-            rows = slice(None) if keep is None else np.asarray(keep[s], bool)
-            self._record(step[:, rows])
-            self._count_decoded(b.rows if keep is None else int(np.count_nonzero(keep[s])))
+        kept = None if keep is None else np.asarray(keep, bool)
+        decoded = routes.shape[0] * b.rows if kept is None else int(np.count_nonzero(kept))
+        if self._next_repin and self.decoded + decoded >= self._next_repin:
+            for s, step in enumerate(routes):  # a repin falls inside: it sees the steps before
+                self._record(step if kept is None else step[:, kept[s]])
+                self._count_decoded(b.rows if kept is None else int(np.count_nonzero(kept[s])))
+        else:  # every step at once, as the loop above would count them
+            distinct = int(self.stats.record_steps(routes, kept).sum())
+            self.stats.record_lookups(distinct, distinct)
+            self._count_decoded(decoded)
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return routes
 

@@ -87,6 +87,23 @@ class ExpertStats:
         self.hits_since |= chosen > 0
         return int(np.count_nonzero(chosen))
 
+    def record_steps(self, routes: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+        """`record_all` of several forwards at once: routes [steps, layers, N, K], where only
+        the token rows n with keep [steps, N] are counted. Returns each step's number of
+        distinct (layer, expert) pairs."""
+        steps, layers = routes.shape[:2]
+        n = layers * self.cols
+        flat = routes.astype(np.int64)
+        flat += (np.arange(steps) * n)[:, None, None, None]
+        flat += (np.arange(layers) * self.cols)[:, None, None]
+        if keep is not None:
+            flat = flat[np.broadcast_to(keep[:, None, :, None], flat.shape)]
+        chosen = np.bincount(flat.ravel(), minlength=steps * n).reshape(steps, n)
+        total = chosen.sum(axis=0).reshape(layers, self.cols)
+        self.counts += total
+        self.hits_since |= total > 0
+        return np.count_nonzero(chosen, axis=1)
+
     def record_lookups(self, lookups: int, hits: int, misses: int = 0) -> None:
         self.lookups += lookups
         self.hits += hits
