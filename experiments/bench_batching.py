@@ -10,7 +10,9 @@ synthetic qwen3_moe checkpoint, driven over stdin/stdout exactly as a server wou
   The engine runs twice: with its default bursts of greedy steps (BURST=6) and with one step
   a forward (BURST=1). Beside it, the same batch sizes through bare chained bursts of
   `Runner.decode_async`, in-process: the ceiling the engine's scheduling and protocol work is
-  measured against.
+  measured against. For those, the bytes a step reads (weights outside the routed experts,
+  each distinct routed expert once, every row's keys and values) and the bandwidth that
+  makes at the measured rate: what bounds the 16-row/1-row ratio on a memory-bound machine.
 - TTFT while 15 other slots decode: 15 long requests decode; a 16th prompt is submitted and
   timed from its SUBMIT write to its first DATA. Median of --trials, beside the TTFT of the same
   prompt on an idle engine.
@@ -129,29 +131,49 @@ def ttft(engine: Engine, busy: int, prompt: str) -> float:
     return first
 
 
-def runner_only(ckpt: Path, tokens: int, trials: int) -> dict[int, float]:
+def runner_only(ckpt: Path, tokens: int, trials: int) -> tuple[dict[int, float], dict[int, float]]:
     """tok/s of bare batched bursts of BURST decode steps over the positions an engine run goes
     through, each fed the previous one's greedy tokens on the device, as the engine's greedy
-    bursts are."""
+    bursts are; and the mean bytes a step of each batch size reads (`step_bytes`)."""
+    import jax
+    import numpy as np
+
     from colibri.engine.model import load_model
     from colibri.engine.runner import Row, Runner
 
-    runner = Runner(load_model(ckpt, progress=False), slots=SLOTS, capacity=CTX)
+    model = load_model(ckpt, progress=False)
+    runner = Runner(model, slots=SLOTS, capacity=CTX)
+    cfg = model.cfg
+    # Read by every step whatever the batch: the weights outside the routed experts (the
+    # embedding table only one row a token: left out).
+    dense = sum(
+        a.nbytes
+        for k, a in jax.tree_util.tree_leaves_with_path(model.params)
+        if "embed" not in jax.tree_util.keystr(k)
+    )
+    expert = 3 * cfg.moe.moe_ff * cfg.hidden * 4  # one routed expert, float32
+    per_pos = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers  # K and V, every layer
     out = dict.fromkeys((1, 4, 16), 0.0)
+    traffic = dict.fromkeys(out, 0.0)
     bursts = tokens // BURST
     for trial in range(trials + 1):  # the first pass compiles
         for n in out:
             t = time.perf_counter()
             first = [Row(slot, 7 + slot, 24) for slot in range(n)]  # ~ the prompt length
             fwd = runner.decode_async(first, steps=BURST)
+            landed = []
             for b in range(1, bursts):
                 rows = [Row(slot, -1, 24 + b * BURST, take=slot) for slot in range(n)]
                 fwd, done = runner.decode_async(rows, after=fwd, steps=BURST), fwd
-                done.result()
-            fwd.result()
+                landed.append(done.result()[1])
+            landed.append(fwd.result()[1])
             rate = n * bursts * BURST / (time.perf_counter() - t)
             out[n] = max(out[n], rate) if trial else 0.0
-    return out
+            routes = np.concatenate(landed)  # [steps, n_moe, rows, K]
+            experts = np.mean([len(np.unique(layer)) for step in routes for layer in step])
+            kv = n * per_pos * np.mean(np.arange(24, 24 + bursts * BURST) + 1)
+            traffic[n] = dense + len(routes[0]) * experts * expert + kv
+    return out, traffic
 
 
 def run(ckpt: Path, tokens: int, trials: int) -> dict:
@@ -177,7 +199,7 @@ def run(ckpt: Path, tokens: int, trials: int) -> dict:
     finally:
         for engine in engines.values():
             engine.close()
-    bare = runner_only(ckpt, tokens, trials)
+    bare, traffic = runner_only(ckpt, tokens, trials)
     load = f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     return {
         "machine": f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM, {load}",
@@ -189,6 +211,7 @@ def run(ckpt: Path, tokens: int, trials: int) -> dict:
         "tok_s": rates[BURST],
         "burst1_tok_s": rates[1],
         "runner_tok_s": bare,
+        "step_bytes": traffic,
         "speedup_16_vs_1": rates[BURST][16] / rates[BURST][1],
         "ttft_idle_s": statistics.median(idle[BURST]),
         "ttft_busy15_s": statistics.median(busy[BURST]),
@@ -210,6 +233,17 @@ def report(r: dict) -> str:
         }
     )
     rows.index.name = "active slots"
+    traffic = r["step_bytes"]
+    gbs = {n: traffic[n] * bare[n] / n / 1e9 for n in traffic}  # bytes a step x steps a second
+    reads = pd.DataFrame(
+        {
+            "MB read a step": {n: v / 1e6 for n, v in traffic.items()},
+            "x vs 1 row": {n: v / traffic[1] for n, v in traffic.items()},
+            "GB/s at the bare rate": gbs,
+        }
+    )
+    reads.index.name = "rows"
+    ceiling = 16 * traffic[1] / traffic[16]
     return "\n".join(
         [
             "# Continuous batching: aggregate decode rate and TTFT",
@@ -229,6 +263,17 @@ def report(r: dict) -> str:
             f"{BURST} steps of the same rows; their own 16-row/1-row ratio is "
             f"{bare[16] / bare[1]:.1f}x. On a shared 2-core machine these rates move by tens "
             "of percent with other processes' load.",
+            "",
+            "What a bare step reads: the weights outside the routed experts, each distinct "
+            "routed expert of each layer once, and every row's keys and values so far (the "
+            "mean over the run):",
+            "",
+            markdown_table(reads),
+            "",
+            f"16 rows read {traffic[16] / traffic[1]:.1f}x the bytes of one row a step: were "
+            f"both read at one bandwidth, 16 rows could give at most {ceiling:.1f}x the "
+            f"tok/s of one. At the bare rates above, one row moves {gbs[1]:.1f} GB/s and 16 "
+            f"rows {gbs[16]:.1f} GB/s.",
             "",
             "| TTFT (median) | seconds | BURST=1 |",
             "|---|---|---|",
