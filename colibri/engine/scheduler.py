@@ -420,18 +420,19 @@ class Scheduler:
         self._time(fwd)
         events = self._repins()
         chosen = []
+        active, slots, greedy = self.active, self.slots, greedy.tolist()
         for s, live in enumerate(masks):
             if not any(live):
                 break  # the rest of a burst whose requests all ended: no decode step
             self.steps += 1
             for i, run in enumerate(runs):
-                if not live[i] or self.active.get(run.req.id) is not run:  # (failed meanwhile)
+                if not live[i] or active.get(run.req.id) is not run:  # (failed meanwhile)
                     continue
-                self.slots[run.req.slot].history.append(run.pending)
+                slots[run.req.slot].history.append(run.pending)
                 run.routes.append(routes[s, :, i : i + 1])  # a view, counted at the turn's end
                 try:
                     temp = run.req.temperature
-                    tok = int(greedy[s, i]) if temp <= 0 else self._sample(run, logits[i])
+                    tok = greedy[s][i] if temp <= 0 else self._sample(run, logits[i])
                 except Exception:
                     log.exception("request %d failed", run.req.id)
                     events += self._fail(run.req.id)
@@ -479,11 +480,12 @@ class Scheduler:
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and
         including the step whose token ends their request (a stop token or the last)."""
+        stop = self.config.stop_ids
         live, out = list(keep), []
-        for s, toks in enumerate(tokens):
+        for s, toks in enumerate(tokens.tolist()):  # as _ends(run, tok, ahead=s), inlined
             out.append(list(live))
             for i, run in enumerate(runs):
-                if live[i] and self._ends(run, int(toks[i]), ahead=s):
+                if live[i] and (toks[i] in stop or run.chosen + s + 1 >= run.limit):
                     live[i] = False
         return out
 
