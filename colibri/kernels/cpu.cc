@@ -568,7 +568,8 @@ struct AttendCall : Gang {
   // Not inlined: inside drain() GCC keeps acc in memory and stores all NV sums at every
   // position, ~25% of the time of this loop.
   template <int NV>
-  __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld, int64_t n, float* out) {
+  __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld,
+                                                    int64_t n, float* out) {
     v8 acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = v8{};
     for (int64_t t = 0; t < n; ++t) {

@@ -8,7 +8,7 @@ import numpy as np
 
 from colibri import kernels
 from colibri.config import ModelConfig
-from colibri.model.layers import apply_rope, linear, rms_norm, rope_cos_sin
+from colibri.model.layers import Rope, apply_rope, linear, rms_norm, rope_cos_sin
 
 # Cache layout per layer: GQA {"k", "v": [S, Hkv, C, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
 # with S slots and C cached positions. Rows of a batch name their slot; row b's token t sits
@@ -95,7 +95,7 @@ def gqa(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Grouped-query attention of x [B, T, D] at positions pos [B, T]; returns [B, T, D].
     `rope`: rope_cos_sin(cfg.rope, pos) when the caller computed it once for every layer."""
@@ -148,7 +148,7 @@ def mla_project(
     x: jax.Array,
     pos: jax.Array,
     slots: jax.Array,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[jax.Array, Cache]:
     """Queries [B, T, H, Dn + R] (rope applied) for normed x; new latents and keys cached."""
     m = cfg.mla
@@ -210,7 +210,7 @@ def mla(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[jax.Array, Cache]:
     """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
     q, cache = mla_project(cfg, w, cache, x, pos, slots, rope)

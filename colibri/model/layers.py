@@ -51,8 +51,12 @@ def _native_linear_bwd(res, dy):
 _native_linear.defvjp(_native_linear_fwd, _native_linear_bwd)
 
 
-def rope_cos_sin(rope: RopeConfig, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos and sin for integer positions [B, T] -> two [B, T, R] (R rotated dims per head)."""
+Rope = tuple[jax.Array, jax.Array]  # rotary cos and sin, [B, T, R] each
+
+
+def rope_cos_sin(rope: RopeConfig, pos: jax.Array) -> Rope:
+    """cos and sin for integer positions [...] (e.g. [B, T]) -> two [..., R] (R rotated dims
+    per head)."""
     inv = jnp.asarray(rope.inv_freq, jnp.float32)
     freqs = pos.astype(jnp.float32)[..., None] * inv  # [B, T, R/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from colibri.config import ModelConfig
 from colibri.model import attention, moe
-from colibri.model.layers import linear, rms_norm, rope_cos_sin, swiglu
+from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu
 
 Cache = list[attention.Cache]
 
@@ -26,7 +26,7 @@ def attention_block(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[jax.Array, attention.Cache]:
     """x + attention(norm(x)) for x [B, T, D]; `rope` as attention.gqa takes it."""
     attend = attention.mla if cfg.attention == "mla" else attention.gqa
@@ -80,7 +80,7 @@ def forward(
     *,
     kv_len: int,
     all_logits: bool = False,
-    rope: tuple[jax.Array, jax.Array] | None = None,
+    rope: Rope | None = None,
 ) -> tuple[jax.Array, Cache, jax.Array]:
     """One forward with every routed expert resident.
 
