@@ -130,14 +130,26 @@ def test_usage_write_is_atomic(tmp_path, monkeypatch):
     masked=st.booleans(),
 )
 def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked):
-    """ExpertStats.record_steps (a burst's routes at once) leaves the counts and marks, and
-    gives the distinct pairs of each step, that record_all gives step by step."""
+    """ExpertStats.record_steps (a burst's routes at once) counts every kept (step, layer, row,
+    choice), marks what was chosen and gives each step's distinct (layer, expert) pairs; and
+    record_all, step by step, agrees."""
     rng = np.random.default_rng(seed)
     steps, layers, rows, k = shape
     routes = rng.integers(0, experts, shape).astype(np.int32)
-    keep = rng.random((steps, rows)) < 0.6 if masked else None
-    one, burst = ExpertStats(layers, experts), ExpertStats(layers, experts)
-    want = [one.record_all(r if keep is None else r[:, keep[s]]) for s, r in enumerate(routes)]
-    assert burst.record_steps(routes, keep).tolist() == want
-    np.testing.assert_array_equal(burst.counts, one.counts)
-    np.testing.assert_array_equal(burst.hits_since, one.hits_since)
+    keep = rng.random((steps, rows)) < 0.6 if masked else np.ones((steps, rows), bool)
+    counts = np.zeros((layers, experts), np.int64)
+    distinct = []
+    for s in range(steps):  # the plain count, choice by choice
+        seen = set()
+        for layer in range(layers):
+            for n in np.flatnonzero(keep[s]):
+                for e in routes[s, layer, n]:
+                    counts[layer, e] += 1
+                    seen.add((layer, int(e)))
+        distinct.append(len(seen))
+    burst, one = ExpertStats(layers, experts), ExpertStats(layers, experts)
+    assert burst.record_steps(routes, keep if masked else None).tolist() == distinct
+    assert [one.record_all(r[:, keep[s]]) for s, r in enumerate(routes)] == distinct
+    for stats in (burst, one):
+        np.testing.assert_array_equal(stats.counts, counts)
+        np.testing.assert_array_equal(stats.hits_since, counts > 0)

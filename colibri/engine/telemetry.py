@@ -80,12 +80,7 @@ class ExpertStats:
         (layer, expert) pairs among them (the lookups of one forward)."""
         if routes.size == 0:
             return 0
-        flat = routes.reshape(self.rows, -1) + (np.arange(self.rows) * self.cols)[:, None]
-        chosen = np.bincount(flat.ravel(), minlength=self.rows * self.cols)
-        chosen = chosen.reshape(self.rows, self.cols)
-        self.counts += chosen
-        self.hits_since |= chosen > 0
-        return int(np.count_nonzero(chosen))
+        return int(self.record_steps(routes.reshape(1, self.rows, 1, -1))[0])
 
     def record_steps(self, routes: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
         """`record_all` of several forwards at once: routes [steps, layers, N, K], where only
