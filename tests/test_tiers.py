@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from colibri import kernels
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM
@@ -107,6 +108,43 @@ def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
         split.decode_async(rows, steps=2)
     with pytest.raises(ValueError, match="outside the context"):
         burst.decode_async([Row(0, 1, 60)], steps=5)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_cuttable_burst_is_its_steps_up_to_the_cut(checkpoints, family):
+    """decode_async(steps=n, cuttable=True) runs n steps while the cut flag is down; raised
+    before it starts, the burst runs its first step only: that step's tokens, routes and
+    cached keys and values, as a whole burst gives them. Nothing chains behind it."""
+    model = load_model(checkpoints(family), progress=False)
+    prompts = [model.tokenizer.encode(p) for p in PROMPTS]
+    reference = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
+    cut, whole = Runner(model, slots=4, capacity=64), Runner(model, slots=4, capacity=64)
+    assert cut.cuts
+    first = [int(np.argmax(cut.prefill(s, ids)[0])) for s, ids in enumerate(prompts)]
+    for s, ids in enumerate(prompts):
+        whole.prefill(s, ids)
+    rows = [Row(s, first[s], len(p)) for s, p in enumerate(prompts)]
+    a = cut.decode_async(rows, steps=4, cuttable=True)
+    assert a.cuttable and a.ran() == 4
+    assert [[first[s], *a.tokens()[:, s]] for s in range(4)] == [r[:5] for r in reference]
+    with pytest.raises(ValueError, match="cuttable"):
+        cut.decode_async([Row(0, -1, len(prompts[0]) + 4, take=0)], after=a)
+    a.result()
+    whole.decode_async(rows, steps=4)
+    later = [Row(s, int(a.tokens()[-1, s]), len(p) + 4) for s, p in enumerate(prompts)]
+    kernels.request_cut(True)
+    try:
+        b = cut.decode_async(later, steps=5, cuttable=True)
+        assert b.ran() == 1
+    finally:
+        kernels.request_cut(False)
+    c = whole.decode_async(later, steps=5)
+    assert b.tokens().tolist() == c.tokens()[:1].tolist() == [[r[5] for r in reference]]
+    np.testing.assert_array_equal(b.result()[1], c.result()[1][:1])
+    for s, p in enumerate(prompts):  # the keys and values of the steps run: bitwise
+        got, want = cut.export_slot(s, len(p) + 5), whole.export_slot(s, len(p) + 5)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:

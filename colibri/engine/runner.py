@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from colibri import kernels
 from colibri.engine import steps
 from colibri.engine.model import Model
 from colibri.engine.telemetry import Timers
@@ -85,46 +86,95 @@ def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
     return logits, cache, routes, _padded(fed, greedy)
 
 
-@partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len", "steps"), donate_argnums=(3,))
-def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps):
+@partial(
+    jax.jit,
+    static_argnums=(0, 1),
+    static_argnames=("kv_len", "steps", "cuttable"),
+    donate_argnums=(3,),
+)
+def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps, cuttable=False):
     """`steps` greedy decode steps in one program: as `_decode_forward`, then each row feeds
     its own greedy token one position further, `steps` times. Returns routes
-    [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B] and those of the last
-    step padded to the length of `fed`."""
+    [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B], those of the last
+    step padded to the length of `fed`, and the number of steps run.
+
+    `cuttable`: before each step after the first the burst reads the host's cut flag
+    (`kernels.request_cut`) and ends there if it is raised; the steps it ran are exactly those
+    of the full burst, and the rows of routes and tokens after them are zeros."""
     params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
     # Every step's cos and sin before the loop: inside it XLA would compute them again in
     # each layer's q and k fusions.
     at = pos[None] + jnp.arange(steps, dtype=pos.dtype)[:, None]
     cos, sin = layers.rope_cos_sin(cfg.rope, at[..., None])  # [steps, B, 1, R]
 
-    def step(carry, rope):
-        cache, toks, pos = carry
+    def step(cache, toks, pos, rope):
         _, cache, routes, greedy = _greedy_step(
             cfg, params, experts, cache, toks, pos, slots, kv_len, rope
         )
-        return (cache, greedy, pos + 1), (routes, greedy)
+        return cache, routes, greedy
 
-    (cache, greedy, _), (routes, tokens) = jax.lax.scan(step, (cache, toks, pos), (cos, sin))
-    return cache, routes, tokens, _padded(fed, greedy)
+    if not cuttable:
+
+        def one(carry, rope):
+            cache, toks, pos = carry
+            cache, routes, greedy = step(cache, toks, pos, rope)
+            return (cache, greedy, pos + 1), (routes, greedy)
+
+        (cache, greedy, _), (routes, tokens) = jax.lax.scan(one, (cache, toks, pos), (cos, sin))
+        return cache, routes, tokens, _padded(fed, greedy), jnp.int32(steps)
+
+    def more(carry):
+        i = carry[0]
+        return (i < steps) & ((i == 0) | ~kernels.cut_requested(i))
+
+    def body(carry):
+        i, cache, toks, pos, routes, tokens = carry
+        cache, r, greedy = step(cache, toks, pos, (cos[i], sin[i]))
+        return i + 1, cache, greedy, pos + 1, routes.at[i].set(r), tokens.at[i].set(greedy)
+
+    shape = jax.eval_shape(step, cache, toks, pos, (cos[0], sin[0]))[1]  # one step's routes
+    routes = jnp.zeros((steps, *shape.shape), shape.dtype)
+    tokens = jnp.zeros((steps, toks.shape[0]), jnp.int32)
+    done, cache, greedy, _, routes, tokens = jax.lax.while_loop(
+        more, body, (jnp.int32(0), cache, toks, pos, routes, tokens)
+    )
+    return cache, routes, tokens, _padded(fed, greedy), done
 
 
 class InFlight:
-    """A decode forward that has been started, of one step or a burst of `steps` greedy
+    """A decode forward that has been started, of one step or a burst of up to `steps` greedy
     steps. `result()` waits for it (once) and returns logits [B, V] and routes
     [n_moe, B, K], as `Runner.decode` does, or for a burst None and routes
-    [steps, n_moe, B, K]; `tokens()` its rows' greedy tokens at every step [steps, B] (the
-    argmax of their logits, lowest id on ties)."""
+    [ran, n_moe, B, K]; `tokens()` its rows' greedy tokens at every step [ran, B] (the
+    argmax of their logits, lowest id on ties). `ran()`: the steps it ran, `steps` unless a
+    cuttable burst was cut short."""
 
-    def __init__(self, runner: Runner, batch: _Batch, out: tuple, greedy: jax.Array, steps=1):
+    def __init__(
+        self,
+        runner: Runner,
+        batch: _Batch,
+        out: tuple,
+        greedy: jax.Array,
+        steps: int = 1,
+        ran: jax.Array | None = None,
+    ):
         self._runner, self._batch, self._out = runner, batch, out
         self.steps = steps
+        self.cuttable = ran is not None
+        self._ran = steps if ran is None else ran  # (an int once known)
         self.t_start = time.perf_counter()  # when it was started (queued, if chained)
         self.greedy_dev = greedy  # [Bmax] on the device, the last step's: what chained rows feed
         self._value: tuple[np.ndarray | None, np.ndarray] | None = None
 
+    def ran(self) -> int:
+        """Steps the forward ran (waits for a cuttable burst to end)."""
+        if not isinstance(self._ran, int):
+            self._ran = int(self._ran)
+        return self._ran
+
     def result(self, keep: Sequence | None = None) -> tuple[np.ndarray | None, np.ndarray]:
         """`keep` (heeded on the first call): the rows that still matter [B], or for a burst
-        the (step, row) pairs [steps, B]; the others (a request that ended before) stay out
+        the (step, row) pairs [ran, B]; the others (a request that ended before) stay out
         of the expert statistics."""
         if self._value is None:
             if self.steps == 1:
@@ -132,15 +182,16 @@ class InFlight:
                 self._runner._count_decoded(self._batch.rows if keep is None else sum(keep))
                 self._value = logits, routes[:, :, 0]
             else:
-                self._value = None, self._runner._land_burst(self._batch, self._out[0], keep)
+                routes = self._runner._land_burst(self._batch, self._out[0], keep, self.ran())
+                self._value = None, routes
         return self._value
 
     def tokens(self) -> np.ndarray:
-        """The rows' greedy tokens at every step [steps, B] (waits for them, not for the
+        """The rows' greedy tokens at every step [ran, B] (waits for them, not for the
         statistics: `result` records those)."""
         if self.steps == 1:
             return np.asarray(self.greedy_dev)[None, : self._batch.rows]
-        return np.asarray(self._out[1])[:, : self._batch.rows]
+        return np.asarray(self._out[1])[: self.ran(), : self._batch.rows]
 
     def greedy(self) -> np.ndarray:
         """The rows' greedy tokens at the last step [B]."""
@@ -221,7 +272,7 @@ class Runner:
         return self.decode_async(rows).result()
 
     def decode_async(
-        self, rows: list[Row], after: InFlight | None = None, steps: int = 1
+        self, rows: list[Row], after: InFlight | None = None, steps: int = 1, cuttable=False
     ) -> InFlight:
         """Start the forward of `decode(rows)` and return at once; `result()` waits for it.
 
@@ -232,9 +283,16 @@ class Runner:
 
         steps > 1 (resident experts only): a burst of greedy steps in one program, row by
         row as `steps` chained forwards would compute them (their tokens from `tokens()`);
-        the host dispatches once and its thread is free meanwhile."""
+        the host dispatches once and its thread is free meanwhile. `cuttable` (where
+        `cuts`): the burst ends after the step in which `kernels.request_cut(True)` is called
+        (at least one step runs); nothing can be chained behind it, as its length is known
+        only when it lands."""
         if steps > 1 and not self.chains:
             raise ValueError("bursts of decode steps need every expert resident and no profile")
+        if cuttable and not self.cuts:
+            raise ValueError("cuttable bursts need the CPU kernels")
+        if after is not None and after.cuttable:
+            raise ValueError("nothing can be chained behind a cuttable burst: wait for it")
         B = bucket(len(rows), lo=1)
         packed = np.zeros((4, B), np.int32)  # token, position, slot, take
         packed[2], packed[3] = self.slots, -1  # padding rows: out-of-range slot, dropped
@@ -266,8 +324,10 @@ class Runner:
         fed = after.greedy_dev if chained else self._no_tokens
         args = (self.cfg, self._weights_def, self._weights, self.cache, packed, fed)
         if steps > 1:
-            self.cache, r, tokens, greedy = _decode_burst(*args, kv_len=batch.kv_len, steps=steps)
-            return InFlight(self, batch, (r, tokens), greedy, steps)
+            self.cache, r, tokens, greedy, ran = _decode_burst(
+                *args, kv_len=batch.kv_len, steps=steps, cuttable=cuttable
+            )
+            return InFlight(self, batch, (r, tokens), greedy, steps, ran if cuttable else None)
         logits, self.cache, r, greedy = _decode_forward(*args, kv_len=batch.kv_len)
         return InFlight(self, batch, (logits, r), greedy)
 
@@ -275,6 +335,11 @@ class Runner:
     def chains(self) -> bool:
         """Whether a chained forward starts without waiting for the one it feeds from."""
         return not self.split
+
+    @property
+    def cuts(self) -> bool:
+        """Whether decode bursts can be cuttable (`decode_async(..., cuttable=True)`)."""
+        return self.chains and jax.default_backend() == "cpu" and kernels.available()
 
     def full_logits(self, tokens: list[int]) -> np.ndarray:
         """Logits [T, V] at every position of `tokens`, fed from position 0 into slot 0."""
@@ -361,10 +426,10 @@ class Runner:
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return np.asarray(logits)[: b.rows], routes
 
-    def _land_burst(self, b: _Batch, r: jax.Array, keep: Sequence | None = None) -> np.ndarray:
-        """Wait for a burst: routes [steps, n_moe, rows, K]; each step's (rows in `keep`) is
-        counted in the statistics as one forward's."""
-        routes = np.asarray(r)[:, :, : b.rows, 0]
+    def _land_burst(self, b: _Batch, r: jax.Array, keep: Sequence | None, ran: int) -> np.ndarray:
+        """Wait for a burst that ran `ran` steps: routes [ran, n_moe, rows, K]; each step's
+        (rows in `keep`) is counted in the statistics as one forward's."""
+        routes = np.asarray(r)[:ran, :, : b.rows, 0]
         kept = None if keep is None else np.asarray(keep, bool)
         decoded = routes.shape[0] * b.rows if kept is None else int(np.count_nonzero(kept))
         if self._next_repin and self.decoded + decoded >= self._next_repin:

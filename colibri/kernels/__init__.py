@@ -2,9 +2,11 @@
 
 `moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
-the KV cache (see cpu.cc). The shared library is compiled once per source, JAX version and CPU into
-the user's cache folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written
-to a temporary name and renamed, so concurrent processes never load a half-written file.
+the KV cache (see cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
+`request_cut(True)` raises to end the bursts running in this process after their current step.
+The shared library is compiled once per source, JAX version and CPU into the user's cache
+folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written to a temporary name
+and renamed, so concurrent processes never load a half-written file.
 `COLIBRI_CPU_KERNELS=0` turns the kernels off (XLA's own loops run instead); so does a
 machine without a compiler, with one warning on stderr.
 """
@@ -33,6 +35,7 @@ _TARGETS = {
     "colibri_moe_experts": "ColibriMoeExperts",
     "colibri_linear": "ColibriLinear",
     "colibri_attend": "ColibriAttend",
+    "colibri_cut_requested": "ColibriCutRequested",
 }
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
 
@@ -87,20 +90,26 @@ def build() -> Path:
 
 
 @cache
-def available() -> bool:
-    """True once the kernels are built, loaded and registered with XLA for the CPU."""
+def _library() -> ctypes.CDLL | None:
+    """The loaded library, its targets registered with XLA for the CPU; None when off or failed."""
     if os.environ.get("COLIBRI_CPU_KERNELS", "1") == "0":
-        return False
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
         for target, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(
                 target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
             )
+        lib.colibri_request_cut.argtypes = [ctypes.c_int32]
     except (OSError, RuntimeError, AttributeError) as err:
         log.warning("colibri CPU kernels unavailable, using XLA loops: %s", err)
-        return False
-    return True
+        return None
+    return lib
+
+
+def available() -> bool:
+    """True once the kernels are built, loaded and registered with XLA for the CPU."""
+    return _library() is not None
 
 
 def usable(*arrays: jax.Array) -> bool:
@@ -148,6 +157,25 @@ def attend(
     )
     i32 = jnp.int32
     return call(q, k, v, slots.astype(i32), pos.astype(i32), scale=np.float32(scale))
+
+
+def cut_requested(step: jax.Array) -> jax.Array:
+    """Inside a decode burst: whether `request_cut(True)` asked it to end after this step,
+    read when the step (int32 [], the loop's counter) is reached; a bool []."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_cut_requested", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
+    )
+    return call(step.astype(jnp.int32)) != 0
+
+
+def request_cut(on: bool) -> None:
+    """Raise (or lower) the flag that ends every cuttable decode burst running in this process
+    after its current step. Cheap and thread-safe: the engine's input thread raises it for
+    each frame it reads. Does nothing when the kernels are off."""
+    lib = _library()
+    if lib is not None:
+        lib.colibri_request_cut(1 if on else 0)
 
 
 def _require() -> None:

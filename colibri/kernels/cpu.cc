@@ -14,6 +14,9 @@
 //
 // colibri_linear: y [M, O] = x [M, I] . w [O, I]^T.
 //
+// colibri_cut_requested: whether the host asked the decode bursts running in this process to
+// end after their current step (colibri_request_cut), read once per step.
+//
 // Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
 // a fixed horizontal sum and then the scalar tail, whatever tile it is computed in, and the
 // element-wise exp (softmax, SwiGLU) is one 8-lane routine whatever lane a value falls in.
@@ -636,7 +639,28 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// Raised by the host (a frame came in) so that a long burst of decode steps ends after the step
+// it is in; lowered when the host has taken what came in. Process-wide: a burst cut short is
+// still exact, only shorter.
+std::atomic<int32_t> cut_flag{0};
+
+// step [] int32 (the loop's counter: the call is made per step and never hoisted) -> [] int32.
+ffi::Error CutRequested(ffi::Buffer<ffi::S32> step, ffi::ResultBuffer<ffi::S32> out) {
+  (void)step;
+  *out->typed_data() = cut_flag.load(std::memory_order_acquire);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+extern "C" void colibri_request_cut(int32_t on) {
+  cut_flag.store(on, std::memory_order_release);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriCutRequested, CutRequested,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttend, Attend,
                               ffi::Ffi::Bind()
