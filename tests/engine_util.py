@@ -16,7 +16,18 @@ from colibri.protocol import codec
 from colibri.protocol.codec import Data, Done, Error, Submit, format_request
 
 TIMEOUT = 120.0  # generous: a cold compile cache on a busy 2-core box
-_ENGINE_VARS = ("SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "REPIN", "KVSAVE", "SEED")
+_ENGINE_VARS = (
+    "SERVE_BATCH",
+    "KV_SLOTS",
+    "CTX",
+    "NGEN",
+    "SERVE_TOPK",
+    "REPIN",
+    "KVSAVE",
+    "SEED",
+    "BURST",
+    "BURST_MS",
+)
 
 
 def spawn(model_dir: Path, **env: str) -> subprocess.Popen:

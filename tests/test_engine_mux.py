@@ -7,9 +7,11 @@ restart, fatal-frame and fuzz tests start their own processes.
 from __future__ import annotations
 
 import math
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -44,6 +46,7 @@ from colibri.protocol.codec import (
     Unknown,
     UTF8Assembler,
 )
+from colibri.protocol.stdio import Inbox
 
 CTX = 128
 SHARED = dict(KV_SLOTS="16", CTX=str(CTX), SERVE_TOPK="1")
@@ -329,6 +332,34 @@ def test_kv_persistence_restart_sigterm_and_determinism(model_dir, engine, ref, 
     assert text(other_process, 5) == ref.text(PROMPTS[0], 12)  # greedy across processes
 
 
+def test_bursts_cut_by_input_keep_every_token_and_tick(model_dir, ref):
+    """BURST_MS=0: every burst after the first is cuttable. Alone, a request's bursts run
+    whole and HITS comes every 6 tokens; requests sent while another decodes cut the burst
+    running, and every request, a CANCELled one too, gives the tokens it gives alone."""
+    e = Mux(model_dir, BURST_MS="0", KV_SLOTS="3", CTX=str(CTX))
+    try:
+        e.submit(1, 0, "The quick brown fox", 40)
+        alone = e.collect(1)
+        e.submit(2, 0, "Permission is hereby", 40)
+        evs = e.until(lambda ev: isinstance(ev, Data) and ev.id == 2)
+        e.submit(3, 1, "Der schnelle", 12)
+        e.submit(4, 2, "naïve café", 30)
+        evs += e.until(lambda ev: isinstance(ev, Data) and ev.id == 4)
+        e.send(b"CANCEL 4\n")
+        evs += e.collect(2, 3, 4)
+        assert e.close() == 0
+    finally:
+        e.kill()
+    assert text(alone, 1) == ref.text("The quick brown fox", 40)
+    lines = [ev for ev in alone if isinstance(ev, Data | Hits)][:-1]  # (the turn's own HITS)
+    at = [i for i, ev in enumerate(lines) if isinstance(ev, Hits)]
+    assert len(at) == 40 // 6 and set(np.diff(at)) == {7}  # 6 DATA lines, then HITS
+    assert text(evs, 2) == ref.text("Permission is hereby", 40)
+    assert text(evs, 3) == ref.text("Der schnelle", 12)
+    assert Error(4, "CANCELLED") in evs
+    assert ref.text("naïve café", 30).startswith(text(evs, 4))
+
+
 def test_bad_frame_is_fatal_and_in_flight_work_finishes(model_dir):
     e = Mux(model_dir, **SMALL)
     try:
@@ -410,6 +441,21 @@ def test_every_engine_event_has_its_wire_lines():
 # ---------------------------------------------------------------------------- settings
 
 
+def test_the_inbox_flag_is_up_while_a_frame_waits_untaken():
+    """What cuts decode bursts: Inbox raises `wake` after queuing a frame and lowers it when
+    `take` looks at the queue."""
+    frames: queue.Queue[str | None] = queue.Queue()
+    flag = threading.Event()
+    inbox = Inbox(frames.get, wake=lambda up: flag.set() if up else flag.clear())
+    assert inbox.take(0.0) == [] and not flag.is_set()
+    frames.put("a")
+    assert flag.wait(10)
+    assert inbox.take(1.0) == ["a"] and not flag.is_set()
+    frames.put(None)  # end of input: a frame as well
+    assert flag.wait(10)
+    assert inbox.take(1.0) == [None] and not flag.is_set()
+
+
 def test_settings_name_the_variable_and_value():
     s = EngineSettings.from_env({"SERVE_BATCH": "1", "KV_SLOTS": "16", "CTX": "64", "NGEN": "8"})
     assert (s.serve_batch, s.kv_slots, s.ctx, s.ngen, s.kvsave) == (True, 16, 64, 8, False)
@@ -420,6 +466,7 @@ def test_settings_name_the_variable_and_value():
         ("CTX", "big"),
         ("SERVE_BATCH", "yes"),
         ("SEED", "-3"),
+        ("BURST_MS", "-1"),
     ]
     for name, value in bad:
         with pytest.raises(SettingsError, match=f"{name}='{value}'"):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from colibri import kernels
 from colibri.engine.generate import generate_ids
 from colibri.engine.kvstore import KVStore
 from colibri.engine.model import load_model
@@ -146,21 +147,22 @@ def test_bursts_give_the_tokens_ticks_and_counts_of_single_steps(model, referenc
     """Greedy requests decoded in bursts of several steps a forward give what one step a
     forward gives: tokens, their interleaving, HITS ticks, reports and expert counts; a stop
     token or a limit inside a burst ends its request there, and a request submitted while a
-    burst runs joins when it lands."""
+    burst runs joins when it lands. Bursts expected to outlast `burst_ms` are cuttable ones
+    (or single steps without `cut_bursts`), and give the same again."""
     first = _req(model, 1, 0, "Der schnelle", 16)
     greedy = reference(first.prompt, 16)  # (without a stop token)
     at = next(i for i in range(2, 16) if greedy[i] not in greedy[:i])
     assert at <= 6  # greedy[0] comes from the prefill: the stop token is inside the 1st burst
 
-    def run(burst: int, burst_ms: float = 1e6):  # (1e6: whatever the steps take)
+    def run(burst: int, burst_ms: float = 1e6, cut: bool = True):  # (1e6: whatever they take)
         stop = (greedy[at],)
-        limits = {"burst_ms": burst_ms, "full_burst_ms": burst_ms}
+        limits = {"burst_ms": burst_ms, "full_burst_ms": burst_ms, "cut_bursts": cut}
         sched = _sched(model, slots=3, burst=burst, stop_ids=stop, **limits)
         before = sched.runner.stats.counts.copy()
-        calls: list[int] = []
+        calls: list[tuple[int, bool]] = []
         start = sched.runner.decode_async
-        sched.runner.decode_async = lambda rows, after=None, steps=1: (
-            calls.append(steps) or start(rows, after, steps)
+        sched.runner.decode_async = lambda rows, after=None, steps=1, cuttable=False: (
+            calls.append((steps, cuttable)) or start(rows, after, steps, cuttable)
         )
         reqs = [first, _req(model, 2, 1, "The quick brown", 11)]
         events = [ev for r in reqs for ev in sched.submit(r)]
@@ -171,37 +173,58 @@ def test_bursts_give_the_tokens_ticks_and_counts_of_single_steps(model, referenc
 
     one, steps1, counts1, calls1 = run(1)
     six, steps6, counts6, calls6 = run(6)
-    assert set(calls1) == {1} and max(calls6) > 1 and len(calls6) < len(calls1)
-    assert set(run(6, burst_ms=0)[3][1:]) == {1}  # no step is that fast (the first: unknown)
-    for rid in (1, 2, 3):
-        assert _tokens(six, rid) == _tokens(one, rid)
-        a, b = _finished(six, rid).report, _finished(one, rid).report
-        assert (a.emitted, a.length_limited, a.entropy) == (b.emitted, b.length_limited, b.entropy)
-    assert _tokens(six, 1) == greedy[:at]  # its stop token came inside a burst
-    together = [ev.id for ev in six if isinstance(ev, Token) and ev.id < 3]
-    assert together == [ev.id for ev in one if isinstance(ev, Token) and ev.id < 3]
-    for events, steps in ((one, steps1), (six, steps6)):  # (request 3 joins later in bursts)
+    cut, steps_cut, counts_cut, calls_cut = run(6, burst_ms=0)  # no step is that fast
+    assert {c for c, _ in calls1} == {1} and len(calls6) < len(calls1)
+    assert max(calls6) == (6, False)  # (the first forward, of unknown length: chained)
+    assert (6, True) in calls_cut[1:] and (6, False) not in calls_cut[1:]
+    assert {c for c, _ in run(6, burst_ms=0, cut=False)[3][1:]} == {1}
+    for events in (six, cut):
+        for rid in (1, 2, 3):
+            assert _tokens(events, rid) == _tokens(one, rid)
+            a, b = _finished(events, rid).report, _finished(one, rid).report
+            assert (a.emitted, a.length_limited, a.entropy) == (
+                b.emitted,
+                b.length_limited,
+                b.entropy,
+            )
+        assert _tokens(events, 1) == greedy[:at]  # its stop token came inside a burst
+        together = [ev.id for ev in events if isinstance(ev, Token) and ev.id < 3]
+        assert together == [ev.id for ev in one if isinstance(ev, Token) and ev.id < 3]
+    for events, steps in ((one, steps1), (six, steps6), (cut, steps_cut)):
         assert sum(isinstance(ev, HitsTick) for ev in events) == steps // 6
     np.testing.assert_array_equal(counts6, counts1)
+    np.testing.assert_array_equal(counts_cut, counts1)
 
 
-def test_bursts_last_longer_while_every_slot_is_taken(model):
-    """No new prompt can start while every KV slot is taken: bursts then go by
-    `full_burst_ms`, otherwise by `burst_ms`."""
+def test_a_cut_burst_ends_after_one_step_and_the_next_ones_find_the_tick(model, reference):
+    """A cuttable burst cut short (a frame came in: the flag is up) has run its first step;
+    the scheduler goes on from there in single steps up to the next HITS tick, then in
+    bursts again, and the tokens, ticks and counts are those of single steps."""
+    req = _req(model, 1, 0, "The quick brown", 30)
+    config = {"burst": 6, "burst_ms": 0, "full_burst_ms": 0, "stop_ids": ()}
+    sched = _sched(model, slots=2, **config)
+    before = sched.runner.stats.counts.copy()
+    calls: list[tuple[int, bool, int]] = []
+    start = sched.runner.decode_async
 
-    def launches(slots: int) -> list[int]:
-        limits = {"burst_ms": 0, "full_burst_ms": 1e6}
-        sched = _sched(model, slots=slots, burst=6, stop_ids=(), **limits)
-        calls: list[int] = []
-        start = sched.runner.decode_async
-        sched.runner.decode_async = lambda rows, after=None, steps=1: (
-            calls.append(steps) or start(rows, after, steps)
-        )
-        _run(sched, _req(model, 1, 0, "Der schnelle", 30), _req(model, 2, 1, "The quick", 30))
-        return calls[2:]  # (those launched before a step was timed may be bursts)
+    def launch(rows, after=None, steps=1, cuttable=False):
+        if len(calls) == 2:  # the third forward: cut as soon as it starts
+            kernels.request_cut(True)
+        fwd = start(rows, after, steps, cuttable)
+        calls.append((steps, cuttable, fwd.ran()))
+        kernels.request_cut(False)
+        return fwd
 
-    assert max(launches(2)) == 6
-    assert set(launches(3)) == {1}
+    sched.runner.decode_async = launch
+    events = _run(sched, req)
+    assert calls[2] == (6, True, 1)  # cut after its first step
+    assert [c[0] for c in calls[3:8]] == [1, 1, 1, 1, 1]  # decode steps 14 .. 18: the tick
+    assert calls[8] == (6, True, 6)
+    fed = len(req.prompt) + 30 - 1  # (the last token is never fed)
+    counted = (sched.runner.stats.counts - before).sum(axis=1)
+    assert (counted == fed * model.cfg.moe.top_k).all()
+    assert sum(isinstance(ev, HitsTick) for ev in events) == sched.steps // 6
+    assert _tokens(events, 1) == reference(req.prompt, 30)  # (its runner shares the counts)
 
 
 def test_refusals(model):
@@ -323,8 +346,8 @@ def test_greedy_and_sampled_requests_together_are_each_as_alone(model, reference
     sched = _sched(model)
     chained: list[bool] = []
     start = sched.runner.decode_async
-    sched.runner.decode_async = lambda rows, after=None, steps=1: (
-        chained.append(bool(after)) or start(rows, after, steps)
+    sched.runner.decode_async = lambda rows, after=None, steps=1, cuttable=False: (
+        chained.append(bool(after)) or start(rows, after, steps, cuttable)
     )
     greedy = _req(model, 1, 0, "The quick", 14)
     events = [ev for ev in sched.submit(greedy)]

@@ -61,8 +61,9 @@ class SchedulerConfig:
     prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
     burst: int = 6  # most decode steps per forward, up to hits_every (Scheduler.step)
-    burst_ms: float = 5.0  # longest a burst may be expected to take (a new request waits it)
+    burst_ms: float = 5.0  # longest a chained burst may be expected to take (input waits it)
     full_burst_ms: float = 20.0  # the same while every KV slot is taken (no prompt can wait)
+    cut_bursts: bool = True  # longer bursts too, cut short by input (Runner.cuts), unchained
 
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
@@ -278,13 +279,16 @@ class Scheduler:
         When moreover no prompt waits, no TOPK is asked for and every request has tokens
         enough left, a forward is a burst of `config.burst` steps in one program (experts
         resident): the host dispatches once for them all, where that costs as much as the
-        step itself on small models. Bursts are taken while the recent steps say one would
-        last at most `config.burst_ms` (`config.full_burst_ms` while every KV slot is taken:
-        no new prompt can start until a request ends, and only CANCEL, STOP and refusals
-        wait for the burst), and end on the HITS ticks; requests submitted,
-        cancelled or stopped meanwhile are handled when the burst lands, and the steps of a
-        request that ends inside one are left out of every count. A burst's tokens are those
-        of its steps one by one."""
+        step itself on small models, and on larger ones takes cores from the kernels. Bursts
+        end on the HITS ticks. One that the recent steps say would last at most
+        `config.burst_ms` (`config.full_burst_ms` while every KV slot is taken: no new prompt
+        can start until a request ends, and only CANCEL, STOP and refusals wait for the
+        burst) runs whole, and the next forward is chained behind it; a longer one is
+        cuttable (`config.cut_bursts`): it ends after the step in which a frame comes in
+        (`kernels.request_cut`, raised by the input thread) and nothing is chained behind it.
+        Requests submitted, cancelled or stopped meanwhile are handled when the burst lands,
+        and the steps of a request that ends inside one are left out of every count. A
+        burst's tokens are those of its steps one by one."""
         nxt = self._chain()
         decoded, chosen = self._collect()
         events = self._admit()
@@ -357,9 +361,9 @@ class Scheduler:
         """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
         rows = [self._row(r) for r in runs]
-        steps = self._burst(runs, [r.limit - r.chosen for r in runs], self.steps)
+        steps, cut = self._burst(runs, [r.limit - r.chosen for r in runs], self.steps)
         try:
-            return (runs, self.runner.decode_async(rows, steps=steps)), []
+            return (runs, self.runner.decode_async(rows, steps=steps, cuttable=cut)), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return None, [ev for r in runs for ev in self._fail(r.req.id)]
@@ -375,6 +379,8 @@ class Scheduler:
         if self.inflight is None or not self.runner.chains or self.waiting:
             return None  # waiting prompts are prefilled first, not behind a queued forward
         runs, fwd = self.inflight
+        if fwd.cuttable:
+            return None  # its length is known when it lands
         live = [(i, r) for i, r in enumerate(runs) if self.active.get(r.req.id) is r]
         if not live or any(r.req.temperature > 0 for _, r in live):
             return None
@@ -390,9 +396,10 @@ class Scheduler:
         if not rows:
             return None
         left = [r.limit - r.chosen - n for r in chained] + [r.limit - r.chosen for r in fresh]
-        steps = self._burst(chained + fresh, left, self.steps + n)
+        steps, cut = self._burst(chained + fresh, left, self.steps + n)
         try:
-            return chained + fresh, self.runner.decode_async(rows, after=fwd, steps=steps)
+            fwd = self.runner.decode_async(rows, after=fwd, steps=steps, cuttable=cut)
+            return chained + fresh, fwd
         except Exception:
             log.exception("starting a chained decode step failed; it starts after this one")
             return None
@@ -455,27 +462,35 @@ class Scheduler:
         """Note the seconds per step of a forward that just landed: from its start, or from
         the previous landing if it was queued behind that one."""
         now = time.perf_counter()
-        self._periods.append((now - max(fwd.t_start, self._landed)) / fwd.steps)
+        self._periods.append((now - max(fwd.t_start, self._landed)) / fwd.ran())
         self._landed = now
 
-    def _burst(self, runs: list[_Run], left: list[int], at: int) -> int:
-        """Steps of the next forward over `runs`, which have `left` tokens to go and start at
-        decode step `at`: a burst when every request decodes greedily on resident experts,
-        no prompt waits and no TOPK is asked for, and the burst is due to end within
-        `burst_ms` (`full_burst_ms` while every slot is taken; the engine's first forward, of
-        unknown length, is given the chance), by the next HITS tick and before any request's
-        limit. Otherwise 1 (one length of burst only: each is a program compiled per batch
-        and context size)."""
+    def _burst(self, runs: list[_Run], left: list[int], at: int) -> tuple[int, bool]:
+        """(steps, cuttable) of the next forward over `runs`, which have `left` tokens to go
+        and start at decode step `at`: a burst when every request decodes greedily on
+        resident experts, no prompt waits and no TOPK is asked for, by the next HITS tick and
+        before any request's limit. A burst due to end within `burst_ms` (`full_burst_ms`
+        while every slot is taken; the engine's first forward, of unknown length, is given
+        the chance) runs whole and can be chained behind; a longer one is cuttable (with
+        `cut_bursts`, where the runner `cuts`): the input thread cuts it after the step in
+        which a frame comes in, so that frame waits no longer than for single steps.
+        Otherwise 1 (one length of burst only: each is a program compiled per batch and
+        context size)."""
         cfg = self.config
         n = min(cfg.burst, cfg.hits_every)
         if n == 1 or not self.runner.chains or self.waiting or cfg.topk:
-            return 1
+            return 1, False
         if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
-            return 1
+            return 1, False
+        if any(r.req.temperature > 0 for r in runs):
+            return 1, False
         full = all(slot.owner is not None for slot in self.slots)
         limit_ms = cfg.full_burst_ms if full else cfg.burst_ms
-        slow = self.step_s is not None and n * self.step_s > limit_ms / 1e3
-        return 1 if slow or any(r.req.temperature > 0 for r in runs) else n
+        if self.step_s is None or n * self.step_s <= limit_ms / 1e3:
+            return n, False
+        if cfg.cut_bursts and self.runner.cuts:
+            return n, True
+        return 1, False
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and

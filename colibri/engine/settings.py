@@ -27,6 +27,7 @@ class EngineSettings:
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
     burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
+    burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -41,6 +42,7 @@ class EngineSettings:
             kvsave=r.flag("KVSAVE"),
             seed=r.int("SEED", 0, lo=0),
             burst=r.int("BURST", 6, lo=1, hi=6),
+            burst_ms=r.int("BURST_MS", 5, lo=0, hi=10_000),
         )
 
 

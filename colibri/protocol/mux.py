@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 
+from colibri import kernels
 from colibri.engine import hwinfo
 from colibri.engine.scheduler import (
     INTERNAL,
@@ -65,8 +66,8 @@ def serve(
     loop = _Loop(sched, tokenizer, out)
     loop.send(*handshake(sched.runner.stats))
     inbox: Inbox[codec.Request | FrameError] = Inbox(
-        lambda: codec.read_request(stdin, kv_slots), last=_loses_framing
-    )
+        lambda: codec.read_request(stdin, kv_slots), last=_loses_framing, wake=kernels.request_cut
+    )  # a frame that comes in cuts the decode burst running short (Scheduler.step)
     term = Termination()
     while loop.reading or sched.busy:
         if term.requested() and loop.reading:

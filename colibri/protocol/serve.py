@@ -47,6 +47,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
             topk=TOPK if settings.serve_topk else 0,
             stop_ids=cfg.eos_token_ids,
             burst=settings.burst,
+            burst_ms=settings.burst_ms,
         ),
         store=_store(settings, model_dir, env),
     )

@@ -59,11 +59,18 @@ class Inbox(Generic[T]):
     """Frames read on a daemon thread, so the engine keeps decoding while the server is silent.
 
     `read()` returns the next frame or None at end of input; the thread stops after None or a
-    frame for which `last(frame)` is true (the stream lost its framing).
+    frame for which `last(frame)` is true (the stream lost its framing). `wake(True)` is called
+    after each frame is queued and `wake(False)` before `take` looks at the queue: a flag that
+    is up exactly while a frame may wait untaken (the engine cuts its decode bursts on it).
     """
 
-    def __init__(self, read: Callable[[], T | None], last: Callable[[T], bool] = lambda _: False):
-        self._read, self._last = read, last
+    def __init__(
+        self,
+        read: Callable[[], T | None],
+        last: Callable[[T], bool] = lambda _: False,
+        wake: Callable[[bool], None] = lambda _: None,
+    ):
+        self._read, self._last, self._wake = read, last, wake
         self._queue: queue.Queue[T | None] = queue.Queue()
         threading.Thread(target=self._run, name="stdin-reader", daemon=True).start()
 
@@ -75,11 +82,13 @@ class Inbox(Generic[T]):
                 log.exception("reading stdin failed")
                 item = None
             self._queue.put(item)
+            self._wake(True)
             if item is None or self._last(item):
                 return
 
     def take(self, timeout: float) -> list[T | None]:
         """Every frame already read, waiting up to `timeout` seconds for the first one."""
+        self._wake(False)  # (a frame queued from here on raises it again)
         try:
             items = [self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()]
         except queue.Empty:
