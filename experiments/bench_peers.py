@@ -9,7 +9,9 @@ other processes falls on each of them alike. `make bench` runs this with the def
 
 Measured per configuration: load seconds; prefill tok/s and TTFT for a --prompt-token prompt;
 greedy decode tok/s at batch 1 over --tokens tokens; for colibri also the aggregate tok/s of 4
-and 16 rows decoding at once (16 KV slots); peak RSS. Every configuration's greedy tokens are
+and 16 rows decoding at once (16 KV slots); peak RSS. colibri decodes as its engine decodes
+greedy requests on these models: bursts of BURST steps a forward, cuttable (a step here takes
+longer than BURST_MS / BURST); its rate with one step a forward is reported beside. Every configuration's greedy tokens are
 compared with colibri's (f32 peers should agree; q8_0 need not).
 
 The roofline (memory only): bytes of weights one decode step touches (attention, router, the
@@ -34,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from colibri.engine.settings import EngineSettings
 from colibri.report import markdown_table
 from colibri.synth import SynthSpec, synthesize
 
@@ -69,6 +72,7 @@ SHAPES = {
     ),
 }
 PEERS = ["colibri", "transformers", "llama.cpp f32", "llama.cpp q8_0"]
+BURST = EngineSettings().burst  # greedy steps a forward, as the engine takes them
 CACHE = Path(".cache/bench-peers")
 RESULTS = Path(__file__).parent / "results"
 
@@ -113,12 +117,27 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         logits_s, _ = runner.prefill(s, tail, start=head)
         firsts.append(int(np.argmax(logits_s)))
 
-    def decode(rows: int, n: int) -> tuple[float, list[int], list[int]]:
-        """n greedy steps of slots 0..rows-1, each forward fed the previous one's greedy tokens
-        on the device, as the engine's greedy steps are: tok/s, slot 0's tokens, distinct
-        experts per MoE layer (mean over steps)."""
+    def decode(rows: int, n: int, burst: int) -> tuple[float, list[int], list[int]]:
+        """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
+        layer (mean over steps). burst 1: one step a forward, each forward fed the previous
+        one's greedy tokens on the device; burst > 1: as the engine decodes greedy requests on
+        these models (cuttable bursts of `burst` steps, the next one dispatched when one
+        lands; Scheduler._burst)."""
         out, distinct = [first], []
         t = time.perf_counter()
+        if burst > 1:
+            toks, done = firsts[:rows], 0
+            while done < n:
+                at = [Row(s, toks[s], len(prompt) + done) for s in range(rows)]
+                fwd = runner.decode_async(at, steps=burst, cuttable=True)
+                greedy = fwd.tokens()
+                _, routes = fwd.result()
+                toks, done = greedy[-1].tolist(), done + fwd.ran()
+                out += greedy[:, 0].tolist()
+                distinct += [[len(np.unique(r[:rows])) for r in step] for step in routes]
+            return rows * done / (time.perf_counter() - t), out[: n + 1], np.mean(
+                distinct, axis=0
+            ).tolist()
         fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
         for i in range(1, n + 1):
             chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]
@@ -131,15 +150,18 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
 
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
     for rows in (1, 4, 16):
-        decode(rows, tokens)  # compiles every KV bucket the measured pass meets
-        rate, out, distinct = decode(rows, tokens)
-        res[f"decode_tok_s_{rows}"] = rate
-        res[f"distinct_experts_{rows}"] = distinct
-        if rows == 1:
-            res["tokens"] = out
-        else:
-            # Slot 0 holds the batch-1 conversation: batching must not change its text.
-            res[f"batch_{rows}_equals_batch_1"] = out == res["tokens"]
+        for burst, key in ((1, "_single"), (BURST, "")):
+            decode(rows, tokens, burst)  # compiles every KV bucket the measured pass meets
+            rate, out, distinct = decode(rows, tokens, burst)
+            res[f"decode_tok_s_{rows}{key}"] = rate
+            if key:
+                continue
+            res[f"distinct_experts_{rows}"] = distinct
+            if rows == 1:
+                res["tokens"] = out
+            else:
+                # Slot 0 holds the batch-1 conversation: batching must not change its text.
+                res[f"batch_{rows}_equals_batch_1"] = out == res["tokens"]
     return res
 
 
@@ -409,6 +431,7 @@ def main() -> None:
                     "rows": b,
                     "aggregate tok/s": col[f"decode_tok_s_{b}"],
                     "x vs batch 1": col[f"decode_tok_s_{b}"] / col["decode_tok_s_1"],
+                    "one step a forward": col[f"decode_tok_s_{b}_single"],
                     "distinct experts / layer": float(np.mean(col[f"distinct_experts_{b}"])),
                     "roofline tok/s": (
                         summary[name]["roofline_tok_s_1"]
