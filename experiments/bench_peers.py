@@ -11,8 +11,9 @@ Measured per configuration: load seconds; prefill tok/s and TTFT for a --prompt-
 greedy decode tok/s at batch 1 over --tokens tokens; for colibri also the aggregate tok/s of 4
 and 16 rows decoding at once (16 KV slots); peak RSS. colibri decodes as its engine decodes
 greedy requests on these models: bursts of BURST steps a forward, cuttable (a step here takes
-longer than BURST_MS / BURST); its rate with one step a forward is reported beside. Every configuration's greedy tokens are
-compared with colibri's (f32 peers should agree; q8_0 need not).
+longer than BURST_MS / BURST); its rate with one step a forward is reported beside. Every
+configuration's greedy tokens are compared with colibri's (f32 peers should agree; q8_0 need
+not).
 
 The roofline (memory only): bytes of weights one decode step touches (attention, router, the
 experts chosen, lm_head; f32) divided by the memory bandwidth measured in the same run (the
