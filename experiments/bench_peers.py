@@ -136,9 +136,8 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
                 toks, done = greedy[-1].tolist(), done + fwd.ran()
                 out += greedy[:, 0].tolist()
                 distinct += [[len(np.unique(r[:rows])) for r in step] for step in routes]
-            return rows * done / (time.perf_counter() - t), out[: n + 1], np.mean(
-                distinct, axis=0
-            ).tolist()
+            rate = rows * done / (time.perf_counter() - t)
+            return rate, out[: n + 1], np.mean(distinct, axis=0).tolist()
         fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
         for i in range(1, n + 1):
             chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]
