@@ -21,7 +21,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import cache
+import threading
 from pathlib import Path
 
 import jax
@@ -89,9 +89,20 @@ def build() -> Path:
     return out
 
 
-@cache
+_loading = threading.Lock()
+_loaded: list[ctypes.CDLL | None] = []  # the one outcome of _load, once it has run
+
+
 def _library() -> ctypes.CDLL | None:
-    """The loaded library, its targets registered with XLA for the CPU; None when off or failed."""
+    """The loaded library, its targets registered with XLA for the CPU; None when off or failed.
+    Loaded once, whichever thread asks first (the engine's input thread may)."""
+    with _loading:
+        if not _loaded:
+            _loaded.append(_load())
+        return _loaded[0]
+
+
+def _load() -> ctypes.CDLL | None:
     if os.environ.get("COLIBRI_CPU_KERNELS", "1") == "0":
         return None
     try:
@@ -160,8 +171,9 @@ def attend(
 
 
 def cut_requested(step: jax.Array) -> jax.Array:
-    """Inside a decode burst: whether `request_cut(True)` asked it to end after this step,
-    read when the step (int32 [], the loop's counter) is reached; a bool []."""
+    """Inside a decode burst, before step `step` (int32 [], the loop's counter, so that the
+    read is made at every step): whether `request_cut(True)` asks the burst to end there; a
+    bool []."""
     _require()
     call = jax.ffi.ffi_call(
         "colibri_cut_requested", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
