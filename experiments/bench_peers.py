@@ -124,7 +124,7 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         one's greedy tokens on the device; burst > 1: as the engine decodes greedy requests on
         these models (cuttable bursts of `burst` steps, the next one dispatched when one
         lands; Scheduler._burst)."""
-        out, distinct = [first], []
+        out, seen = [first], []  # (routes counted after the clock stops)
         t = time.perf_counter()
         if burst > 1:
             toks, done = firsts[:rows], 0
@@ -132,21 +132,21 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
                 at = [Row(s, toks[s], len(prompt) + done) for s in range(rows)]
                 fwd = runner.decode_async(at, steps=burst, cuttable=True)
                 greedy = fwd.tokens()
-                _, routes = fwd.result()
+                seen += list(fwd.result()[1])
                 toks, done = greedy[-1].tolist(), done + fwd.ran()
                 out += greedy[:, 0].tolist()
-                distinct += [[len(np.unique(r[:rows])) for r in step] for step in routes]
             rate = rows * done / (time.perf_counter() - t)
-            return rate, out[: n + 1], np.mean(distinct, axis=0).tolist()
-        fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
-        for i in range(1, n + 1):
-            chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]
-            nxt = runner.decode_async(chained, after=fwd) if i < n else None
-            _, routes = fwd.result()
-            out.append(int(fwd.greedy()[0]))
-            distinct.append([len(np.unique(r[:rows])) for r in routes])
-            fwd = nxt
-        return rows * n / (time.perf_counter() - t), out, np.mean(distinct, axis=0).tolist()
+        else:
+            fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
+            for i in range(1, n + 1):
+                chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]
+                nxt = runner.decode_async(chained, after=fwd) if i < n else None
+                seen.append(fwd.result()[1])
+                out.append(int(fwd.greedy()[0]))
+                fwd = nxt
+            rate = rows * n / (time.perf_counter() - t)
+        distinct = [[len(np.unique(r[:rows])) for r in step] for step in seen]
+        return rate, out[: n + 1], np.mean(distinct, axis=0).tolist()
 
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
     for rows in (1, 4, 16):
