@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 from colibri import kernels
 from colibri.engine.model import load_model
-from colibri.engine.runner import Row, Runner
+from colibri.engine.runner import Row, Runner, _decode_burst
 from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM
 from colibri.experts.budget import TierConfig
 from colibri.experts.usage import read_usage, write_usage
@@ -145,6 +147,18 @@ def test_a_cuttable_burst_is_its_steps_up_to_the_cut(checkpoints, family):
         got, want = cut.export_slot(s, len(p) + 5), whole.export_slot(s, len(p) + 5)
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # The flag is read in the loop's condition, before every step (not once, hoisted out).
+    packed = np.zeros((4, 1), np.int32)
+    args = (cut.cfg, cut._weights_def, cut._weights, cut.cache, packed, cut._no_tokens)
+    hlo = _decode_burst.lower(*args, kv_len=64, steps=5, cuttable=True).compile().as_text()
+    (cond,) = re.findall(r"while\(.*?condition=%?([\w.\-]+)", hlo)
+    reads, where = [], None
+    for line in hlo.splitlines():
+        if head := re.match(r"(?:ENTRY )?%?([\w.\-]+) \(", line):  # a computation begins
+            where = head.group(1)
+        if 'custom_call_target="colibri_cut_requested"' in line:
+            reads.append(where)
+    assert reads == [cond]
 
 
 def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:

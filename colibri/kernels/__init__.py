@@ -175,9 +175,10 @@ def cut_requested(step: jax.Array) -> jax.Array:
     read is made at every step): whether `request_cut(True)` asks the burst to end there; a
     bool []."""
     _require()
-    call = jax.ffi.ffi_call(
-        "colibri_cut_requested", jax.ShapeDtypeStruct((), jnp.int32), has_side_effect=True
-    )
+    # No side effect declared: the step operand, new at every step, keeps XLA from hoisting or
+    # merging the calls, and a jit with effects would leave JAX's C++ dispatch path (every
+    # call of the burst through Python, ~5 ms).
+    call = jax.ffi.ffi_call("colibri_cut_requested", jax.ShapeDtypeStruct((), jnp.int32))
     return call(step.astype(jnp.int32)) != 0
 
 
