@@ -12,22 +12,13 @@ import threading
 import time
 from pathlib import Path
 
+from colibri.client import _ENGINE_VARS as CLIENT_VARS
 from colibri.protocol import codec
 from colibri.protocol.codec import Data, Done, Error, Submit, format_request
 
 TIMEOUT = 120.0  # generous: a cold compile cache on a busy 2-core box
-_ENGINE_VARS = (
-    "SERVE_BATCH",
-    "KV_SLOTS",
-    "CTX",
-    "NGEN",
-    "SERVE_TOPK",
-    "REPIN",
-    "KVSAVE",
-    "SEED",
-    "BURST",
-    "BURST_MS",
-)
+# Engine settings a test's shell must not slip into its engines: the client's, and the bursts'.
+_ENGINE_VARS = (*CLIENT_VARS, "BURST", "BURST_MS")
 
 
 def spawn(model_dir: Path, **env: str) -> subprocess.Popen:
