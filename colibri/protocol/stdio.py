@@ -60,8 +60,9 @@ class Inbox(Generic[T]):
 
     `read()` returns the next frame or None at end of input; the thread stops after None or a
     frame for which `last(frame)` is true (the stream lost its framing). `wake(True)` is called
-    after each frame is queued and `wake(False)` before `take` looks at the queue: a flag that
-    is up exactly while a frame may wait untaken (the engine cuts its decode bursts on it).
+    after each frame before those is queued and `wake(False)` before `take` looks at the queue:
+    a flag that is up whenever a frame waits untaken (and at times just after it was taken),
+    on which the engine cuts its decode bursts.
     """
 
     def __init__(
@@ -82,9 +83,9 @@ class Inbox(Generic[T]):
                 log.exception("reading stdin failed")
                 item = None
             self._queue.put(item)
-            self._wake(True)
             if item is None or self._last(item):
-                return
+                return  # (no wake: the engine reads nothing more, and only finishes its work)
+            self._wake(True)
 
     def take(self, timeout: float) -> list[T | None]:
         """Every frame already read, waiting up to `timeout` seconds for the first one."""
