@@ -18,8 +18,11 @@ not).
 The roofline (memory only): bytes of weights one decode step touches (attention, router, the
 experts chosen, lm_head; f32) divided by the memory bandwidth measured in the same run (the
 best of numpy reductions on every core, an OpenBLAS and an XLA matrix-vector product, over
-1 GiB). At 4 and 16 rows the experts touched are the distinct experts colibri's routers chose,
-counted per layer. llama.cpp runs with an f32 KV cache, as colibri keeps.
+1 GiB): once against the best probe of the run (before and after the rounds), and once paired,
+each round's colibri rate against a probe run in its own process just before it (the median
+of the rounds' ratios; the machine's bandwidth moves by a quarter within minutes). At 4 and 16
+rows the experts touched are the distinct experts colibri's routers chose, counted per layer.
+llama.cpp runs with an f32 KV cache, as colibri keeps.
 Writes experiments/results/peers.md and peers.json.
 """
 
@@ -215,6 +218,9 @@ def work_llama(gguf: Path, prompt: list[int], tokens: int) -> dict:
 
 
 def worker(args) -> None:
+    if args.worker == "bandwidth":
+        Path(args.out).write_text(json.dumps(memory_bandwidth()))
+        return
     prompt = json.loads(args.prompt_ids)
     if args.worker == "colibri":
         res = work_colibri(Path(args.path), prompt, args.tokens)
@@ -320,6 +326,17 @@ def run_worker(peer: str, path: Path, prompt: list[int], tokens: int) -> dict:
     return res
 
 
+def run_probe() -> dict:
+    """memory_bandwidth() in a process of its own, as each configuration runs."""
+    out = CACHE / f"probe-{os.getpid()}.json"
+    cmd = [sys.executable, __file__, "--worker", "bandwidth", "--out", str(out)]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    res = json.loads(out.read_text())
+    out.unlink()
+    print(f"  {'bandwidth probe':16s} {res['gb_s']:7.2f} GB/s", flush=True)
+    return res
+
+
 def best_of(runs: list[dict]) -> dict:
     """Best round per measure: highest rates, lowest times, the largest RSS."""
     out = dict(runs[0])
@@ -381,6 +398,8 @@ def main() -> None:
             order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]  # rotate the order
             print(f"round {rnd + 1}/{args.rounds}, {name}", flush=True)
             for peer in order:
+                if peer == "colibri":  # the roofline of this very round (paired below)
+                    runs.setdefault((name, "probe"), []).append(run_probe())
                 res = run_worker(peer, inputs[name][peer], prompt, args.tokens)
                 runs.setdefault((name, peer), []).append(res)
     bw = {"before": bw, "after": memory_bandwidth()}
@@ -391,7 +410,8 @@ def main() -> None:
         cfg = load_config(inputs[name]["colibri"])
         col = best_of(runs[(name, "colibri")])
         k = cfg.moe.top_k
-        roof1 = gb_s * 1e9 / step_bytes(cfg, [k] * cfg.num_layers, 1)
+        bytes1 = step_bytes(cfg, [k] * cfg.num_layers, 1)
+        roof1 = gb_s * 1e9 / bytes1
         roof16 = 16 * gb_s * 1e9 / step_bytes(cfg, col["distinct_experts_16"], 16)
         summary[name] = {"roofline_tok_s_1": roof1, "roofline_tok_s_16": roof16, "peers": {}}
         for peer in peers:
@@ -414,9 +434,24 @@ def main() -> None:
         rows.append(
             {
                 "model": name,
-                "engine": "roofline (f32 weights / measured bandwidth)",
+                "engine": "roofline (f32 weights / best bandwidth probe of the run)",
                 "decode tok/s (batch 1)": roof1,
                 "colibri / this": col["decode_tok_s_1"] / roof1,
+            }
+        )
+        # Each round's colibri rate against the roofline of the probe run just before it.
+        probes = [p["gb_s"] for p in runs[(name, "probe")]]
+        ratios = [
+            c["decode_tok_s_1"] / (g * 1e9 / bytes1)
+            for g, c in zip(probes, runs[(name, "colibri")], strict=True)
+        ]
+        summary[name]["roofline_paired"] = {"gb_s": probes, "colibri_ratio": ratios}
+        rows.append(
+            {
+                "model": name,
+                "engine": "roofline, probed just before colibri (median of rounds)",
+                "decode tok/s (batch 1)": float(np.median(probes)) * 1e9 / bytes1,
+                "colibri / this": float(np.median(ratios)),
             }
         )
     table = pd.DataFrame(rows)
@@ -466,6 +501,11 @@ def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) 
         f"python experiments/bench_peers.py --rounds {args.rounds} --tokens {args.tokens} "
         f"--prompt {args.prompt}"
     )
+    paired = []
+    for n, res in summary.items():
+        pr = res["roofline_paired"]
+        rounds = zip(pr["colibri_ratio"], pr["gb_s"], strict=True)
+        paired.append(f"{n} " + ", ".join(f"{r:.2f} ({g:.1f} GB/s)" for r, g in rounds))
     md = [
         "# colibri beside its peers",
         "",
@@ -475,6 +515,8 @@ def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) 
         "",
         f"Batch-1 greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt; "
         f"best of {args.rounds} alternating rounds, each configuration in its own process.",
+        "Each round also probes the bandwidth in a process of its own just before colibri "
+        f"runs; colibri / roofline per round (probe): {'; '.join(paired)}.",
         "",
         markdown_table(table, index=False),
         "",
