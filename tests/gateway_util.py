@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import time
 from pathlib import Path
 
 import httpx
+from engine_util import _ENGINE_VARS
 
 START_TIMEOUT = 180.0  # engine start + a cold compile cache on a busy 2-core box
-_ENGINE_VARS = ("SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "REPIN", "KVSAVE", "SEED")
 HOST = "127.0.0.1"  # the only address these tests ever use
 
 
@@ -29,10 +30,10 @@ def gateway_command(model_dir: Path, *args: str) -> list[str]:
 
 
 def gateway_env(**env: str) -> dict[str, str]:
-    """os.environ without engine settings or a key, plus env (STATE_DIR defaults to scratch)."""
+    """os.environ without engine settings or a key, plus env. Give STATE_DIR (a scratch folder
+    the caller removes) to any gateway that starts an engine."""
     full = {k: v for k, v in os.environ.items() if k not in _ENGINE_VARS}
     full.pop("COLIBRI_API_KEY", None)
-    full.setdefault("STATE_DIR", tempfile.mkdtemp(prefix="colibri-gw-state-"))
     full.update(env)
     return full
 
@@ -47,6 +48,9 @@ class Gateway:
         extra = ["--api-key", key] if key else []
         cmd = gateway_command(model_dir, "--host", HOST, "--port", str(self.port), *extra, *args)
         self.log = log
+        self.scratch = None  # usage counts go to a scratch folder, not the checkpoint's
+        if "STATE_DIR" not in env:
+            self.scratch = env["STATE_DIR"] = tempfile.mkdtemp(prefix="colibri-gw-state-")
         with open(log, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=gateway_env(**env)
@@ -90,6 +94,9 @@ class Gateway:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+        finally:
+            if self.scratch:
+                shutil.rmtree(self.scratch, ignore_errors=True)
 
 
 def raw_get(port: int, target: str, timeout: float = 10) -> tuple[int, bytes]:
