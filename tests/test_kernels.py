@@ -133,6 +133,14 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert first.parent == tmp_path and first.suffix == ".so"
     assert kernels.build() == first  # found, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+    # Another version of the source (a benchmark comparing revisions) gets its own library.
+    other = tmp_path / "src" / "cpu.cc"
+    other.parent.mkdir()
+    other.write_text(kernels._SOURCE.read_text() + "\n// another revision\n")
+    second = kernels.build(other)
+    assert second.parent == tmp_path and second != first
+    assert sorted(p.name for p in tmp_path.glob("*.so")) == sorted([first.name, second.name])
+    assert kernels.build() == first
 
 
 @settings(max_examples=12, deadline=None)

@@ -62,13 +62,15 @@ def _compiler() -> str | None:
     return None
 
 
-def build() -> Path:
-    """The compiled library, building it if this source/JAX/CPU has none yet."""
+def build(source: Path | None = None) -> Path:
+    """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
+    version of cpu.cc (benchmarks compare revisions; the engine always uses its own)."""
+    source = source or _SOURCE
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
+    for part in (source.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
         key.update(part)
     key.update(" ".join(_FLAGS).encode())
     out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
@@ -77,7 +79,7 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
