@@ -211,20 +211,28 @@ inline void tile(const float* const* w, const int64_t* rows, const float* const*
     for (int j = 0; j < TR; ++j) emit(rows[i], j0 + j, out[i * TR + j]);
 }
 
-// Every input against rows w[0..TW): in tiles of four, then the rest.
+// Every input (more than four) against rows w[0..TW): in tiles of four and three inputs
+// (five: three and two), never of one or two where three can be had: a pass over the rows
+// then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3 instead of 4 + 4 + 1: the
+// qwen3_moe shape's 16-row expert calls took 0.96-0.97x the time, bench_kernel_revs.py).
 template <int TW, typename Emit>
 inline void all_inputs(const float* const* w, const int64_t* rows, const float* const* x,
                        int64_t r, int64_t L, Emit& emit) {
+  if (r == 5) {
+    tile<TW, 3>(w, rows, x, 0, L, emit);
+    tile<TW, 2>(w, rows, x, 3, L, emit);
+    return;
+  }
+  const int64_t threes = (4 - r % 4) % 4;  // r = 4 * fours + 3 * threes
   int64_t j0 = 0;
-  for (; j0 + 4 <= r; j0 += 4) tile<TW, 4>(w, rows, x, j0, L, emit);
-  if (r - j0 == 3) tile<TW, 3>(w, rows, x, j0, L, emit);
-  if (r - j0 == 2) tile<TW, 2>(w, rows, x, j0, L, emit);
-  if (r - j0 == 1) tile<TW, 1>(w, rows, x, j0, L, emit);
+  for (; j0 + 3 * threes < r; j0 += 4) tile<TW, 4>(w, rows, x, j0, L, emit);
+  for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit);
 }
 
 // Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
-// every input, four at a time, while it is in L1. A pass over the matrix for every four
-// inputs instead re-read the weights from L2 and ran ~30% slower at 8-16 inputs (olmoe shape).
+// every input, four (or three) at a time, while it is in L1. A pass over the matrix for every
+// four inputs instead re-read the weights from L2 and ran ~30% slower at 8-16 inputs (olmoe
+// shape).
 // Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
 // AVX registers: 12% faster per 16-row layer than two rows by four.
 template <typename Emit>
