@@ -378,7 +378,8 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 }
 
 // The expert call, in small items so that the threads finish together: every expert's
-// phase-1 items, then (once they are all done) every expert's phase-2 items. The items of a
+// phase-1 items, then every expert's phase-2 items (each once its expert's phase 1 is done;
+// the ends below meet experts whose phase 1 they did themselves first). The items of a
 // phase are in expert order, most rows first; the first thread to arrive takes them from the
 // front, the second from the back (and so on, alternating), until the two ends meet. While
 // one thread computes on the weights of experts many rows chose, the other streams those of
@@ -387,7 +388,7 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 struct ExpertCall : Gang {
   Problem p;
   std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
-  std::atomic<int64_t> hidden_done{0};
+  std::unique_ptr<std::atomic<int64_t>[]> hidden_done;  // per expert: phase-1 items done
   std::atomic<int64_t> arrivals{0};
 
   void drain() override {
@@ -395,11 +396,14 @@ struct ExpertCall : Gang {
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
       p.hidden(k / p.fitems, k % p.fitems);
-      hidden_done.fetch_add(1, std::memory_order_release);
+      hidden_done[k / p.fitems].fetch_add(1, std::memory_order_release);
     }
+    // An expert's phase-2 items wait for its own hidden rows only, not for the other thread's
+    // last phase-1 item.
     for (int64_t k; (k = take(taken[1], n2, back)) >= 0;) {
-      wait_until([&] { return hidden_done.load(std::memory_order_acquire) >= n1; });
-      p.output(k / p.ditems, k % p.ditems);
+      const int64_t e = k / p.ditems;
+      wait_until([&] { return hidden_done[e].load(std::memory_order_acquire) >= p.fitems; });
+      p.output(e, k % p.ditems);
     }
   }
 
@@ -488,6 +492,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
   p.ditems = (D + p.dchunk - 1) / p.dchunk;
 
   const int64_t experts = static_cast<int64_t>(p.slot.size());
+  call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
   run(pool, call, p.total(), experts * 3 * F * D * 4 * passes);
   return ffi::Error::Success();
