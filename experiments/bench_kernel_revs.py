@@ -1,19 +1,24 @@
-"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--passes 10] [--rows 1,16]
+"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--passes 10]
 
-The routed-expert kernel of two versions of colibri/kernels/cpu.cc side by side, in one
-process: the working tree's and that of --base (any git revision). Both libraries are built
-as the engine builds its own and registered with XLA under names of their own; their calls
-alternate, so that both meet the same phases of a machine whose speed moves by a quarter
-within minutes (runs in separate processes could not tell 5% apart here).
+A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
+tree's and that of --base (any git revision). Both libraries are built as the engine builds
+its own and registered with XLA under names of their own; their calls alternate, so that both
+meet the same phases of a machine whose speed moves by a quarter within minutes (runs in
+separate processes could not tell 5% apart here): step by step, the first to go alternating.
+Run it with --base HEAD on a clean tree (the same kernel twice) to see the spread that noise
+alone gives.
 
-What they compute: the routes the checkpoints of experiments/bench_peers.py (made there, or
-here if missing) choose when --rows conversations decode at once (as there: one prompt, the
-last 8 tokens changed in each conversation; 24 greedy steps), replayed on random weights of
-the same shapes, every layer of every step per pass. The two outputs must agree bitwise (the
-kernels' results never depend on how work is shared out). Reported: ms of expert calls a step
-for each version (median of passes), GB/s of distinct experts' weights and GFLOP/s, and the
-median over passes of new / base time.
-Writes experiments/results/kernel_revs.md and kernel_revs.json.
+--kernel experts (the routed experts): the routes the checkpoints of
+experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
+decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
+greedy steps), replayed on random weights of the same shapes, every layer of every step per
+pass. --kernel linear: the same shapes' attention projections (qkv and o of every layer) and
+lm_head on --rows rows, 24 steps per pass. The two versions' outputs must agree bitwise (the
+kernels' results never depend on how work is shared out). Reported: ms a step for each
+version (median of passes), GB/s of the weights read (for the experts: the distinct ones) and
+GFLOP/s, and the median over passes of new / base time.
+Writes experiments/results/kernel_revs.md and kernel_revs.json (experts), or
+kernel_revs_linear.md and .json.
 """
 
 from __future__ import annotations
@@ -85,10 +90,15 @@ def source_at(rev: str, into: Path) -> Path:
     return out
 
 
+def registered(lib_path: Path, symbol: str, name: str) -> None:
+    """Register the library's handler `symbol` with XLA as target `name`."""
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
 def expert_call(lib_path: Path, name: str):
     """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids)."""
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.ColibriMoeExperts), platform="cpu")
+    registered(lib_path, "ColibriMoeExperts", name)
 
     def call(gate, up, down, x, ids):
         shape = (*ids.shape, x.shape[1])
@@ -98,42 +108,97 @@ def expert_call(lib_path: Path, name: str):
     return jax.jit(call)
 
 
+def linear_call(lib_path: Path, name: str):
+    """The library's linear kernel, registered with XLA as `name`: f(x, w) = x @ w.T (not
+    jitted: called inside a jitted step)."""
+    registered(lib_path, "ColibriLinear", name)
+
+    def call(x, w):
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w)
+
+    return call
+
+
+def alternate(calls: dict, step, steps: int, passes: int) -> dict[str, list[float]]:
+    """ms a step of step(f, i) for i < steps, per pass. The versions take turns step by step
+    (which goes first flips every step), so each pair of steps meets the same phase of the
+    machine."""
+    ms = {v: [] for v in calls}
+    order = list(calls)
+    for _ in range(passes):
+        spent = dict.fromkeys(calls, 0.0)
+        for i in range(steps):
+            for v in order if i % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                step(calls[v], i).block_until_ready()
+                spent[v] += time.perf_counter() - t
+        for v in calls:
+            ms[v].append(spent[v] / steps * 1e3)
+    return ms
+
+
+def same_bits(outputs: dict) -> None:
+    ref = next(iter(outputs.values()))
+    for v, y in outputs.items():
+        assert np.array_equal(np.asarray(y), np.asarray(ref)), f"{v}: outputs differ bitwise"
+
+
+def weights(rng, *shape) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
+
+
 def compare(calls: dict, cfg, routes: np.ndarray, passes: int) -> dict:
     """Time every version on the routes, alternating; ms a step per pass for each version."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
-
-    weights = [(w(S, F, D), w(S, F, D), w(S, D, F)) for _ in range(L)]
+    layers = [
+        (weights(rng, S, F, D), weights(rng, S, F, D), weights(rng, S, D, F)) for _ in range(L)
+    ]
     x = jnp.asarray(rng.standard_normal((routes.shape[2], D), np.float32))
     ids = [[jnp.asarray(r, jnp.int32) for r in step] for step in routes]
-    first = {v: np.asarray(f(*weights[0], x, ids[0][0])) for v, f in calls.items()}
-    ref = next(iter(first.values()))
-    for v, y in first.items():
-        assert np.array_equal(y, ref), f"{v}: outputs differ bitwise from the other version"
-    ms = {v: [] for v in calls}
-    order = list(calls)
-    for p in range(passes):
-        for v in order if p % 2 == 0 else order[::-1]:
-            f = calls[v]
-            t = time.perf_counter()
-            for step in ids:
-                for layer, e in zip(weights, step, strict=True):
-                    y = f(*layer, x, e)
-            y.block_until_ready()
-            ms[v].append((time.perf_counter() - t) / len(ids) * 1e3)
+    same_bits({v: f(*layers[0], x, ids[0][0]) for v, f in calls.items()})
+
+    def step(f, i):
+        for layer, e in zip(layers, ids[i], strict=True):
+            y = f(*layer, x, e)
+        return y
+
+    ms = alternate(calls, step, len(ids), passes)
     distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
     gb = float(distinct.sum()) * 3 * D * F * 4 / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct.tolist()}
 
 
+def compare_linear(calls: dict, cfg, rows: int, passes: int) -> dict:
+    """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating."""
+    D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    rng = np.random.default_rng(0)
+    layers = [(weights(rng, q + kv, D), weights(rng, D, q)) for _ in range(cfg.num_layers)]
+    head = weights(rng, cfg.vocab_size, D)
+    x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
+    xq = jnp.asarray(rng.standard_normal((rows, q), np.float32))
+
+    def program(f):  # one jitted step a version, as the engine's forward holds its calls
+        def run(x, xq, layers, head):
+            return [f(x, qkv) for qkv, _ in layers] + [f(xq, o) for _, o in layers] + [f(x, head)]
+
+        return jax.jit(run)
+
+    steps = {v: program(f) for v, f in calls.items()}
+    same_bits({v: run(x, xq, layers, head)[-1] for v, run in steps.items()})
+    ms = alternate(steps, lambda run, i: run(x, xq, layers, head)[-1], STEPS, passes)
+    params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
+    return {"ms": ms, "gb_per_step": params * 4 / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
+    ap.add_argument("--kernel", choices=("experts", "linear"), default="experts")
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -144,17 +209,20 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         base_lib = kernels.build(source_at(args.base, Path(tmp)))
+    make = expert_call if args.kernel == "experts" else linear_call
     calls = {
-        args.base: expert_call(base_lib, "colibri_moe_experts_base"),
-        "working tree": expert_call(kernels.build(), "colibri_moe_experts_new"),
+        args.base: make(base_lib, f"colibri_{args.kernel}_base"),
+        "working tree": make(kernels.build(), f"colibri_{args.kernel}_new"),
     }
     rows_out, raw = [], {}
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
         cfg = load_config(ckpt)
         for rows in (int(r) for r in args.rows.split(",")):
-            routes = record_routes(ckpt, rows)
-            res = compare(calls, cfg, routes, args.passes)
+            if args.kernel == "experts":
+                res = compare(calls, cfg, record_routes(ckpt, rows), args.passes)
+            else:
+                res = compare_linear(calls, cfg, rows, args.passes)
             raw[f"{name}/{rows}"] = res
             base, new = (np.asarray(res["ms"][v]) for v in calls)
             for v, t in zip(calls, (base, new), strict=True):
@@ -173,25 +241,33 @@ def main() -> None:
                 )
             print(pd.DataFrame(rows_out[-2:]).to_string(index=False), flush=True)
     table = pd.DataFrame(rows_out)
-    cmd = f"python experiments/bench_kernel_revs.py --base {args.base} --passes {args.passes}"
+    cmd = (
+        f"python experiments/bench_kernel_revs.py --base {args.base} --kernel {args.kernel} "
+        f"--passes {args.passes} --rows {args.rows}"
+    )
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True
     ).stdout.strip()
+    what = {
+        "experts": f"Expert calls of {STEPS} greedy steps",
+        "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps",
+    }[args.kernel]
     md = [
-        "# The expert kernel of two revisions, side by side",
+        f"# The {args.kernel} kernel of two revisions, side by side",
         "",
-        f"Command: `{cmd} --rows {args.rows}` (working tree at {head}, base `{args.base}`)  ",
-        f"Expert calls of {STEPS} greedy steps per pass, the versions alternating over "
-        f"{args.passes} passes; outputs bitwise equal.",
+        f"Command: `{cmd}` (working tree at {head}, base `{args.base}`)  ",
+        f"{what} per pass, the versions alternating over {args.passes} passes; outputs "
+        "bitwise equal.",
         "",
         markdown_table(table, index=False, floatfmt=".3f"),
         "",
     ]
+    stem = "kernel_revs" if args.kernel == "experts" else "kernel_revs_linear"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kernel_revs.md").write_text("\n".join(md))
-    (RESULTS / "kernel_revs.json").write_text(json.dumps({"command": cmd, "runs": raw}, indent=1))
+    (RESULTS / f"{stem}.md").write_text("\n".join(md))
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"command": cmd, "runs": raw}, indent=1))
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    print(f"wrote {RESULTS / 'kernel_revs.md'}")
+    print(f"wrote {RESULTS / stem}.md")
 
 
 if __name__ == "__main__":
