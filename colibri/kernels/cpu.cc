@@ -151,8 +151,7 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
   for (; c + 8 <= L; c += 8) {
     v8 wv[TW];
     // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream
-    // (4 KiB ran 5-10% slower at 6-16 inputs: the lines came in before they were wanted and
-    // left L1 again).
+    // (4 KiB: 5-10% slower at 6-12 inputs streaming from DRAM on one core).
     if constexpr (TR > 1) {
       if ((c & 15) == 0)
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 512, 0, 3);
@@ -214,7 +213,7 @@ inline void tile(const float* const* w, const int64_t* rows, const float* const*
 // Every input (more than four) against rows w[0..TW): in tiles of four and three inputs
 // (five: three and two), never of one or two where three can be had: a pass over the rows
 // then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3 instead of 4 + 4 + 1: the
-// qwen3_moe shape's 16-row expert calls took 0.96-0.97x the time, bench_kernel_revs.py).
+// peers shapes' 16-row expert calls took 0.99x the time, bench_kernel_revs.py).
 template <int TW, typename Emit>
 inline void all_inputs(const float* const* w, const int64_t* rows, const float* const* x,
                        int64_t r, int64_t L, Emit& emit) {
@@ -383,8 +382,9 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 // phase are in expert order, most rows first; the first thread to arrive takes them from the
 // front, the second from the back (and so on, alternating), until the two ends meet. While
 // one thread computes on the weights of experts many rows chose, the other streams those of
-// experts few rows chose, so that arithmetic and memory traffic overlap: 16 decode rows of the
-// qwen3_moe benchmark shape ran 4-6% faster than with one shared queue of items.
+// experts few rows chose, so that arithmetic and memory traffic overlap: the 16-row expert
+// calls of the peers benchmark's shapes took 0.96x the time of one shared queue of items
+// (with the 2 KiB prefetch of dots; experiments/bench_kernel_revs.py).
 struct ExpertCall : Gang {
   Problem p;
   std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
@@ -486,8 +486,8 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
     p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
     p.hrow[q] = p.h.data() + q * F;
   }
-  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these took 1-4% longer a
-  // step at 1 and 16 rows on the peers shapes (bench_kernel_revs.py, three runs).
+  // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
+  // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
   p.fchunk = chunk_rows(2 * D * 4, F, 512 << 10);
   p.dchunk = chunk_rows(F * 4, D, 256 << 10);
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
