@@ -43,7 +43,7 @@ from colibri.report import markdown_table
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from bench_peers import SHAPES, ensure_inputs, prompt_ids  # noqa: E402
+from bench_peers import SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
 
 STEPS = 24
 
@@ -57,16 +57,8 @@ def record_routes(ckpt: Path, rows: int, prompt_len: int = 128) -> np.ndarray:
     runner = Runner(model, slots=rows, capacity=prompt_len + STEPS + 8)
     prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
     logits, _ = runner.prefill(0, prompt)
-    firsts = [int(np.argmax(logits))]
-    head = prompt_len - 8
-    kv = runner.export_slot(0, head)
-    rng = np.random.default_rng(1)
-    for s in range(1, rows):
-        runner.import_slot(s, kv)
-        tail = rng.integers(0, min(model.cfg.vocab_size, 4096), 8).tolist()
-        logits_s, _ = runner.prefill(s, tail, start=head)
-        firsts.append(int(np.argmax(logits_s)))
-    toks, routes, done = firsts, [], 0
+    toks = [int(np.argmax(logits)), *other_conversations(runner, prompt, rows)]
+    routes, done = [], 0
     while done < STEPS:
         at = [Row(s, toks[s], prompt_len + done) for s in range(rows)]
         fwd = runner.decode_async(at, steps=STEPS - done)

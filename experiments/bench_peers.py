@@ -98,6 +98,21 @@ def peak_rss_mb() -> float:
 # -- workers (one per process) ----------------------------------------------------------------
 
 
+def other_conversations(runner, prompt: list[int], slots: int) -> list[int]:
+    """Fill slots 1..slots-1 with other conversations, slot 0 holding `prompt`: the prompt with
+    its last 8 tokens changed (slot 0's KV copied up to there). Their first greedy tokens."""
+    head = len(prompt) - 8
+    kv = runner.export_slot(0, head)
+    rng = np.random.default_rng(1)
+    firsts = []
+    for s in range(1, slots):
+        runner.import_slot(s, kv)
+        tail = rng.integers(0, min(runner.model.cfg.vocab_size, 4096), 8).tolist()
+        logits, _ = runner.prefill(s, tail, start=head)
+        firsts.append(int(np.argmax(logits)))
+    return firsts
+
+
 def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     from colibri.engine.model import load_model
     from colibri.engine.runner import Row, Runner
@@ -113,16 +128,7 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     logits, _ = runner.prefill(0, prompt)
     first = int(np.argmax(logits))
     ttft = time.perf_counter() - t0
-    firsts = [first]
-    # Slots 1..15 hold other conversations: the prompt with its last 8 tokens changed.
-    head = len(prompt) - 8
-    kv = runner.export_slot(0, head)
-    rng = np.random.default_rng(1)
-    for s in range(1, 16):
-        runner.import_slot(s, kv)
-        tail = rng.integers(0, min(model.cfg.vocab_size, 4096), 8).tolist()
-        logits_s, _ = runner.prefill(s, tail, start=head)
-        firsts.append(int(np.argmax(logits_s)))
+    firsts = [first, *other_conversations(runner, prompt, 16)]
 
     def decode(rows: int, n: int, burst: int) -> tuple[float, list[int], list[int]]:
         """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
