@@ -60,9 +60,9 @@ class Inbox(Generic[T]):
 
     `read()` returns the next frame or None at end of input; the thread stops after None or a
     frame for which `last(frame)` is true (the stream lost its framing). `wake(True)` is called
-    after each frame before those is queued and `wake(False)` before `take` looks at the queue:
-    a flag that is up whenever a frame waits untaken (and at times just after it was taken),
-    on which the engine cuts its decode bursts.
+    after each frame is queued (not after those two: nothing reads on) and `wake(False)` before
+    `take` looks at the queue: a flag that is up whenever a frame waits untaken (and at times
+    just after it was taken), on which the engine cuts its decode bursts.
     """
 
     def __init__(
