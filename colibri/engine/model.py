@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from colibri import hugepages
 from colibri.checkpoint import Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
@@ -53,14 +54,17 @@ def load_model(
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     params = jax.device_put(fuse_qkv(load_dense(ckpt, cfg)))
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
+    # Decode streams these from RAM at every step: on 2 MiB pages where Linux allows.
+    huge = hugepages.collapse((params, store.resident, [s.bufs for s in store.slots]))
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     n_routed = store.expert_bytes // 4 * store.E * len(cfg.moe_layer_ids)
     log.info(
-        "loaded %s (%s, %.1fM dense + %.1fM routed parameters); %s",
+        "loaded %s (%s, %.1fM dense + %.1fM routed parameters; %d MiB on huge pages); %s",
         model_dir,
         cfg.family,
         n_dense / 1e6,
         n_routed / 1e6,
+        huge >> 20,
         store.summary(),
     )
     return Model(cfg, ckpt, tokenizer, params, store)
