@@ -58,23 +58,25 @@ def span(address: int, nbytes: int) -> tuple[int, int]:
 def collapse(tree) -> int:
     """Move the large CPU arrays of `tree` onto huge pages where the kernel can; returns the
     bytes now on huge pages (0 when off, not Linux, or nothing large enough)."""
-    if not enabled():
-        return 0
     done = 0
     for a in jax.tree_util.tree_leaves(tree):
         if not isinstance(a, jax.Array) or a.nbytes < _MIN_BYTES:
             continue
         if any(d.platform != "cpu" for d in a.devices()) or len(a.addressable_shards) != 1:
             continue
-        fn = _madvise()
-        if fn is None:
-            return done
-        start, length = span(a.unsafe_buffer_pointer(), a.nbytes)
-        if length == 0:
-            continue
-        if fn(start, length, MADV_COLLAPSE) == 0:
-            done += length
-        else:  # no free huge pages now, memory that is not anonymous, or an older kernel
-            err = ctypes.get_errno()
-            log.debug("huge pages refused for %d bytes: %s", length, os.strerror(err))
+        done += collapse_range(a.unsafe_buffer_pointer(), a.nbytes)
     return done
+
+
+def collapse_range(address: int, nbytes: int) -> int:
+    """The same for the memory [address, address + nbytes) of this process (a numpy array's
+    `ctypes.data`, say): bytes now on huge pages."""
+    fn = _madvise() if enabled() else None
+    start, length = span(address, nbytes)
+    if fn is None or length == 0:
+        return 0
+    if fn(start, length, MADV_COLLAPSE) == 0:
+        return length
+    # No free huge pages now, memory that is not anonymous, or an older kernel.
+    log.debug("huge pages refused for %d bytes: %s", length, os.strerror(ctypes.get_errno()))
+    return 0
