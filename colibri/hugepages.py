@@ -1,82 +1,82 @@
-"""Weights on 2 MiB pages: fewer TLB misses while decode streams them from RAM.
+"""Host arrays on 2 MiB pages: fewer TLB misses while decode streams the experts from RAM.
 
-Decode on the CPU reads every chosen expert's weights from memory at each step. On 4 KiB
-pages a stream misses the TLB every 4 KiB and the hardware prefetchers stop at each page
-boundary. `collapse(tree)` asks Linux (6.1 or later, `madvise(MADV_COLLAPSE)`) to move the
-memory of every large CPU array in a pytree onto transparent huge pages, in place: contents,
-addresses and JAX's view of the arrays are unchanged, so results are bitwise the same. It
-works whatever /sys/kernel/mm/transparent_hugepage/enabled says (`madvise` is the common
-default, under which nothing allocated by XLA gets huge pages). Where the kernel cannot (older
-kernel, another OS, no free huge pages, memory that is not anonymous) the arrays simply stay
-on small pages. `COLIBRI_HUGE_PAGES=0` turns it off.
+Decode on the CPU reads every chosen expert's weights from memory at each step. On 4 KiB pages
+a stream misses the TLB every 4 KiB and the hardware prefetchers stop at each page boundary.
+`empty(shape, dtype)` gives an uninitialised numpy array whose memory Linux is asked to back
+with transparent huge pages (`madvise(MADV_HUGEPAGE)` on a private anonymous mapping aligned to
+2 MiB, before anything is written, so nothing is copied). That is what the common THP setting
+`madvise` (/sys/kernel/mm/transparent_hugepage/enabled) waits for; under `never`, or where
+there are no free huge pages, the array simply gets small pages. JAX on the CPU takes such an
+array without copying it (`jax.device_put` keeps using the memory), so the expert stacks the
+engine loads stay where they were written. Elsewhere (another OS, small arrays,
+`COLIBRI_HUGE_PAGES=0`) it is `np.empty`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
+import mmap
 import os
 import sys
 
-import jax
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 HUGE = 2 << 20  # bytes in a huge page (x86-64 and arm64 with 4 KiB base pages)
-MADV_COLLAPSE = 25  # linux/mman.h, Linux 6.1
-_MIN_BYTES = HUGE  # smaller arrays hold no whole huge page
-
-_state: dict = {}  # "madvise": the libc function (None: no libc to call)
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("COLIBRI_HUGE_PAGES", "1") != "0"
+    return (
+        sys.platform.startswith("linux")
+        and hasattr(mmap, "MADV_HUGEPAGE")
+        and os.environ.get("COLIBRI_HUGE_PAGES", "1") != "0"
+    )
 
 
-def _madvise():
-    if "madvise" not in _state:
+def mapping(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory of `nbytes` (page-aligned, zeros until written), advised for
+    huge pages where they are enabled. A shared mapping (the mmap module's default) would not
+    get transparent huge pages."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if enabled():
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            fn = None
-        _state["madvise"] = fn
-    return _state["madvise"]
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError as err:  # a kernel without transparent huge pages
+            log.debug("no huge pages: %s", err)
+    return m
 
 
-def span(address: int, nbytes: int) -> tuple[int, int]:
-    """The whole huge pages inside [address, address + nbytes): (start, length), length 0 if
-    there are none."""
-    lo = -(-address // HUGE) * HUGE
-    hi = (address + nbytes) // HUGE * HUGE
-    return lo, max(hi - lo, 0)
+def empty(shape, dtype=np.float32) -> np.ndarray:
+    """An uninitialised C-contiguous array, on memory advised for huge pages where it spans
+    at least one (see the module docstring)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    nbytes = count * dtype.itemsize
+    if nbytes < HUGE or not enabled():
+        return np.empty(shape, dtype)
+    # One huge page more than needed, the array starting on a 2 MiB boundary inside it.
+    m = mapping(nbytes + HUGE)
+    skip = -np.frombuffer(m, np.uint8, 1).ctypes.data % HUGE
+    return np.frombuffer(m, dtype, count, offset=skip).reshape(shape)
 
 
-def collapse(tree) -> int:
-    """Move the large CPU arrays of `tree` onto huge pages where the kernel can; returns the
-    bytes now on huge pages (0 when off, not Linux, or nothing large enough)."""
-    done = 0
-    for a in jax.tree_util.tree_leaves(tree):
-        if not isinstance(a, jax.Array) or a.nbytes < _MIN_BYTES:
-            continue
-        if any(d.platform != "cpu" for d in a.devices()) or len(a.addressable_shards) != 1:
-            continue
-        done += collapse_range(a.unsafe_buffer_pointer(), a.nbytes)
-    return done
-
-
-def collapse_range(address: int, nbytes: int) -> int:
-    """The same for the memory [address, address + nbytes) of this process (a numpy array's
-    `ctypes.data`, say): bytes now on huge pages."""
-    fn = _madvise() if enabled() else None
-    start, length = span(address, nbytes)
-    if fn is None or length == 0:
+def huge_bytes(ranges) -> int:
+    """Bytes of the memory ranges (address, nbytes) that this process has on huge pages, from
+    /proc/self/smaps (0 where that cannot be read). Takes the AnonHugePages of each mapping that
+    a range falls in, capped by the overlap."""
+    ranges = [(lo, lo + n) for lo, n in ranges]
+    total, hits = 0, []
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    start, end = (int(v, 16) for v in head.split("-"))
+                    hits = [min(end, hi) - max(start, lo) for lo, hi in ranges]
+                    hits = [h for h in hits if h > 0]
+                elif hits and head == "AnonHugePages:":
+                    total += min(int(line.split()[1]) * 1024, sum(hits))
+    except OSError:
         return 0
-    if fn(start, length, MADV_COLLAPSE) == 0:
-        return length
-    # No free huge pages now, memory that is not anonymous, or an older kernel.
-    log.debug("huge pages refused for %d bytes: %s", length, os.strerror(ctypes.get_errno()))
-    return 0
+    return total

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from colibri import hugepages
 from colibri.checkpoint import Checkpoint, CheckpointError, TensorInfo
 from colibri.config import ModelConfig
 
@@ -115,11 +116,16 @@ def fuse_qkv(dense: Params) -> Params:
 
 
 def load_experts(ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
-    """All routed experts of one layer stacked: gate/up [E, F, D], down [E, D, F]."""
+    """All routed experts of one layer stacked: gate/up [E, F, D], down [E, D, F], float32, on
+    huge pages where Linux gives them (decode streams these; see hugepages.py)."""
     slabs = [
         read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e)) for e in range(cfg.moe.num_experts)
     ]
-    return {k: np.stack([s[i] for s in slabs]) for i, k in enumerate(("gate", "up", "down"))}
+    out = {}
+    for i, k in enumerate(("gate", "up", "down")):
+        parts = [s[i] for s in slabs]
+        out[k] = np.stack(parts, out=hugepages.empty((len(parts), *parts[0].shape), parts[0].dtype))
+    return out
 
 
 def _load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:

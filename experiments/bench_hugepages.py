@@ -1,13 +1,20 @@
-"""python experiments/bench_hugepages.py [--shapes qwen3_moe,olmoe] [--passes 2]
+"""python experiments/bench_hugepages.py [--shapes qwen3_moe,olmoe] [--level kernel,engine]
 
-Decode with the weights and KV cache on 4 KiB pages against the same on 2 MiB pages
-(colibri/hugepages.py), in one process: each peers checkpoint (experiments/bench_peers.py,
-made there or here if missing) is loaded twice, once with COLIBRI_HUGE_PAGES=0, and the two
-engines take turns burst by burst (which goes first flips every burst), 1 and then 16
-conversations at a time, as bench_peers decodes them. A machine whose speed moves by a
-quarter within minutes cannot tell a few percent apart in separate runs; side by side it can.
-Reported: tok/s of each (median burst) and the median over pairs of bursts of huge / small
-time. Both must produce the same tokens. Writes experiments/results/hugepages.md and .json.
+The routed experts on 4 KiB pages against the same on 2 MiB pages (colibri/hugepages.py),
+side by side in one process, on the peers checkpoints (experiments/bench_peers.py, made there
+or here if missing). A machine whose speed moves by a quarter within minutes cannot tell a few
+percent apart in separate runs; side by side it can.
+
+--level kernel: the expert calls alone, on the routes the checkpoints choose at 1 and 16 rows
+(as experiments/bench_kernel_revs.py replays them), on one set of random weights held twice:
+once as XLA allocates it, once on huge pages; the two take turns step by step, --passes times
+over 24 steps. Outputs must agree bitwise.
+--level engine: whole decode bursts; the checkpoint is loaded twice, once with
+COLIBRI_HUGE_PAGES=0, and the two engines take turns burst by burst, 1 and then 16
+conversations at a time as bench_peers decodes them; tokens must agree.
+
+Reported: ms a step (or tok/s) of each, median over passes (or bursts), and the median over
+pairs of huge / small time. Writes experiments/results/hugepages.md and .json.
 """
 
 from __future__ import annotations
@@ -19,20 +26,59 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pandas as pd
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from bench_kernel_revs import alternate, expert_call, record_routes, weights  # noqa: E402
 from bench_peers import BURST, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
 
+from colibri import hugepages, kernels  # noqa: E402
+from colibri.config import load_config  # noqa: E402
 from colibri.engine.model import load_model  # noqa: E402
 from colibri.engine.runner import Row, Runner  # noqa: E402
 from colibri.report import markdown_table  # noqa: E402
 
 PROMPT = 128
-BURSTS = 24  # per pass and rows
+BURSTS = 24  # per pass and rows, engine level
+PAGES = ("4 KiB", "2 MiB")
+
+
+def on_huge_pages(a: jax.Array) -> jax.Array:
+    h = hugepages.empty(a.shape, np.float32)
+    h[:] = np.asarray(a)
+    out = jax.device_put(h)
+    assert out.unsafe_buffer_pointer() == h.ctypes.data, "JAX copied the array"
+    return out
+
+
+def kernel_level(ckpt: Path, rows: int, passes: int) -> dict[str, list[float]]:
+    """ms a step of the expert calls per pass, for each kind of page."""
+    cfg = load_config(ckpt)
+    m = cfg.moe
+    S, D, F = m.num_experts, cfg.hidden, m.moe_ff
+    routes = record_routes(ckpt, rows)
+    rng = np.random.default_rng(0)
+    small = [
+        (weights(rng, S, F, D), weights(rng, S, F, D), weights(rng, S, D, F))
+        for _ in range(routes.shape[1])
+    ]
+    huge = [tuple(on_huge_pages(a) for a in layer) for layer in small]
+    call = expert_call(kernels.build(), "colibri_moe_experts_pages")
+    x = jax.numpy.asarray(rng.standard_normal((rows, D), np.float32))
+    ids = [[jax.numpy.asarray(r, jax.numpy.int32) for r in step] for step in routes]
+    a, b = (np.asarray(call(*layers[0], x, ids[0][0])) for layers in (small, huge))
+    assert np.array_equal(a, b), "outputs differ bitwise"
+
+    def step(layers, i):
+        for layer, e in zip(layers, ids[i], strict=True):
+            y = call(*layer, x, e)
+        return y
+
+    return alternate(dict(zip(PAGES, (small, huge), strict=True)), step, len(ids), passes)
 
 
 def engine(ckpt: Path, huge: bool):
@@ -48,59 +94,80 @@ def engine(ckpt: Path, huge: bool):
     return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
 
 
+def engine_level(engines: dict, rows: int, passes: int) -> dict[str, list[float]]:
+    """Seconds per burst, for each kind of page."""
+    secs = {k: [] for k in engines}
+    tokens = {k: [] for k in engines}
+    for p in range(passes + 1):  # the first pass compiles and warms up
+        for i in range(BURSTS):
+            at = PROMPT + (p % 2) * BURSTS * BURST + i * BURST
+            for k in list(engines) if i % 2 == 0 else list(engines)[::-1]:
+                runner, first = engines[k]
+                t = time.perf_counter()
+                fwd = runner.decode_async([Row(s, first[s], at) for s in range(rows)], steps=BURST)
+                toks = fwd.tokens()
+                if p:
+                    secs[k].append(time.perf_counter() - t)
+                    tokens[k].append(toks.tolist())
+    assert tokens[PAGES[0]] == tokens[PAGES[1]], "the two engines' tokens differ"
+    return secs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--level", default="kernel,engine")
+    ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
     args = ap.parse_args()
+    if not hugepages.enabled():
+        sys.exit("no huge pages here (Linux only; COLIBRI_HUGE_PAGES=0 turns them off)")
     out, raw = [], {}
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
-        engines = {"4 KiB": engine(ckpt, False), "2 MiB": engine(ckpt, True)}
-        for rows in (1, 16):
-            secs = {k: [] for k in engines}
-            tokens = {k: [] for k in engines}
-            for p in range(args.passes + 1):  # the first pass compiles and warms up
-                for i in range(BURSTS):
-                    at = PROMPT + (p % 2) * BURSTS * BURST + i * BURST
-                    for k in list(engines) if i % 2 == 0 else list(engines)[::-1]:
-                        runner, first = engines[k]
-                        t = time.perf_counter()
-                        fwd = runner.decode_async(
-                            [Row(s, first[s], at) for s in range(rows)], steps=BURST
-                        )
-                        toks = fwd.tokens()
-                        if p:
-                            secs[k].append(time.perf_counter() - t)
-                            tokens[k].append(toks.tolist())
-            if tokens["4 KiB"] != tokens["2 MiB"]:
-                sys.exit(f"{name}, {rows} rows: the two engines' tokens differ")
-            small, huge = (np.asarray(secs[k]) for k in engines)
-            raw[f"{name}/{rows}"] = {k: v for k, v in secs.items()}
-            for k, s in zip(engines, (small, huge), strict=True):
-                out.append(
-                    {
-                        "model": name,
-                        "rows": rows,
-                        "pages": k,
-                        "tok/s (median burst)": rows * BURST / float(np.median(s)),
-                        "time / 4 KiB (median of pairs)": float(np.median(s / small)),
-                    }
-                )
-            print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
-    cmd = f"python experiments/bench_hugepages.py --shapes {args.shapes} --passes {args.passes}"
+        for level in args.level.split(","):
+            passes = args.passes or (14 if level == "kernel" else 2)
+            engines = {k: engine(ckpt, k == PAGES[1]) for k in PAGES} if level == "engine" else {}
+            for rows in (1, 16):
+                if level == "kernel":
+                    got = kernel_level(ckpt, rows, passes)
+                else:
+                    got = engine_level(engines, rows, passes)
+                raw[f"{name}/{level}/{rows}"] = got
+                small = np.asarray(got[PAGES[0]])
+                for k in PAGES:
+                    t = np.asarray(got[k])
+                    med = float(np.median(t))
+                    out.append(
+                        {
+                            "model": name,
+                            "level": level,
+                            "rows": rows,
+                            "pages": k,
+                            "ms a step (median)": med if level == "kernel" else np.nan,
+                            "tok/s (median burst)": np.nan
+                            if level == "kernel"
+                            else rows * BURST / med,
+                            "time / 4 KiB (median of pairs)": float(np.median(t / small)),
+                        }
+                    )
+                print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
+            del engines
+    cmd = f"python experiments/bench_hugepages.py --shapes {args.shapes} --level {args.level}" + (
+        f" --passes {args.passes}" if args.passes else ""
+    )
     md = [
-        "# Weights on 4 KiB and 2 MiB pages, side by side",
+        "# Routed experts on 4 KiB and 2 MiB pages, side by side",
         "",
         f"Command: `{cmd}`  ",
-        f"{args.passes} x {BURSTS} bursts of {BURST} greedy steps for each engine and row count, "
-        "the two engines in turn; same tokens from both.",
+        "kernel: ms a step of the expert calls (24 greedy steps' routes, every layer), 14 passes "
+        "taking turns step by step; outputs bitwise equal. engine: decode tok/s, bursts of "
+        f"{BURST} steps taking turns, 2 x {BURSTS} per row count; same tokens.",
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "hugepages.md").write_text("\n".join(md) + "\n")
-    (RESULTS / "hugepages.json").write_text(json.dumps({"table": out, "seconds": raw}, indent=1))
+    (RESULTS / "hugepages.json").write_text(json.dumps({"table": out, "runs": raw}, indent=1))
     print(f"wrote {RESULTS / 'hugepages.md'}")
 
 

@@ -262,11 +262,11 @@ def worker(args) -> None:
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     """Read bandwidth GB/s: the best of numpy sums over every core's share, OpenBLAS gemv, and
-    XLA's matrix-vector product (x @ A, A [K, N]: its fastest layout here). The arrays are on
-    huge pages where colibri's weights are (colibri/hugepages.py)."""
+    XLA's matrix-vector product (x @ A, A [K, N]: its fastest layout here). The array is on
+    huge pages where colibri's experts are (colibri/hugepages.py)."""
     threads = os.cpu_count() or 1
-    a = np.ones(int(gib * (1 << 30)) // 4, np.float32)
-    hugepages.collapse_range(a.ctypes.data, a.nbytes)
+    a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
+    a[:] = 1.0
     parts = np.array_split(a, threads)
     best_sum = 0.0
     with ThreadPoolExecutor(threads) as pool:
@@ -284,8 +284,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     import jax
     import jax.numpy as jnp
 
-    dev = jnp.asarray(m.reshape(4096, -1))
-    hugepages.collapse(dev)
+    dev = jnp.asarray(m.reshape(4096, -1))  # the same memory (JAX takes it without a copy)
     vec = jnp.ones((1, 4096), jnp.float32)
     xla_gemv = jax.jit(lambda a, x: x @ a)
     xla_gemv(dev, vec).block_until_ready()

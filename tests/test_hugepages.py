@@ -1,78 +1,73 @@
-"""Weights moved onto 2 MiB pages: in place, values unchanged, only where the kernel can."""
+"""Expert stacks on 2 MiB pages: written in place, taken by JAX without a copy, same values."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import sys
+from pathlib import Path
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 
 from colibri import hugepages
-from colibri.hugepages import HUGE, span
+from colibri.checkpoint import Checkpoint
+from colibri.config import load_config
+from colibri.hugepages import HUGE
+from colibri.synth import SynthSpec, synthesize
+from colibri.weights import expert_slab, load_experts, read_expert
 
 
-def kernel_collapses() -> bool:
-    """Whether this kernel moves a fresh anonymous mapping onto huge pages on request."""
-    if not sys.platform.startswith("linux"):
-        return False
-    m = mmap.mmap(-1, 3 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buf = ctypes.c_char.from_buffer(m)
+def thp_mode() -> str:
+    """The bracketed word of /sys/kernel/mm/transparent_hugepage/enabled ('' if none)."""
     try:
-        m.write(b"x" * (3 * HUGE))
-        start, length = span(ctypes.addressof(buf), 3 * HUGE)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc.madvise(start, length, hugepages.MADV_COLLAPSE) == 0
-    finally:
-        del buf
-        m.close()
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else ""
 
 
-def huge_kib_at(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds `address` (/proc/self/smaps)."""
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
+huge_pages_given = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or thp_mode() not in ("always", "madvise"),
+    reason="no transparent huge pages for advised memory on this machine",
+)
 
 
-def test_span_is_the_whole_huge_pages_inside():
-    assert span(0, 3 * HUGE) == (0, 3 * HUGE)
-    assert span(1, 3 * HUGE) == (HUGE, 2 * HUGE)  # the first page is cut
-    assert span(HUGE - 4096, HUGE + 8192) == (HUGE, HUGE)
-    assert span(HUGE + 1, HUGE) == (2 * HUGE, 0)  # no whole page
-    assert span(5 * HUGE, 0) == (5 * HUGE, 0)
+@huge_pages_given
+def test_empty_is_aligned_and_backed_by_huge_pages_once_written():
+    a = hugepages.empty((3, 1024, 1024), np.float32)  # 12 MiB
+    assert a.shape == (3, 1024, 1024) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert a.ctypes.data % HUGE == 0
+    assert hugepages.huge_bytes([(a.ctypes.data, a.nbytes)]) == 0  # nothing touched yet
+    a[:] = 1.5
+    assert hugepages.huge_bytes([(a.ctypes.data, a.nbytes)]) == a.nbytes
+    # JAX on the CPU keeps using this memory (no copy of the weights), with the same values.
+    x = jax.device_put(a)
+    assert x.unsafe_buffer_pointer() == a.ctypes.data
+    np.testing.assert_array_equal(np.asarray(x * 2), np.full(a.shape, 3.0, np.float32))
 
 
-@pytest.mark.skipif(not kernel_collapses(), reason="this kernel has no MADV_COLLAPSE")
-def test_large_arrays_move_onto_huge_pages_in_place():
-    rng = np.random.default_rng(0)
-    big = jnp.asarray(rng.standard_normal((3, 1024, 1024), np.float32))  # 12 MiB
-    small = jnp.asarray(rng.standard_normal((64, 64), np.float32))
-    before = np.asarray(big).copy()
-    where = big.unsafe_buffer_pointer()
-    start, length = span(where, big.nbytes)
-    assert length >= 4 * HUGE
-
-    assert hugepages.collapse({"w": [big, small], "n": 3}) == length
-
-    assert big.unsafe_buffer_pointer() == where
-    assert huge_kib_at(start) * 1024 >= length
-    np.testing.assert_array_equal(np.asarray(big), before)
-    np.testing.assert_array_equal(np.asarray(big * 2), before * 2)  # still usable by XLA
-
-
-def test_off_switch_and_small_arrays(monkeypatch):
-    big = jnp.zeros((4 * HUGE // 4,), jnp.float32)
+def test_small_arrays_and_the_off_switch_get_plain_numpy(monkeypatch):
+    small = hugepages.empty((100, 100), np.float32)
+    assert small.shape == (100, 100) and small.base is None  # np.empty's own memory
     monkeypatch.setenv("COLIBRI_HUGE_PAGES", "0")
-    assert hugepages.collapse([big]) == 0
-    monkeypatch.delenv("COLIBRI_HUGE_PAGES")
-    assert hugepages.collapse([jnp.zeros((1000,), jnp.float32), np.zeros(HUGE)]) == 0
+    big = hugepages.empty((4, HUGE // 4), np.float32)
+    assert big.base is None
+    assert hugepages.huge_bytes([(big.ctypes.data, big.nbytes)]) == 0
+
+
+@huge_pages_given
+def test_loaded_expert_stacks_are_on_huge_pages_with_the_checkpoint_values(tmp_path):
+    ckpt_dir = synthesize(
+        SynthSpec(layers=1, experts=8, top_k=2, hidden=256, moe_ff=512, vocab=300),
+        tmp_path / "m",
+        progress=False,
+    )
+    ckpt, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
+    stacks = load_experts(ckpt, cfg, cfg.moe_layer_ids[0])
+    for i, k in enumerate(("gate", "up", "down")):
+        a = stacks[k]
+        assert a.nbytes == 8 * 512 * 256 * 4 and a.ctypes.data % HUGE == 0
+        assert hugepages.huge_bytes([(a.ctypes.data, a.nbytes)]) == a.nbytes
+        for e in (0, 7):
+            want = read_expert(ckpt, cfg, expert_slab(ckpt, cfg, cfg.moe_layer_ids[0], e))[i]
+            np.testing.assert_array_equal(a[e], want)

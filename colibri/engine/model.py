@@ -54,12 +54,14 @@ def load_model(
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     params = jax.device_put(fuse_qkv(load_dense(ckpt, cfg)))
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
-    # Decode streams these from RAM at every step: on 2 MiB pages where Linux allows.
-    huge = hugepages.collapse((params, store.resident, [s.bufs for s in store.slots]))
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     n_routed = store.expert_bytes // 4 * store.E * len(cfg.moe_layer_ids)
+    stacks = jax.tree_util.tree_leaves(store.resident)
+    on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
+    huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
     log.info(
-        "loaded %s (%s, %.1fM dense + %.1fM routed parameters; %d MiB on huge pages); %s",
+        "loaded %s (%s, %.1fM dense + %.1fM routed parameters; %d MiB of experts on huge "
+        "pages); %s",
         model_dir,
         cfg.family,
         n_dense / 1e6,

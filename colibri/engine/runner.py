@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from colibri import hugepages, kernels
+from colibri import kernels
 from colibri.engine import steps
 from colibri.engine.model import Model
 from colibri.engine.telemetry import Timers
@@ -226,7 +226,6 @@ class Runner:
         self.slots = slots
         self.capacity = capacity
         self.cache = transformer.init_cache(self.cfg, slots, capacity)
-        hugepages.collapse(self.cache)  # attention reads it at every step, in place (donated)
         self.stats = self.store.stats
         self.timers = Timers()
         self.split = profile or not self.store.all_resident

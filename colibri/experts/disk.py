@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri import hugepages
 from colibri.checkpoint import Checkpoint, CheckpointError, raw_dtype, to_f32
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
@@ -417,17 +418,9 @@ class _Buffers:
 
 
 def _new_buffer(size: int) -> mmap.mmap:
-    """Private anonymous memory (page-aligned), huge pages advised, every page touched once.
-
-    Touching the pages now keeps page faults out of the timed reads; a shared mapping (the
-    mmap module's default) would not get transparent huge pages.
-    """
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)  # fileno -1: anonymous
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
+    """Private anonymous memory (page-aligned), huge pages advised, every page touched once
+    (keeps page faults out of the timed reads)."""
+    buf = hugepages.mapping(size)
     for i in range(0, size, _ALIGN):
         buf[i] = 0
     return buf

@@ -53,7 +53,6 @@ class ExpertStore:
             self.stats.counts[:] = read_usage(self.usage_path, len(self.layer_ids), self.E)
         self.tick = 0
         self.resident: list[dict] | None = None
-        self.slots: list[LayerSlots] = []  # per MoE layer, when not all are resident
         self.pilot_predicted = 0
         self.pilot_correct = 0
         self.pilot_actual = 0
