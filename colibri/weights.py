@@ -115,16 +115,25 @@ def fuse_qkv(dense: Params) -> Params:
     return {**dense, "layers": layers}
 
 
-def load_experts(ckpt: Checkpoint, cfg: ModelConfig, layer: int) -> dict[str, np.ndarray]:
-    """All routed experts of one layer stacked: gate/up [E, F, D], down [E, D, F], float32, on
-    huge pages where Linux gives them (decode streams these; see hugepages.py)."""
+def expert_stacks(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Room for one layer's stacked experts (uninitialised float32): gate/up [E, F, D], down
+    [E, D, F], on huge pages where Linux gives them (decode streams these; see hugepages.py)."""
+    E, F, D = cfg.moe.num_experts, cfg.moe.moe_ff, cfg.hidden
+    shapes = {"gate": (E, F, D), "up": (E, F, D), "down": (E, D, F)}
+    return {k: hugepages.empty(shape, np.float32) for k, shape in shapes.items()}
+
+
+def load_experts(
+    ckpt: Checkpoint, cfg: ModelConfig, layer: int, out: dict[str, np.ndarray] | None = None
+) -> dict[str, np.ndarray]:
+    """All routed experts of one layer stacked, float32, into `out` (default: new
+    `expert_stacks(cfg)`)."""
     slabs = [
         read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e)) for e in range(cfg.moe.num_experts)
     ]
-    out = {}
+    out = expert_stacks(cfg) if out is None else out
     for i, k in enumerate(("gate", "up", "down")):
-        parts = [s[i] for s in slabs]
-        out[k] = np.stack(parts, out=hugepages.empty((len(parts), *parts[0].shape), parts[0].dtype))
+        np.stack([s[i] for s in slabs], out=out[k])
     return out
 
 

@@ -1,4 +1,4 @@
-"""python experiments/bench_hugepages.py [--shapes qwen3_moe,olmoe] [--level kernel,engine]
+"""python experiments/bench_hugepages.py [--shapes qwen3_moe,olmoe] [--level kernel,engine,load]
 
 The routed experts on 4 KiB pages against the same on 2 MiB pages (colibri/hugepages.py),
 side by side in one process, on the peers checkpoints (experiments/bench_peers.py, made there
@@ -13,8 +13,11 @@ over 24 steps. Outputs must agree bitwise.
 COLIBRI_HUGE_PAGES=0, and the two engines take turns burst by burst, 1 and then 16
 conversations at a time as bench_peers decodes them; tokens must agree.
 
-Reported: ms a step (or tok/s) of each, median over passes (or bursts), and the median over
-pairs of huge / small time. Writes experiments/results/hugepages.md and .json.
+--level load: load_model in fresh processes (as a user starts the engine), the two kinds of
+page in turn, --passes pairs (default 4), until every expert is in place.
+
+Reported: ms a step (or tok/s, or load s) of each, median over passes (or bursts), and the
+median over pairs of huge / small time. Writes experiments/results/hugepages.md and .json.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -113,11 +117,40 @@ def engine_level(engines: dict, rows: int, passes: int) -> dict[str, list[float]
     return secs
 
 
+LOAD = """
+import sys, time, jax
+from colibri.engine.model import load_model
+t = time.perf_counter()
+model = load_model(sys.argv[1], progress=False)
+jax.block_until_ready(model.store.resident)
+print(time.perf_counter() - t)
+"""
+
+
+def load_level(ckpt: Path, passes: int) -> dict[str, list[float]]:
+    """Seconds to load the checkpoint in a fresh process, for each kind of page, in turn."""
+    secs = {k: [] for k in PAGES}
+    for i in range(passes):
+        for k in PAGES if i % 2 == 0 else PAGES[::-1]:
+            env = {**os.environ, "COLIBRI_HUGE_PAGES": "1" if k == PAGES[1] else "0"}
+            done = subprocess.run(
+                [sys.executable, "-c", LOAD, str(ckpt)],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            secs[k].append(float(done.stdout.split()[-1]))
+    return secs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--level", default="kernel,engine")
-    ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
+    ap.add_argument("--level", default="kernel,engine,load")
+    ap.add_argument(
+        "--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine), 4 (load)"
+    )
     args = ap.parse_args()
     if not hugepages.enabled():
         sys.exit("no huge pages here (Linux only; COLIBRI_HUGE_PAGES=0 turns them off)")
@@ -125,13 +158,15 @@ def main() -> None:
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
         for level in args.level.split(","):
-            passes = args.passes or (14 if level == "kernel" else 2)
+            passes = args.passes or {"kernel": 14, "engine": 2, "load": 4}[level]
             engines = {k: engine(ckpt, k == PAGES[1]) for k in PAGES} if level == "engine" else {}
-            for rows in (1, 16):
+            for rows in (1, 16) if level != "load" else (0,):
                 if level == "kernel":
                     got = kernel_level(ckpt, rows, passes)
-                else:
+                elif level == "engine":
                     got = engine_level(engines, rows, passes)
+                else:
+                    got = load_level(ckpt, passes)
                 raw[f"{name}/{level}/{rows}"] = got
                 small = np.asarray(got[PAGES[0]])
                 for k in PAGES:
@@ -141,12 +176,13 @@ def main() -> None:
                         {
                             "model": name,
                             "level": level,
-                            "rows": rows,
+                            "rows": rows or "",
                             "pages": k,
                             "ms a step (median)": med if level == "kernel" else np.nan,
-                            "tok/s (median burst)": np.nan
-                            if level == "kernel"
-                            else rows * BURST / med,
+                            "tok/s (median burst)": rows * BURST / med
+                            if level == "engine"
+                            else np.nan,
+                            "load s (median)": med if level == "load" else np.nan,
                             "time / 4 KiB (median of pairs)": float(np.median(t / small)),
                         }
                     )
@@ -161,7 +197,8 @@ def main() -> None:
         f"Command: `{cmd}`  ",
         "kernel: ms a step of the expert calls (24 greedy steps' routes, every layer), 14 passes "
         "taking turns step by step; outputs bitwise equal. engine: decode tok/s, bursts of "
-        f"{BURST} steps taking turns, 2 x {BURSTS} per row count; same tokens.",
+        f"{BURST} steps taking turns, 2 x {BURSTS} per row count; same tokens. load: seconds "
+        "to load the checkpoint in a fresh process, 4 pairs in turn.",
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]

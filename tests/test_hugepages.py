@@ -46,13 +46,27 @@ def test_empty_is_aligned_and_backed_by_huge_pages_once_written():
     np.testing.assert_array_equal(np.asarray(x * 2), np.full(a.shape, 3.0, np.float32))
 
 
+@huge_pages_given
+def test_populate_faults_pages_in_beside_the_writer_without_writing():
+    arrays = [hugepages.empty((4, 1024, 1024), np.float32) for _ in range(6)]  # 6 x 16 MiB
+    thread = hugepages.populate(arrays)
+    assert thread is not None
+    arrays[0][:] = 7.0  # written while the thread faults the same memory in
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    for a in arrays:
+        assert hugepages.huge_bytes([(a.ctypes.data, a.nbytes)]) == a.nbytes
+    assert (arrays[0] == 7.0).all()
+    assert not arrays[5].any()  # faulted in, never written: zeros
+
+
 def test_small_arrays_and_the_off_switch_get_plain_numpy(monkeypatch):
     small = hugepages.empty((100, 100), np.float32)
     assert small.shape == (100, 100) and small.base is None  # np.empty's own memory
     monkeypatch.setenv("COLIBRI_HUGE_PAGES", "0")
     big = hugepages.empty((4, HUGE // 4), np.float32)
-    assert big.base is None
-    assert hugepages.huge_bytes([(big.ctypes.data, big.nbytes)]) == 0
+    assert big.base is None  # np.empty's own memory, not a mapping advised for huge pages
+    assert hugepages.populate([big]) is None
 
 
 @huge_pages_given
