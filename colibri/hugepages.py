@@ -70,8 +70,8 @@ def populate(arrays) -> threading.Thread | None:
     same time, and the faults, slow on some machines (a VM's first touch of a huge page), run
     beside the caller's work instead of inside its writes. Returns the thread (None when
     there is nothing to do); `madvise(MADV_POPULATE_WRITE)`, Linux 5.14 or later."""
-    ranges = [(a.ctypes.data, a.nbytes) for a in arrays if a.nbytes >= HUGE]
-    if not ranges or not enabled():
+    arrays = [a for a in arrays if a.nbytes >= HUGE]  # held until done: never unmapped under it
+    if not arrays or not enabled():
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -81,8 +81,8 @@ def populate(arrays) -> threading.Thread | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def run() -> None:
-        for address, nbytes in ranges:  # ctypes lets go of the GIL during each call
-            if fn(address, nbytes, MADV_POPULATE_WRITE) != 0:
+        for a in arrays:  # ctypes lets go of the GIL during each call
+            if fn(a.ctypes.data, a.nbytes, MADV_POPULATE_WRITE) != 0:
                 log.debug("populate: %s", os.strerror(ctypes.get_errno()))
                 return
 

@@ -84,9 +84,9 @@ class ExpertStore:
             self.layer_ids, desc="experts", unit="layer", disable=not progress, leave=False
         )
         # Every layer's room first, its pages faulted in by a thread of their own while the
-        # layers are read into it: a fresh process here loads the peers qwen3_moe shape (1.7 GB
-        # of experts) in 0.87-0.95x the time it takes on small pages (faulted in by the writes
-        # themselves, layer by layer, it took longer than on small pages).
+        # layers are read into it: a fresh process here loads the peers checkpoints in
+        # 0.57-0.63x the time it takes on small pages (faulted in by the writes themselves,
+        # layer by layer, it took longer than on small pages; bench_hugepages.py --level load).
         room = [expert_stacks(self.cfg) for _ in self.layer_ids]
         hugepages.populate([a for r in room for a in r.values()])
         self.resident = [
