@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -43,7 +44,10 @@ def test_empty_is_aligned_and_backed_by_huge_pages_once_written():
     # JAX on the CPU keeps using this memory (no copy of the weights), with the same values.
     x = jax.device_put(a)
     assert x.unsafe_buffer_pointer() == a.ctypes.data
-    np.testing.assert_array_equal(np.asarray(x * 2), np.full(a.shape, 3.0, np.float32))
+    shape = a.shape
+    del a  # the JAX array keeps the mapping alive
+    gc.collect()
+    np.testing.assert_array_equal(np.asarray(x * 2), np.full(shape, 3.0, np.float32))
 
 
 @huge_pages_given
