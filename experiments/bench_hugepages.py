@@ -37,7 +37,7 @@ import pandas as pd
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from bench_kernel_revs import alternate, expert_call, record_routes, weights  # noqa: E402
+from bench_kernel_revs import compare, expert_call, record_routes  # noqa: E402
 from bench_peers import BURST, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
 
 from colibri import hugepages, kernels  # noqa: E402
@@ -61,28 +61,10 @@ def on_huge_pages(a: jax.Array) -> jax.Array:
 
 def kernel_level(ckpt: Path, rows: int, passes: int) -> dict[str, list[float]]:
     """ms a step of the expert calls per pass, for each kind of page."""
-    cfg = load_config(ckpt)
-    m = cfg.moe
-    S, D, F = m.num_experts, cfg.hidden, m.moe_ff
-    routes = record_routes(ckpt, rows)
-    rng = np.random.default_rng(0)
-    small = [
-        (weights(rng, S, F, D), weights(rng, S, F, D), weights(rng, S, D, F))
-        for _ in range(routes.shape[1])
-    ]
-    huge = [tuple(on_huge_pages(a) for a in layer) for layer in small]
     call = expert_call(kernels.build(), "colibri_moe_experts_pages")
-    x = jax.numpy.asarray(rng.standard_normal((rows, D), np.float32))
-    ids = [[jax.numpy.asarray(r, jax.numpy.int32) for r in step] for step in routes]
-    a, b = (np.asarray(call(*layers[0], x, ids[0][0])) for layers in (small, huge))
-    assert np.array_equal(a, b), "outputs differ bitwise"
-
-    def step(layers, i):
-        for layer, e in zip(layers, ids[i], strict=True):
-            y = call(*layer, x, e)
-        return y
-
-    return alternate(dict(zip(PAGES, (small, huge), strict=True)), step, len(ids), passes)
+    routes = record_routes(ckpt, rows)
+    calls = dict.fromkeys(PAGES, call)
+    return compare(calls, load_config(ckpt), routes, passes, hold={PAGES[1]: on_huge_pages})["ms"]
 
 
 def engine(ckpt: Path, huge: bool):

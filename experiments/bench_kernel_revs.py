@@ -140,8 +140,10 @@ def weights(rng, *shape) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
 
 
-def compare(calls: dict, cfg, routes: np.ndarray, passes: int) -> dict:
-    """Time every version on the routes, alternating; ms a step per pass for each version."""
+def compare(calls: dict, cfg, routes: np.ndarray, passes: int, hold: dict | None = None) -> dict:
+    """Time every version on the routes, alternating; ms a step per pass for each version.
+    `hold`: for some versions, where their copy of the weights is put (default: where XLA
+    allocates them)."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
@@ -150,14 +152,18 @@ def compare(calls: dict, cfg, routes: np.ndarray, passes: int) -> dict:
     ]
     x = jnp.asarray(rng.standard_normal((routes.shape[2], D), np.float32))
     ids = [[jnp.asarray(r, jnp.int32) for r in step] for step in routes]
-    same_bits({v: f(*layers[0], x, ids[0][0]) for v, f in calls.items()})
+    hold = hold or {}
+    held = {
+        v: [tuple(map(hold[v], layer)) for layer in layers] if v in hold else layers for v in calls
+    }
+    same_bits({v: f(*held[v][0], x, ids[0][0]) for v, f in calls.items()})
 
-    def step(f, i):
-        for layer, e in zip(layers, ids[i], strict=True):
-            y = f(*layer, x, e)
+    def step(v, i):
+        for layer, e in zip(held[v], ids[i], strict=True):
+            y = calls[v](*layer, x, e)
         return y
 
-    ms = alternate(calls, step, len(ids), passes)
+    ms = alternate({v: v for v in calls}, step, len(ids), passes)
     distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
     gb = float(distinct.sum()) * 3 * D * F * 4 / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9

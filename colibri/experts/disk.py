@@ -25,7 +25,6 @@ from colibri.weights import ExpertSlab, expert_slab
 log = logging.getLogger("colibri")
 
 _ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses on this boundary
-_HUGE = 2 << 20  # buffers come in whole transparent huge pages
 PIECE = 512 << 10  # bytes per read request: one expert becomes several requests in flight
 _SPARE = 256 << 20  # read buffers kept for reuse, at most
 _COALESCE_SLACK = 2  # one range for a slab whose matrices span at most this many times its bytes
@@ -392,7 +391,7 @@ class _Buffers:
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> mmap.mmap:
-        size = max(_HUGE, -(-nbytes // _HUGE) * _HUGE)
+        size = max(hugepages.HUGE, -(-nbytes // hugepages.HUGE) * hugepages.HUGE)  # whole pages
         with self._lock:
             free = self._free.get(size)
             if free:
