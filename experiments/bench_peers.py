@@ -20,10 +20,11 @@ greedy tokens are compared with colibri's (f32 peers should agree; q8_0 need not
 The roofline (memory only): bytes of weights one decode step touches (attention, router, the
 experts chosen, lm_head; f32) divided by the memory bandwidth measured in the same run (the
 best of numpy reductions on every core, an OpenBLAS and an XLA matrix-vector product and
-colibri's own linear kernel on one row, over 1 GiB on huge pages): once against the best probe of the run (before and after the rounds), and once paired,
-each round's colibri rate against a probe run in its own process just before it (the median
-of the rounds' ratios; the machine's bandwidth moves by a quarter within minutes). At 4 and 16
-rows the experts touched are the distinct experts colibri's routers chose, counted per layer.
+colibri's own linear kernel on one row, over 1 GiB on huge pages): once against the best
+probe of the run (before and after the rounds), and once paired, each round's colibri rate
+against a probe run in its own process just before it (the median of the rounds' ratios; the
+machine's bandwidth moves by a quarter within minutes). At 4 and 16 rows the experts touched
+are the distinct experts colibri's routers chose, counted per layer.
 llama.cpp runs with an f32 KV cache, as colibri keeps.
 Writes experiments/results/peers.md and peers.json.
 """
