@@ -24,6 +24,9 @@ _RAW_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 _MAX_HEADER = 100 * 1024 * 1024
+# How colibri holds the bfloat16 weights it keeps as bfloat16 (the routed experts; see
+# weights.expert_dtype): their bit patterns, the top halves of the float32s they stand for.
+BF16_BITS = np.dtype("<u2")
 
 
 class CheckpointError(ValueError):
@@ -55,6 +58,16 @@ def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
         np.left_shift(raw, 16, out=out, dtype=np.uint32)
         return out.view(np.float32)
     return raw.astype(np.float32)
+
+
+def to_held(raw: np.ndarray, dtype: str, held: np.dtype) -> np.ndarray:
+    """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
+    survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits."""
+    if np.dtype(held) == BF16_BITS:
+        if dtype != "BF16":
+            raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
+        return raw.astype(BF16_BITS, copy=True)
+    return to_f32(raw, dtype)
 
 
 class Checkpoint:
@@ -96,10 +109,13 @@ class Checkpoint:
             )
         return to_f32(self.read_raw(name), t.dtype)
 
-    def read_part(self, t: TensorInfo, offset: int, nbytes: int) -> np.ndarray:
-        """`nbytes` of tensor `t` starting `offset` bytes into it, widened to flat float32."""
+    def read_part(
+        self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32
+    ) -> np.ndarray:
+        """`nbytes` of tensor `t` starting `offset` bytes into it, flat, held as `held`
+        (`to_held`: float32, or bfloat16 bits)."""
         raw = np.frombuffer(self.pread(t.path, t.offset + offset, nbytes), _RAW_DTYPES[t.dtype])
-        return to_f32(raw, t.dtype)
+        return to_held(raw, t.dtype, held)
 
     def pread(self, path: Path, offset: int, nbytes: int) -> bytes:
         """Exactly `nbytes` at `offset` of `path`, with os.pread (thread-safe, no seek)."""

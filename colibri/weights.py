@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import Checkpoint, CheckpointError, TensorInfo
+from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError, TensorInfo
 from colibri.config import ModelConfig
 
 Params = dict[str, Any]
@@ -61,13 +62,31 @@ def _fused_prefix(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts"
 
 
-def read_expert(ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab) -> tuple[np.ndarray, ...]:
-    """One expert's (gate [F, D], up [F, D], down [D, F]) as float32."""
+def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
+    """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
+    every one in bfloat16, else as float32. Held as bits they take half the memory and decode
+    reads half the bytes; the CPU kernel and the XLA loops widen them exactly as they load them,
+    so every result is bitwise that of the same experts widened to float32 at load, which is
+    what `COLIBRI_EXPERT_DTYPE=f32` asks for."""
+    if os.environ.get("COLIBRI_EXPERT_DTYPE", "auto") == "f32":
+        return np.dtype(np.float32)
+    for layer in cfg.moe_layer_ids:
+        for e in range(cfg.moe.num_experts):
+            if any(t.dtype != "BF16" for t, _, _ in expert_slab(ckpt, cfg, layer, e).parts):
+                return np.dtype(np.float32)
+    return BF16_BITS
+
+
+def read_expert(
+    ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab, held: np.dtype = np.float32
+) -> tuple[np.ndarray, ...]:
+    """One expert's (gate [F, D], up [F, D], down [D, F]), held as `held` (float32, or
+    bfloat16 bits for a bfloat16 checkpoint)."""
     F, D = cfg.moe.moe_ff, cfg.hidden
     shapes = ((F, D), (F, D), (D, F))
     out = []
     for (t, off, n), shape in zip(slab.parts, shapes, strict=True):
-        flat = ckpt.read_part(t, off, n)
+        flat = ckpt.read_part(t, off, n, held)
         if flat.size != shape[0] * shape[1]:
             raise CheckpointError(
                 f"{t.path}: expert slab of {t.name!r} has {flat.size} values, expected {shape}"
@@ -115,23 +134,26 @@ def fuse_qkv(dense: Params) -> Params:
     return {**dense, "layers": layers}
 
 
-def expert_stacks(cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Room for one layer's stacked experts (uninitialised float32): gate/up [E, F, D], down
-    [E, D, F], on huge pages where Linux gives them (decode streams these; see hugepages.py)."""
+def expert_stacks(cfg: ModelConfig, dtype: np.dtype = np.float32) -> dict[str, np.ndarray]:
+    """Room for one layer's stacked experts (uninitialised, float32 or bfloat16 bits): gate/up
+    [E, F, D], down [E, D, F], on huge pages where Linux gives them (decode streams these; see
+    hugepages.py)."""
     E, F, D = cfg.moe.num_experts, cfg.moe.moe_ff, cfg.hidden
     shapes = {"gate": (E, F, D), "up": (E, F, D), "down": (E, D, F)}
-    return {k: hugepages.empty(shape, np.float32) for k, shape in shapes.items()}
+    return {k: hugepages.empty(shape, dtype) for k, shape in shapes.items()}
 
 
 def load_experts(
     ckpt: Checkpoint, cfg: ModelConfig, layer: int, out: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
-    """All routed experts of one layer stacked, float32, into `out` (default: new
-    `expert_stacks(cfg)`)."""
-    slabs = [
-        read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e)) for e in range(cfg.moe.num_experts)
-    ]
+    """All routed experts of one layer stacked into `out` (default: new float32
+    `expert_stacks(cfg)`), held as its arrays' dtype (float32 or bfloat16 bits)."""
     out = expert_stacks(cfg) if out is None else out
+    held = out["gate"].dtype
+    slabs = [
+        read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e), held)
+        for e in range(cfg.moe.num_experts)
+    ]
     for i, k in enumerate(("gate", "up", "down")):
         np.stack([s[i] for s in slabs], out=out[k])
     return out

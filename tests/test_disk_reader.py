@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri.checkpoint import Checkpoint, CheckpointError
+from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError
 from colibri.config import load_config
 from colibri.experts import disk
 from colibri.experts.disk import DiskReader
@@ -84,6 +84,28 @@ def test_any_byte_range_matches_a_whole_read(ckpt_dir, data, piece, direct):
     reader = DiskReader(ck, cfg, threads=2, direct=direct, piece=piece)
     try:
         assert reader.read_bytes(path, start, n) == whole[start : start + n]
+    finally:
+        reader.close()
+
+
+def test_bfloat16_experts_come_back_as_their_bits(ckpt_dir, truth):
+    """Held as bfloat16 bits (weights.expert_dtype), an expert comes back as the stored bits,
+    which widen to exactly the float32 weights; a float32 checkpoint cannot be held so."""
+    ck, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
+    reader = DiskReader(ck, cfg, threads=2, piece=4096, held=BF16_BITS)
+    try:
+        layer = cfg.moe_layer_ids[-1]
+        futures = [reader.submit(layer, e) for e in range(cfg.moe.num_experts)]
+        if ck.info(reader.slab(layer, 0).parts[0][0].name).dtype != "BF16":
+            with pytest.raises(CheckpointError, match="F32 tensor cannot be held as bfloat16"):
+                futures[0].result()
+            return
+        for e, f in enumerate(futures):
+            for k, name in enumerate(("gate", "up", "down")):
+                bits = f.result()[k]
+                assert bits.dtype == np.uint16
+                wide = (bits.astype(np.uint32) << 16).view(np.float32)
+                np.testing.assert_array_equal(wide, truth[layer][name][e])
     finally:
         reader.close()
 

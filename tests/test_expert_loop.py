@@ -113,3 +113,51 @@ def test_native_rows_are_batch_invariant_bitwise(dim, ff, rows, seed):
     for n in rng.choice(rows, min(rows, 3), replace=False):
         alone = np.asarray(_jitted(dev, x[n : n + 1], ids[n : n + 1], S, None, True))
         np.testing.assert_array_equal(alone[0], y[n])
+
+
+def _bf16_bits(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (to nearest even), as the bit patterns colibri holds."""
+    bits = a.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    dim=st.integers(1, 40),
+    ff=st.integers(1, 40),
+    rows=st.integers(1, 12),
+    how=st.sampled_from(PLANS),
+    seed=st.integers(0, 2**16),
+)
+def test_bfloat16_bits_compute_bitwise_what_the_widened_weights_do(dim, ff, rows, how, seed):
+    """Experts held as bfloat16 bits (uint16) give in the native kernel bitwise the outputs of
+    the same weights widened to float32 beforehand (vector tails and out-of-range ids
+    included); in XLA's loops, which fuse the widening into the products, the same to float32
+    rounding."""
+    native, plan = how
+    rng = np.random.default_rng(seed)
+    S, K = 5, 2
+    shapes = (("gate", (S, ff, dim)), ("up", (S, ff, dim)), ("down", (S, dim, ff)))
+    bits = {k: _bf16_bits(rng.standard_normal(s)) for k, s in shapes}
+    wide = {k: (b.astype(np.uint32) << 16).view(np.float32) for k, b in bits.items()}
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    ids = rng.integers(-1, S + 1, (rows, K)).astype(np.int32)
+    held = {k: jnp.asarray(v) for k, v in bits.items()}
+    assert held["gate"].dtype == jnp.uint16
+    y = np.asarray(_jitted(held, x, ids, S, plan, native))
+    widened = {k: jnp.asarray(v) for k, v in wide.items()}
+    want = np.asarray(_jitted(widened, x, ids, S, plan, native))
+    if native:
+        np.testing.assert_array_equal(y, want)
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y, reference(wide, x, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_the_native_kernel_takes_bfloat16_bits_and_not_other_dtypes():
+    x = jnp.zeros((2, 8), jnp.float32)
+    w = {t: jnp.zeros((3, 4, 8), jnp.uint16) for t in ("gate", "up")}
+    down = jnp.zeros((3, 8, 4), jnp.uint16)
+    assert kernels.experts_usable(x, w["gate"], w["up"], down)
+    assert not kernels.experts_usable(x, w["gate"], w["up"], down.astype(jnp.float32))  # mixed
+    assert not kernels.experts_usable(x, *(a.astype(jnp.bfloat16) for a in (*w.values(), down)))

@@ -14,7 +14,7 @@ from colibri.experts.budget import TierConfig
 from colibri.experts.ram import RamCache
 from colibri.experts.store import ExpertStore
 from colibri.synth import SynthSpec, synthesize
-from colibri.weights import load_experts
+from colibri.weights import expert_dtype, expert_stacks, load_experts
 
 E = 8
 
@@ -27,8 +27,11 @@ def ckpt_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def truth(ckpt_dir):
+    """The experts as the store holds them: this bfloat16 checkpoint's bits."""
     ck, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
-    return [load_experts(ck, cfg, i) for i in cfg.moe_layer_ids]
+    held = expert_dtype(ck, cfg)
+    assert held == np.uint16
+    return [load_experts(ck, cfg, i, out=expert_stacks(cfg, held)) for i in cfg.moe_layer_ids]
 
 
 traffic = st.lists(
@@ -50,7 +53,7 @@ traffic = st.lists(
 )
 def test_store_invariants(ckpt_dir, truth, slots, ram, pins, policy, steps):
     cfg = load_config(ckpt_dir)
-    eb = 3 * cfg.moe.moe_ff * cfg.hidden * 4
+    eb = 3 * cfg.moe.moe_ff * cfg.hidden * 2  # bfloat16, held as such
     tiers = TierConfig(
         device_bytes=2 * slots * eb, ram_bytes=ram * eb, pin_bytes=pins * eb, policy=policy
     )

@@ -55,17 +55,18 @@ def load_model(
     params = jax.device_put(fuse_qkv(load_dense(ckpt, cfg)))
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
-    n_routed = store.expert_bytes // 4 * store.E * len(cfg.moe_layer_ids)
+    n_routed = store.expert_bytes // store.held.itemsize * store.E * len(cfg.moe_layer_ids)
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
     huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
     log.info(
-        "loaded %s (%s, %.1fM dense + %.1fM routed parameters; %d MiB of experts on huge "
-        "pages); %s",
+        "loaded %s (%s, %.1fM dense + %.1fM routed parameters, the routed ones held as %s; "
+        "%d MiB of experts on huge pages); %s",
         model_dir,
         cfg.family,
         n_dense / 1e6,
         n_routed / 1e6,
+        "bfloat16" if store.held.itemsize == 2 else "float32",
         huge >> 20,
         store.summary(),
     )

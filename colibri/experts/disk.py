@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import Checkpoint, CheckpointError, raw_dtype, to_f32
+from colibri.checkpoint import Checkpoint, CheckpointError, raw_dtype, to_held
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
 from colibri.weights import ExpertSlab, expert_slab
@@ -75,7 +75,8 @@ class DiskReader:
     into aligned pieces that are in flight together. Raw bytes land in reusable page-aligned
     buffers (huge pages where the kernel allows: O_DIRECT requests then travel as a few
     large segments instead of 4 KiB ones, measured 2x faster on a virtio disk) and are
-    widened to float32 by the thread that reads the last piece, after its read.
+    copied out as `held` (float32, or bfloat16 bits; see weights.expert_dtype) by the thread
+    that reads the last piece, after its read.
 
     Counters: `bytes_read` (useful bytes of completed requests), `thread_seconds` (t_edisk:
     reader thread time, reading and widening), and `busy_seconds`, the wall-clock time during
@@ -90,10 +91,11 @@ class DiskReader:
         threads: int = 4,
         direct: bool = False,
         piece: int = PIECE,
+        held: np.dtype = np.float32,
     ):
         if piece < _ALIGN or piece % _ALIGN:
             raise ValueError(f"piece={piece} must be a positive multiple of {_ALIGN}")
-        self.ckpt, self.cfg = ckpt, cfg
+        self.ckpt, self.cfg, self.held = ckpt, cfg, np.dtype(held)
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.piece = piece
         self._workers = _Workers(threads, self._piece)
@@ -133,7 +135,9 @@ class DiskReader:
 
         def finish(buf: mmap.mmap) -> Weights:
             flat = [
-                _widen(buf, dt, s.data_at + off, n) for s, parts in contents for dt, off, n in parts
+                _held(buf, dt, s.data_at + off, n, self.held)
+                for s, parts in contents
+                for dt, off, n in parts
             ]
             return tuple(a.reshape(shape) for a, shape in zip(flat, shapes, strict=True))
 
@@ -375,10 +379,11 @@ def _ranges(slab: ExpertSlab) -> list[tuple[tuple[Path, int, int], list[tuple[st
     ]
 
 
-def _widen(buf, dtype: str, offset: int, n: int) -> np.ndarray:
-    """float32 copy of n raw bytes at offset of buf (no view into buf survives)."""
+def _held(buf, dtype: str, offset: int, n: int, held: np.dtype) -> np.ndarray:
+    """n raw bytes at offset of buf, copied out as `held` (no view into buf survives)."""
     dt = raw_dtype(dtype)
-    return to_f32(np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset), dtype)
+    raw = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset)
+    return to_held(raw, dtype, held)
 
 
 class _Buffers:

@@ -24,12 +24,12 @@ def _put(bufs: dict, slot: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) 
 class LayerSlots:
     """`n` slots of one layer's experts: gate/up [n, F, D], down [n, D, F] on device."""
 
-    def __init__(self, n: int, num_experts: int, F: int, D: int):
+    def __init__(self, n: int, num_experts: int, F: int, D: int, dtype=np.float32):
         self.n = n
-        self.bufs = {
-            "gate": jnp.zeros((n, F, D), jnp.float32),
-            "up": jnp.zeros((n, F, D), jnp.float32),
-            "down": jnp.zeros((n, D, F), jnp.float32),
+        self.bufs = {  # float32, or bfloat16 bits (weights.expert_dtype)
+            "gate": jnp.zeros((n, F, D), dtype),
+            "up": jnp.zeros((n, F, D), dtype),
+            "down": jnp.zeros((n, D, F), dtype),
         }
         self.slot_of = np.full(num_experts, -1, np.int32)  # expert -> slot, -1 if not on device
         self.expert_in = np.full(n, -1, np.int32)  # slot -> expert, -1 if empty

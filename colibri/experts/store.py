@@ -21,7 +21,7 @@ from colibri.experts.disk import DiskReader
 from colibri.experts.ram import RamCache, Weights
 from colibri.experts.slots import LayerSlots
 from colibri.experts.usage import read_usage, write_usage
-from colibri.weights import expert_stacks, load_experts
+from colibri.weights import expert_dtype, expert_stacks, load_experts
 
 log = logging.getLogger("colibri")
 
@@ -46,7 +46,8 @@ class ExpertStore:
         self.layer_ids = cfg.moe_layer_ids
         m = cfg.moe
         self.E = m.num_experts
-        self.expert_bytes = 3 * m.moe_ff * cfg.hidden * 4  # float32 on device
+        self.held = expert_dtype(ckpt, cfg)  # float32, or bfloat16 bits
+        self.expert_bytes = 3 * m.moe_ff * cfg.hidden * self.held.itemsize
         self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes)
         self.stats = ExpertStats(len(self.layer_ids), self.E, self.expert_bytes)
         self.usage_path = Path(usage_path) if usage_path else None
@@ -60,14 +61,14 @@ class ExpertStore:
         self._needed: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], Future] = {}
         self._lock = threading.RLock()  # tier bookkeeping from the reader pool (PILOT)
-        self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io)
+        self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io, held=self.held)
         self._pinned = _pinned_host()
         if self.all_resident:
             self._load_resident(progress)
         else:
             self.ram = RamCache(self.plan.ram_bytes)
             self.slots = [
-                LayerSlots(self.plan.slots_per_layer, self.E, m.moe_ff, cfg.hidden)
+                LayerSlots(self.plan.slots_per_layer, self.E, m.moe_ff, cfg.hidden, self.held)
                 for _ in self.layer_ids
             ]
             self.stats.tier[:] = TIER_DISK
@@ -87,7 +88,7 @@ class ExpertStore:
         # layers are read into it: a fresh process here loads the peers checkpoints in
         # 0.57-0.63x the time it takes on small pages (faulted in by the writes themselves,
         # layer by layer, it took longer than on small pages; bench_hugepages.py --level load).
-        room = [expert_stacks(self.cfg) for _ in self.layer_ids]
+        room = [expert_stacks(self.cfg, self.held) for _ in self.layer_ids]
         hugepages.populate([a for r in room for a in r.values()])
         self.resident = [
             jax.device_put(load_experts(self.ckpt, self.cfg, i, out=r))

@@ -1,6 +1,7 @@
 """Native CPU kernels, built on first use with the system C++ compiler and called through XLA FFI.
 
-`moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer and
+`moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32
+or bfloat16 bits, widened exactly as they are loaded) and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
 the KV cache (see cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
 `request_cut(True)` raises to end the bursts running in this process after their current step.
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu.cc")
 _TARGETS = {
     "colibri_moe_experts": "ColibriMoeExperts",
+    "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
     "colibri_linear": "ColibriLinear",
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
@@ -131,15 +133,25 @@ def usable(*arrays: jax.Array) -> bool:
     return f32 and jax.default_backend() == "cpu" and available()
 
 
+def experts_usable(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> bool:
+    """Whether `moe_experts` can take these: x float32 and the weights all float32 or all
+    bfloat16 bits (uint16), on CPU, kernels built."""
+    dtypes = {gate.dtype, up.dtype, down.dtype}
+    held = dtypes == {jnp.dtype(jnp.float32)} or dtypes == {jnp.dtype(jnp.uint16)}
+    return held and usable(x)
+
+
 def moe_experts(
     gate: jax.Array, up: jax.Array, down: jax.Array, x: jax.Array, ids: jax.Array
 ) -> jax.Array:
-    """y [N, K, D] float32: expert ids[n, k] (slot index; outside [0, S) gives 0) on x[n]."""
+    """y [N, K, D] float32: expert ids[n, k] (slot index; outside [0, S) gives 0) on x[n].
+    The weights are float32, or bfloat16 bits (uint16: results bitwise those of the same
+    weights widened to float32)."""
     _require()
     N, K = ids.shape
     D = x.shape[1]
     call = jax.ffi.ffi_call(
-        "colibri_moe_experts",
+        "colibri_moe_experts_bf16" if gate.dtype == jnp.uint16 else "colibri_moe_experts",
         jax.ShapeDtypeStruct((N, K, D), jnp.float32),
         vmap_method="sequential",
     )

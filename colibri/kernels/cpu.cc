@@ -6,6 +6,8 @@
 //
 // gate, up [S, F, D], down [S, D, F], x [N, D], ids [N, K] int32 -> y [N, K, D], float32.
 // Entries of ids outside [0, S) are experts that are not staged: their rows of y are 0.
+// colibri_moe_experts_bf16: the same with gate, up and down as bfloat16 bit patterns (uint16),
+// widened exactly to float32 as they are loaded (half the bytes read, the same results).
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -49,6 +51,35 @@ inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+
+// Weights are float32, or bfloat16 held as its bit patterns (uint16_t: the top half of a
+// float32). Loaded through loadw and widen, a bfloat16 weight becomes exactly the float32 it
+// stands for, so a product over bfloat16 weights reads half the bytes and gives bitwise what
+// the same weights widened to float32 beforehand give.
+inline v8 loadw(const float* p) { return load8(p); }
+
+inline v8 loadw(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = uint32_t{p[i]} << 16;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
+  return v;
+#endif
+}
+
+inline float widen(float w) { return w; }
+
+inline float widen(uint16_t w) {
+  const uint32_t bits = uint32_t{w} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
 }
 
 // Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
@@ -142,8 +173,8 @@ inline v8 exp8(v8 x) {
 inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
 
 // out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
-template <int TW, int TR>
-inline void dots(const float* const* w, const float* const* x, int64_t L, float* out) {
+template <int TW, int TR, typename T>
+inline void dots(const T* const* w, const float* const* x, int64_t L, float* out) {
   v8 acc[TW][TR];
   for (int i = 0; i < TW; ++i)
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
@@ -153,11 +184,11 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
     // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream
     // (4 KiB: 5-10% slower at 6-12 inputs streaming from DRAM on one core).
     if constexpr (TR > 1) {
-      if ((c & 15) == 0)
-        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 512, 0, 3);
+      if (c % (64 / sizeof(T)) == 0)  // once a cache line
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
     }
     for (int i = 0; i < TW; ++i) {
-      wv[i] = load8(w[i] + c);
+      wv[i] = loadw(w[i] + c);
       in_register(wv[i]);
     }
     for (int j = 0; j < TR; ++j) {
@@ -171,7 +202,7 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
     for (int i = 0; i < TW; ++i)
       for (int j = 0; j < TR; ++j) {
         float s = out[i * TR + j];
-        for (int64_t t = c; t < L; ++t) s = std::fma(w[i][t], x[j][t], s);
+        for (int64_t t = c; t < L; ++t) s = std::fma(widen(w[i][t]), x[j][t], s);
         out[i * TR + j] = s;
       }
 }
@@ -181,11 +212,11 @@ inline void dots(const float* const* w, const float* const* x, int64_t L, float*
 // quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
 // prefetched in parallel; rows of 2-3 KiB stream 1.5-1.8x faster than from TW adjacent rows
 // (experiments/bench_streams.py).
-template <int TW, int TR, typename Emit>
-inline void matvecs_tile(const float* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
+template <int TW, int TR, typename T, typename Emit>
+inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit) {
   float out[TW * TR];
-  const float* w[TW];
+  const T* w[TW];
   const int64_t gap = R / TW;
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
@@ -201,8 +232,8 @@ inline void matvecs_tile(const float* W, int64_t R, int64_t L, int64_t ld, const
 }
 
 // out[i * TR + j] = dot(w[i], x[j0 + j]), emitted as emit(rows[i], j0 + j, ...).
-template <int TW, int TR, typename Emit>
-inline void tile(const float* const* w, const int64_t* rows, const float* const* x, int64_t j0,
+template <int TW, int TR, typename T, typename Emit>
+inline void tile(const T* const* w, const int64_t* rows, const float* const* x, int64_t j0,
                  int64_t L, Emit& emit) {
   float out[TW * TR];
   dots<TW, TR>(w, x + j0, L, out);
@@ -214,8 +245,8 @@ inline void tile(const float* const* w, const int64_t* rows, const float* const*
 // (five: three and two), never of one or two where three can be had: a pass over the rows
 // then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3 instead of 4 + 4 + 1: the
 // peers shapes' 16-row expert calls took 0.99x the time, bench_kernel_revs.py).
-template <int TW, typename Emit>
-inline void all_inputs(const float* const* w, const int64_t* rows, const float* const* x,
+template <int TW, typename T, typename Emit>
+inline void all_inputs(const T* const* w, const int64_t* rows, const float* const* x,
                        int64_t r, int64_t L, Emit& emit) {
   if (r == 5) {
     tile<TW, 3>(w, rows, x, 0, L, emit);
@@ -234,8 +265,8 @@ inline void all_inputs(const float* const* w, const int64_t* rows, const float* 
 // shape).
 // Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
 // AVX registers: 12% faster per 16-row layer than two rows by four.
-template <typename Emit>
-void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
+template <typename T, typename Emit>
+void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
              int64_t ld = 0) {
   if (ld == 0) ld = L;
   if (r <= 0) return;
@@ -244,7 +275,7 @@ void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_
   if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit);
   if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit);
   const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
-  const float* w[3];
+  const T* w[3];
   int64_t rows[3];
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < 3; ++i) {
@@ -259,10 +290,11 @@ void matvecs(const float* W, int64_t R, int64_t L, const float* const* x, int64_
   }
 }
 
+template <typename T>
 struct Problem {
-  const float* gate;
-  const float* up;
-  const float* down;
+  const T* gate;
+  const T* up;
+  const T* down;
   float* y;
   int64_t F, D;
   std::vector<int32_t> slot;   // the distinct staged experts, most rows first
@@ -283,8 +315,8 @@ struct Problem {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     float* hq = h.data() + q * F + f0;
-    const float* G = gate + (s * F + f0) * D;
-    const float* U = up + (s * F + f0) * D;
+    const T* G = gate + (s * F + f0) * D;
+    const T* U = up + (s * F + f0) * D;
     float* uq = u.data() + q * F + f0;
     matvecs(G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
     matvecs(U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
@@ -313,7 +345,7 @@ struct Problem {
     const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
-    const float* Dn = down + (s * D + d0) * F;
+    const T* Dn = down + (s * D + d0) * F;
     matvecs(Dn, nd, F, &hrow[q], r,
             [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
   }
@@ -385,8 +417,9 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 // experts few rows chose, so that arithmetic and memory traffic overlap: the 16-row expert
 // calls of the peers benchmark's shapes took 0.96x the time of one shared queue of items
 // (with the 2 KiB prefetch of dots; experiments/bench_kernel_revs.py).
+template <typename T>
 struct ExpertCall : Gang {
-  Problem p;
+  Problem<T> p;
   std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
   std::unique_ptr<std::atomic<int64_t>[]> hidden_done;  // per expert: phase-1 items done
   std::atomic<int64_t> arrivals{0};
@@ -426,9 +459,11 @@ int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
   return std::min(n, rows);
 }
 
-ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
-                      ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> y) {
+// The expert call over weights of element type T (float, or uint16_t: bfloat16 bits).
+template <ffi::DataType WT, typename T>
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT> up,
+                      ffi::Buffer<WT> down, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                      ffi::ResultBuffer<ffi::F32> y) {
   const auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
   const auto xd = x.dimensions(), id = ids.dimensions(), yd = y->dimensions();
   if (gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || xd.size() != 2 || id.size() != 2 ||
@@ -439,11 +474,11 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
       xd[1] != D || id[0] != N || yd[0] != N || yd[1] != K || yd[2] != D)
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
 
-  auto call = std::make_shared<ExpertCall>();
-  Problem& p = call->p;
-  p.gate = gate.typed_data();
-  p.up = up.typed_data();
-  p.down = down.typed_data();
+  auto call = std::make_shared<ExpertCall<T>>();
+  Problem<T>& p = call->p;
+  p.gate = reinterpret_cast<const T*>(gate.typed_data());
+  p.up = reinterpret_cast<const T*>(up.typed_data());
+  p.down = reinterpret_cast<const T*>(down.typed_data());
   p.y = y->typed_data();
   p.F = F;
   p.D = D;
@@ -488,15 +523,16 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> gate, ffi::Buf
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
   // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
-  p.fchunk = chunk_rows(2 * D * 4, F, 512 << 10);
-  p.dchunk = chunk_rows(F * 4, D, 256 << 10);
+  constexpr int64_t bytes = sizeof(T);  // a weight's
+  p.fchunk = chunk_rows(2 * D * bytes, F, 512 << 10);
+  p.dchunk = chunk_rows(F * bytes, D, 256 << 10);
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
   p.ditems = (D + p.dchunk - 1) / p.dchunk;
 
   const int64_t experts = static_cast<int64_t>(p.slot.size());
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
-  run(pool, call, p.total(), experts * 3 * F * D * 4 * passes);
+  run(pool, call, p.total(), experts * 3 * F * D * bytes * passes);
   return ffi::Error::Success();
 }
 
@@ -704,12 +740,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear, Linear,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, MoeExperts,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The same over bfloat16 weights held as uint16 bit patterns (XLA CPU rewrites a whole bf16
+// buffer on every in-place update; uint16 ones it updates in place).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsBf16, (MoeExperts<ffi::U16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -13,7 +13,17 @@ from colibri.model.layers import linear, swiglu
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
+# Float32, or bfloat16 held as bit patterns (uint16; weights.expert_dtype), widened as used:
+# the native kernel gives bitwise what the widened weights give, XLA's loops (which fuse the
+# widening into their products) the same to float32 rounding.
 Experts = dict[str, jax.Array]
+
+
+def widen(w: jax.Array) -> jax.Array:
+    """Float32 weights as they are; bfloat16 bits (uint16) as the float32s they stand for."""
+    if w.dtype != jnp.uint16:
+        return w
+    return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
 
 
 def route(m: MoeConfig, w: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -62,7 +72,7 @@ def expert_outputs(
     """y [N, K, D]: expert ids[n, k] applied to x[n]; 0 where ids[n, k] == -1 (not staged).
 
     On CPU the native kernel (`colibri.kernels.moe_experts`) computes it when it is built and
-    everything is float32 (`native=None`; True insists, False keeps to the XLA loops below).
+    x is float32 (`native=None`; True insists, False keeps to the XLA loops below).
     It reads each chosen expert's weights once for all its rows, on every core, and is bitwise
     independent of batching, chunking and slots in the same way.
 
@@ -78,7 +88,7 @@ def expert_outputs(
     N, K = ids.shape
     S, F, D = experts["gate"].shape
     if native is None:
-        native = kernels.usable(x, *experts.values())
+        native = kernels.experts_usable(x, experts["gate"], experts["up"], experts["down"])
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
@@ -170,9 +180,9 @@ def expert_plan(rows: int, top_k: int, num_experts: int) -> tuple[int, int]:
 def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
     """SwiGLU of slot `slot` over every row of x [N, D]."""
     F, D = experts["gate"].shape[1:]
-    g = jax.lax.dynamic_slice(experts["gate"], (slot, 0, 0), (1, F, D))[0]
-    u = jax.lax.dynamic_slice(experts["up"], (slot, 0, 0), (1, F, D))[0]
-    d = jax.lax.dynamic_slice(experts["down"], (slot, 0, 0), (1, D, F))[0]
+    g = widen(jax.lax.dynamic_slice(experts["gate"], (slot, 0, 0), (1, F, D))[0])
+    u = widen(jax.lax.dynamic_slice(experts["up"], (slot, 0, 0), (1, F, D))[0])
+    d = widen(jax.lax.dynamic_slice(experts["down"], (slot, 0, 0), (1, D, F))[0])
     return (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T
 
 
