@@ -30,14 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 import pandas as pd
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from bench_kernel_revs import compare, expert_call, record_routes  # noqa: E402
+from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
 from bench_peers import BURST, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
 
 from colibri import hugepages, kernels  # noqa: E402
@@ -49,14 +48,6 @@ from colibri.report import markdown_table  # noqa: E402
 PROMPT = 128
 BURSTS = 24  # per pass and rows, engine level
 PAGES = ("4 KiB", "2 MiB")
-
-
-def on_huge_pages(a: jax.Array) -> jax.Array:
-    h = hugepages.empty(a.shape, np.float32)
-    h[:] = np.asarray(a)
-    out = jax.device_put(h)
-    assert out.unsafe_buffer_pointer() == h.ctypes.data, "JAX copied the array"
-    return out
 
 
 def kernel_level(ckpt: Path, rows: int, passes: int) -> dict[str, list[float]]:
@@ -81,7 +72,8 @@ def engine(ckpt: Path, huge: bool):
 
 
 def engine_level(engines: dict, rows: int, passes: int) -> dict[str, list[float]]:
-    """Seconds per burst, for each kind of page."""
+    """Seconds per burst of each engine {name: (runner, first tokens)}, taking turns burst by
+    burst; every engine must decode the same tokens."""
     secs = {k: [] for k in engines}
     tokens = {k: [] for k in engines}
     for p in range(passes + 1):  # the first pass compiles and warms up
@@ -95,7 +87,8 @@ def engine_level(engines: dict, rows: int, passes: int) -> dict[str, list[float]
                 if p:
                     secs[k].append(time.perf_counter() - t)
                     tokens[k].append(toks.tolist())
-    assert tokens[PAGES[0]] == tokens[PAGES[1]], "the two engines' tokens differ"
+    first = next(iter(tokens.values()))
+    assert all(t == first for t in tokens.values()), "the engines' tokens differ"
     return secs
 
 

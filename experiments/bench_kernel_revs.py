@@ -11,14 +11,17 @@ alone gives.
 --kernel experts (the routed experts): the routes the checkpoints of
 experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
-greedy steps), replayed on random weights of the same shapes, every layer of every step per
-pass. --kernel linear: the same shapes' attention projections (qkv and o of every layer) and
-lm_head on --rows rows, 24 steps per pass. The two versions' outputs must agree bitwise (the
-kernels' results never depend on how work is shared out). Reported: ms a step for each
-version (median of passes), GB/s of the weights read (for the experts: the distinct ones) and
-GFLOP/s, and the median over passes of new / base time.
+greedy steps), replayed on random weights of the same shapes held on huge pages as the
+engine holds them (colibri/hugepages.py), every layer of every step per pass. --kernel linear:
+the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
+24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
+24 steps after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
+versions' outputs must agree bitwise (the kernels' results never depend on how work is shared
+out). Reported: ms a step for each version (median of passes), GB/s of the weights (keys and
+values) read (for the experts: the distinct ones) and GFLOP/s, and the median over passes of
+new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts), or
-kernel_revs_linear.md and .json.
+kernel_revs_linear.md / kernel_revs_attend.md and .json.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from colibri import kernels
+from colibri import hugepages, kernels
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -89,15 +92,33 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
 
 
 def expert_call(lib_path: Path, name: str):
-    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids)."""
+    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
+    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, where it has one."""
     registered(lib_path, "ColibriMoeExperts", name)
+    if hasattr(ctypes.cdll.LoadLibrary(str(lib_path)), "ColibriMoeExpertsBf16"):
+        registered(lib_path, "ColibriMoeExpertsBf16", f"{name}_bf16")
 
     def call(gate, up, down, x, ids):
         shape = (*ids.shape, x.shape[1])
         out = jax.ShapeDtypeStruct(shape, jnp.float32)
-        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(gate, up, down, x, ids)
+        target = f"{name}_bf16" if gate.dtype == jnp.uint16 else name
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(gate, up, down, x, ids)
 
     return jax.jit(call)
+
+
+def attend_call(lib_path: Path, name: str):
+    """The library's decode attention, registered with XLA as `name`: f(q, k, v, slots, pos)
+    (not jitted: called inside a jitted step)."""
+    registered(lib_path, "ColibriAttend", name)
+
+    def call(q, k, v, slots, pos, scale):
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
+            q, k, v, slots, pos, scale=np.float32(scale)
+        )
+
+    return call
 
 
 def linear_call(lib_path: Path, name: str):
@@ -140,10 +161,19 @@ def weights(rng, *shape) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
 
 
+def on_huge_pages(a: jax.Array) -> jax.Array:
+    """A copy of `a` on 2 MiB pages (colibri.hugepages), as the engine holds routed experts."""
+    h = hugepages.empty(a.shape, a.dtype)
+    h[:] = np.asarray(a)
+    out = jax.device_put(h)
+    assert out.unsafe_buffer_pointer() == h.ctypes.data, "JAX copied the array"
+    return out
+
+
 def compare(calls: dict, cfg, routes: np.ndarray, passes: int, hold: dict | None = None) -> dict:
     """Time every version on the routes, alternating; ms a step per pass for each version.
-    `hold`: for some versions, where their copy of the weights is put (default: where XLA
-    allocates them)."""
+    `hold`: for some versions, where their copy of the weights is put (others: where XLA
+    allocates them); by default every version's on huge pages, as in the engine."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
@@ -152,7 +182,8 @@ def compare(calls: dict, cfg, routes: np.ndarray, passes: int, hold: dict | None
     ]
     x = jnp.asarray(rng.standard_normal((routes.shape[2], D), np.float32))
     ids = [[jnp.asarray(r, jnp.int32) for r in step] for step in routes]
-    hold = hold or {}
+    if hold is None:
+        hold = dict.fromkeys(calls, on_huge_pages) if hugepages.enabled() else {}
     held = {
         v: [tuple(map(hold[v], layer)) for layer in layers] if v in hold else layers for v in calls
     }
@@ -193,10 +224,44 @@ def compare_linear(calls: dict, cfg, rows: int, passes: int) -> dict:
     return {"ms": ms, "gb_per_step": params * 4 / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
 
 
+def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128) -> dict:
+    """Decode attention of every layer for `rows` conversations at positions prompt_len + i for
+    step i < STEPS, alternating. Each layer has a cache of its own, and steps take turns among
+    three sets of caches: as in the engine (whose expert weights stream through the L3 between
+    layers), keys and values come from DRAM."""
+    H, Hkv, Dh, L = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    cap = prompt_len + STEPS + 8
+    rng = np.random.default_rng(0)
+    sets = [
+        [(weights(rng, rows, Hkv, cap, Dh), weights(rng, rows, Hkv, cap, Dh)) for _ in range(L)]
+        for _ in range(3)
+    ]
+    q = jnp.asarray(rng.standard_normal((rows, H, Dh), np.float32))
+    slots = jnp.arange(rows, dtype=jnp.int32)
+
+    def program(f):
+        def run(q, caches, pos):
+            out = q
+            for k, v in caches:
+                out = f(out, k, v, slots, pos, cfg.attn_scale)
+            return out
+
+        return jax.jit(run)
+
+    steps = {v: program(f) for v, f in calls.items()}
+    at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
+    same_bits({v: run(q, sets[0], at[-1]) for v, run in steps.items()})
+    ms = alternate(steps, lambda run, i: run(q, sets[i % 3], at[i]), STEPS, passes)
+    positions = prompt_len + (STEPS + 1) / 2  # mean keys a row reads
+    gb = L * rows * Hkv * positions * Dh * 2 * 4 / 1e9
+    gflop = L * rows * H * positions * Dh * 4 / 1e9
+    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
-    ap.add_argument("--kernel", choices=("experts", "linear"), default="experts")
+    ap.add_argument("--kernel", choices=("experts", "linear", "attend"), default="experts")
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -207,7 +272,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         base_lib = kernels.build(source_at(args.base, Path(tmp)))
-    make = expert_call if args.kernel == "experts" else linear_call
+    make = {"experts": expert_call, "linear": linear_call, "attend": attend_call}[args.kernel]
     calls = {
         args.base: make(base_lib, f"colibri_{args.kernel}_base"),
         "working tree": make(kernels.build(), f"colibri_{args.kernel}_new"),
@@ -219,8 +284,10 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             if args.kernel == "experts":
                 res = compare(calls, cfg, record_routes(ckpt, rows), args.passes)
-            else:
+            elif args.kernel == "linear":
                 res = compare_linear(calls, cfg, rows, args.passes)
+            else:
+                res = compare_attend(calls, cfg, rows, args.passes)
             raw[f"{name}/{rows}"] = res
             base, new = (np.asarray(res["ms"][v]) for v in calls)
             for v, t in zip(calls, (base, new), strict=True):
@@ -249,6 +316,7 @@ def main() -> None:
     what = {
         "experts": f"Expert calls of {STEPS} greedy steps",
         "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps",
+        "attend": f"Decode attention of every layer, {STEPS} steps after a 128-token prompt,",
     }[args.kernel]
     md = [
         f"# The {args.kernel} kernel of two revisions, side by side",
@@ -260,7 +328,7 @@ def main() -> None:
         markdown_table(table, index=False, floatfmt=".3f"),
         "",
     ]
-    stem = "kernel_revs" if args.kernel == "experts" else "kernel_revs_linear"
+    stem = "kernel_revs" if args.kernel == "experts" else f"kernel_revs_{args.kernel}"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.md").write_text("\n".join(md))
     (RESULTS / f"{stem}.json").write_text(json.dumps({"command": cmd, "runs": raw}, indent=1))

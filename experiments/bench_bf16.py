@@ -1,0 +1,162 @@
+"""python experiments/bench_bf16.py [--shapes qwen3_moe,olmoe] [--level kernel,engine] [--passes N]
+
+What holding a bfloat16 checkpoint's routed experts as bfloat16 buys (colibri.weights.
+expert_dtype: their bit patterns, widened exactly as the CPU kernel loads them) against the
+same experts widened to float32 at load (COLIBRI_EXPERT_DTYPE=f32), side by side in one
+process, on the peers benchmark's shapes (experiments/bench_peers.py) in bfloat16.
+
+--level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
+rows (as experiments/bench_kernel_revs.py replays them): random weights rounded to bfloat16,
+held once as their bits and once as the float32s they stand for, both on huge pages as the
+engine holds them; the two take turns step by step, --passes times (default 14) over 24 steps.
+Outputs must agree bitwise.
+--level engine: the bfloat16 checkpoint (made here, cached under .cache/bench-peers) loaded
+twice, once with COLIBRI_EXPERT_DTYPE=f32; the two engines decode bursts in turn, 1 and then
+16 conversations at a time, --passes (default 2) x 24 bursts each; tokens must agree.
+
+Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
+over pairs of bfloat16 / float32 time, and the routed experts' bytes. Writes
+experiments/results/bf16.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from bench_hugepages import BURST, BURSTS, PROMPT, engine_level  # noqa: E402
+from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
+from bench_peers import CACHE, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
+
+from colibri import kernels  # noqa: E402
+from colibri.config import load_config  # noqa: E402
+from colibri.engine.model import load_model  # noqa: E402
+from colibri.engine.runner import Runner  # noqa: E402
+from colibri.report import markdown_table  # noqa: E402
+from colibri.synth import synthesize  # noqa: E402
+
+HELD = ("float32", "bfloat16")
+
+
+def bf16_bits(a) -> np.ndarray:
+    """a rounded to bfloat16 (to nearest even), as bit patterns."""
+    bits = np.asarray(a, np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def widened(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
+    call = expert_call(kernels.build(), "colibri_moe_experts_held")
+    hold = {
+        "float32": lambda a: on_huge_pages(widened(bf16_bits(a))),
+        "bfloat16": lambda a: on_huge_pages(bf16_bits(a)),
+    }
+    routes = record_routes(ckpt, rows)
+    return compare(dict.fromkeys(HELD, call), load_config(ckpt), routes, passes, hold)
+
+
+def bf16_checkpoint(name: str) -> Path:
+    out = CACHE / f"{name}-bf16"
+    if not (out / "config.json").exists():
+        synthesize(dataclasses.replace(SHAPES[name], dtype="bf16"), out)
+    return out
+
+
+def engine(ckpt: Path, held: str):
+    """(runner, first tokens of 16 conversations) with the experts held as `held`."""
+    os.environ["COLIBRI_EXPERT_DTYPE"] = "f32" if held == "float32" else "auto"
+    try:
+        model = load_model(ckpt, progress=False)
+        runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
+    finally:
+        os.environ.pop("COLIBRI_EXPERT_DTYPE")
+    assert (model.store.held.itemsize == 2) == (held == "bfloat16")
+    prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
+    logits, _ = runner.prefill(0, prompt)
+    return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--level", default="kernel,engine")
+    ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
+    args = ap.parse_args()
+    if not kernels.available():
+        sys.exit("colibri CPU kernels unavailable (see the log)")
+    out, raw = [], {}
+    for name in args.shapes.split(","):
+        cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
+        layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
+        for level in args.level.split(","):
+            passes = args.passes or {"kernel": 14, "engine": 2}[level]
+            if level == "engine":
+                ckpt = bf16_checkpoint(name)
+                engines = {h: engine(ckpt, h) for h in HELD}
+                mb = {h: engines[h][0].model.store.expert_bytes / 2**20 for h in HELD}
+            else:
+                ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+                eb = 3 * cfg.moe.moe_ff * cfg.hidden
+                mb = {"float32": 4 * eb / 2**20, "bfloat16": 2 * eb / 2**20}
+            for rows in (1, 16):
+                if level == "kernel":
+                    got = kernel_level(ckpt, rows, passes)["ms"]
+                else:
+                    got = engine_level(engines, rows, passes)
+                raw[f"{name}/{level}/{rows}"] = got
+                base = np.asarray(got["float32"])
+                for h in HELD:
+                    t = np.asarray(got[h])
+                    med = float(np.median(t))
+                    out.append(
+                        {
+                            "model": name,
+                            "level": level,
+                            "rows": rows,
+                            "experts held as": h,
+                            "routed experts GiB": mb[h] * layer_experts / 1024,
+                            "ms a step (median)": med if level == "kernel" else np.nan,
+                            "tok/s (median burst)": rows * BURST / med
+                            if level == "engine"
+                            else np.nan,
+                            "time / float32 (median of pairs)": float(np.median(t / base)),
+                        }
+                    )
+                print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
+            if level == "engine":
+                del engines
+    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level {args.level}" + (
+        f" --passes {args.passes}" if args.passes else ""
+    )
+    md = [
+        "# bfloat16 experts held as bfloat16 or widened to float32, side by side",
+        "",
+        f"Command: `{cmd}`  ",
+        "kernel: ms a step of the expert calls (24 greedy steps' routes, every layer), the "
+        "versions taking turns step by step; outputs bitwise equal. engine: decode tok/s on the "
+        f"bfloat16 checkpoint, bursts of {BURST} steps taking turns, {BURSTS} per pass and row "
+        "count; same tokens.",
+        "",
+        markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bf16.md").write_text("\n".join(md) + "\n")
+    (RESULTS / "bf16.json").write_text(json.dumps({"table": out, "runs": raw}, indent=1))
+    print(f"wrote {RESULTS / 'bf16.md'}")
+
+
+if __name__ == "__main__":
+    main()
