@@ -205,7 +205,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ckpt", default=".cache/bench-offload")
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--ram-gb", type=float, default=0.25, help="RAM budget of the disk runs")
+    ap.add_argument("--ram-gb", type=float, default=0.125, help="RAM budget of the disk runs")
     args = ap.parse_args()
     ckpt_dir = Path(args.ckpt)
     if not (ckpt_dir / "config.json").exists():
@@ -214,6 +214,7 @@ def main() -> None:
     disk_bytes = sum(p.stat().st_size for p in files)
     probe = load_model(ckpt_dir, tiers=TierConfig(device_bytes=0, ram_bytes=0), progress=False)
     eb, layers, E = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids), probe.store.E
+    held = "bf16" if probe.store.held.itemsize == 2 else "f32"
     ram_budget = int(args.ram_gb * GiB)
     expert_total = eb * layers * E
     assert expert_total >= 4 * ram_budget, "checkpoint must be >= 4x the RAM budget"
@@ -256,7 +257,7 @@ def main() -> None:
         "checkpoint": {
             "path": str(ckpt_dir),
             "disk_bytes": disk_bytes,
-            "expert_bytes_f32": expert_total,
+            "expert_bytes_held": expert_total,
             "spec": SPEC.__dict__,
         },
         "ram_budget_bytes": ram_budget,
@@ -279,7 +280,7 @@ def main() -> None:
         f"Machine: {summary['machine']}  ",
         f"Checkpoint: synthetic qwen3_moe, {layers} MoE layers x {E} experts, top-{SPEC.top_k}, "
         f"{disk_bytes / 1e9:.2f} GB on disk (bf16), {expert_total / 1e9:.2f} GB of experts as "
-        f"f32; RAM budget {ram_budget / 1e9:.2f} GB "
+        f"held ({held}); RAM budget {ram_budget / 1e9:.2f} GB "
         f"({expert_total / ram_budget:.1f}x smaller); 16 device slots per layer when offloaded.",
         "",
         markdown_table(table),
