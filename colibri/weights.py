@@ -62,13 +62,40 @@ def _fused_prefix(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts"
 
 
+def holds_bf16(ckpt: Checkpoint) -> bool:
+    """Whether colibri keeps this checkpoint's bfloat16 weights as bfloat16 (their bit
+    patterns: half the memory and half the bytes a token reads) rather than widening them to
+    float32 at load: when it has any, unless `COLIBRI_BF16=0`. Compute is float32 either way:
+    the CPU kernels widen each weight exactly as they load it and give bitwise what the weights
+    widened at load give; XLA's products (prefill, GPU, kernels off), into which the widening
+    is fused, give the same to float32 rounding."""
+    if os.environ.get("COLIBRI_BF16", "1") == "0":
+        return False
+    return any(t.dtype == "BF16" for t in ckpt.tensors.values())
+
+
+def hold_bf16(params: Params) -> Params:
+    """`params` with every float32 matrix whose values are all bfloat16 numbers (as read from
+    a bfloat16 checkpoint) as bfloat16 bits (BF16_BITS); vectors (norms, biases) and anything
+    else as they are. `layers.linear` and the embedding lookup widen them as they use them."""
+
+    def held(a):
+        if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.float32:
+            return a
+        bits = a.view(np.uint32)
+        return a if (bits & 0xFFFF).any() else (bits >> 16).astype(BF16_BITS)
+
+    if isinstance(params, dict):
+        return {k: hold_bf16(v) for k, v in params.items()}
+    if isinstance(params, list):
+        return [hold_bf16(v) for v in params]
+    return held(params)
+
+
 def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
-    every one in bfloat16, else as float32. Held as bits they take half the memory and decode
-    reads half the bytes; the CPU kernel and the XLA loops widen them exactly as they load them,
-    so every result is bitwise that of the same experts widened to float32 at load, which is
-    what `COLIBRI_EXPERT_DTYPE=f32` asks for."""
-    if os.environ.get("COLIBRI_EXPERT_DTYPE", "auto") == "f32":
+    every one in bfloat16 and `holds_bf16`, else as float32."""
+    if not holds_bf16(ckpt):
         return np.dtype(np.float32)
     for layer in cfg.moe_layer_ids:
         for e in range(cfg.moe.num_experts):

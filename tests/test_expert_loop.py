@@ -158,6 +158,6 @@ def test_the_native_kernel_takes_bfloat16_bits_and_not_other_dtypes():
     x = jnp.zeros((2, 8), jnp.float32)
     w = {t: jnp.zeros((3, 4, 8), jnp.uint16) for t in ("gate", "up")}
     down = jnp.zeros((3, 8, 4), jnp.uint16)
-    assert kernels.experts_usable(x, w["gate"], w["up"], down)
-    assert not kernels.experts_usable(x, w["gate"], w["up"], down.astype(jnp.float32))  # mixed
-    assert not kernels.experts_usable(x, *(a.astype(jnp.bfloat16) for a in (*w.values(), down)))
+    assert kernels.usable_weights(x, w["gate"], w["up"], down)
+    assert not kernels.usable_weights(x, w["gate"], w["up"], down.astype(jnp.float32))  # mixed
+    assert not kernels.usable_weights(x, *(a.astype(jnp.bfloat16) for a in (*w.values(), down)))

@@ -40,6 +40,32 @@ def test_linear_matches_numpy_and_rows_are_batch_invariant(rows, dim_in, dim_out
         np.testing.assert_array_equal(np.asarray(_native(x[n : n + 1], w))[0], y[n])
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    dim_in=st.integers(1, 40),
+    dim_out=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_in, dim_out, seed):
+    """Weights held as bfloat16 bits: up to 16 rows (the native kernel) bitwise what the same
+    weights widened to float32 give, each row as it is alone; more rows (XLA) the same to
+    float32 rounding."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, dim_in)).astype(np.float32)
+    bits = rng.standard_normal((dim_out, dim_in)).astype(np.float32).view(np.uint32) >> 16
+    bits = bits.astype(np.uint16)
+    wide = (bits.astype(np.uint32) << 16).view(np.float32)
+    f = jax.jit(layers.linear)
+    y, want = np.asarray(f(x, bits)), np.asarray(f(x, wide))
+    if rows <= layers.NATIVE_ROWS:
+        assert layers._native_ok(jnp.asarray(x), jnp.asarray(bits))
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(np.asarray(f(x[-1:], bits))[0], y[-1])
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+
 def test_linear_keeps_leading_axes_and_bias():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 24)).astype(np.float32)

@@ -209,33 +209,39 @@ def test_greedy_identical_under_every_policy_and_budget(family, checkpoints, tmp
 
 
 @pytest.mark.parametrize("tiered", [False, True])
-def test_bfloat16_experts_held_as_such_decode_what_float32_ones_do(
+def test_bfloat16_weights_held_as_such_decode_what_float32_ones_do(
     tiered, checkpoints, monkeypatch
 ):
-    """A bfloat16 checkpoint's routed experts are held as bfloat16 bits (half the bytes, in
-    memory and per token read) and decode bitwise what the same experts widened to float32 at
-    load (COLIBRI_EXPERT_DTYPE=f32) decode: logits, not only tokens; resident and tiered."""
+    """A bfloat16 checkpoint's matrices, routed experts and dense ones, are held as bfloat16
+    bits (half the bytes, in memory and per token read). Wherever the CPU kernels compute
+    (decode, and prefill of up to 16 tokens) the logits are bitwise those of the same weights
+    widened to float32 at load (COLIBRI_BF16=0); a longer prefill goes through XLA's products,
+    into which the widening is fused: the same to float32 rounding. Resident and tiered."""
     d = checkpoints("qwen3_moe", "bfloat16")
-    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
     got = {}
-    for held in ("auto", "f32"):
-        monkeypatch.setenv("COLIBRI_EXPERT_DTYPE", held)
+    for bf16 in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_BF16", bf16)
         probe = load_model(d, progress=False)
         eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
         tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb) if tiered else None
         model = load_model(d, tiers=tiers, progress=False) if tiered else probe
         assert model.store.all_resident != tiered
-        runner = Runner(model, slots=len(prompts), capacity=32)
+        runner = Runner(model, slots=len(prompts), capacity=64)
         logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
         rows = [Row(s, int(np.argmax(logits[s])), len(p)) for s, p in enumerate(prompts)]
-        step, _ = runner.decode(rows)
-        got[held] = (model.store.held, eb, np.asarray(logits), np.asarray(step))
+        step, _ = runner.decode(rows[:2])
+        dense = (model.params["lm_head"].dtype, model.params["final_norm"].dtype)
+        got[bf16] = (model.store.held, dense, eb, np.asarray(logits), np.asarray(step))
         model.store.close()
         probe.store.close()
-    (h16, eb16, pre16, dec16), (h32, eb32, pre32, dec32) = got["auto"], got["f32"]
+    (h16, d16, eb16, pre16, dec16), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
     assert (h16, h32) == (np.uint16, np.float32) and eb16 * 2 == eb32
-    np.testing.assert_array_equal(pre16, pre32)
+    assert d16 == (np.uint16, np.float32) and d32 == (np.float32, np.float32)  # norms stay
+    np.testing.assert_array_equal(pre16[:2], pre32[:2])
     np.testing.assert_array_equal(dec16, dec32)
+    np.testing.assert_allclose(pre16[2], pre32[2], rtol=1e-4, atol=1e-4)
+    assert np.argmax(pre16[2]) == np.argmax(pre32[2])
 
 
 def test_resident_model_is_one_program(checkpoints):

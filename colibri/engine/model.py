@@ -16,7 +16,7 @@ from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
 from colibri.jaxcache import enable_compilation_cache
 from colibri.tokenizer import Tokenizer
-from colibri.weights import fuse_qkv, load_dense
+from colibri.weights import fuse_qkv, hold_bf16, holds_bf16, load_dense
 
 log = logging.getLogger("colibri")
 
@@ -52,7 +52,8 @@ def load_model(
     ckpt = Checkpoint(model_dir)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-    params = jax.device_put(fuse_qkv(load_dense(ckpt, cfg)))
+    dense = fuse_qkv(load_dense(ckpt, cfg))
+    params = jax.device_put(hold_bf16(dense) if holds_bf16(ckpt) else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     n_routed = store.expert_bytes // store.held.itemsize * store.E * len(cfg.moe_layer_ids)
@@ -60,13 +61,13 @@ def load_model(
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
     huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
     log.info(
-        "loaded %s (%s, %.1fM dense + %.1fM routed parameters, the routed ones held as %s; "
-        "%d MiB of experts on huge pages); %s",
+        "loaded %s (%s, %.1fM dense + %.1fM routed parameters, %s; %d MiB of experts on huge "
+        "pages); %s",
         model_dir,
         cfg.family,
         n_dense / 1e6,
         n_routed / 1e6,
-        "bfloat16" if store.held.itemsize == 2 else "float32",
+        "bfloat16 ones held as bfloat16" if holds_bf16(ckpt) else "held as float32",
         huge >> 20,
         store.summary(),
     )

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 
 from colibri.config import ModelConfig
 from colibri.model import attention, transformer
-from colibri.model.layers import rms_norm
+from colibri.model.layers import rms_norm, widen
 
 # Every function takes the static ModelConfig first; KV caches are donated (updated in place).
 
 
 @partial(jax.jit, static_argnums=(0,))
 def embed(cfg: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    return params["embed"][tokens]
+    return widen(params["embed"][tokens])
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",), donate_argnums=(2,))

@@ -36,6 +36,7 @@ _TARGETS = {
     "colibri_moe_experts": "ColibriMoeExperts",
     "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
     "colibri_linear": "ColibriLinear",
+    "colibri_linear_bf16": "ColibriLinearBf16",
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
@@ -133,10 +134,10 @@ def usable(*arrays: jax.Array) -> bool:
     return f32 and jax.default_backend() == "cpu" and available()
 
 
-def experts_usable(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> bool:
-    """Whether `moe_experts` can take these: x float32 and the weights all float32 or all
-    bfloat16 bits (uint16), on CPU, kernels built."""
-    dtypes = {gate.dtype, up.dtype, down.dtype}
+def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
+    """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32
+    or all bfloat16 bits (uint16), on CPU, kernels built."""
+    dtypes = {w.dtype for w in weights}
     held = dtypes == {jnp.dtype(jnp.float32)} or dtypes == {jnp.dtype(jnp.uint16)}
     return held and usable(x)
 
@@ -159,11 +160,11 @@ def moe_experts(
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., I] @ w.T for w [O, I], float32: [..., O]."""
+    """x [..., I] @ w.T for w [O, I] float32 or bfloat16 bits (uint16): [..., O] float32."""
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(
-        "colibri_linear",
+        "colibri_linear_bf16" if w.dtype == jnp.uint16 else "colibri_linear",
         jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
         vmap_method="sequential",
     )

@@ -14,7 +14,7 @@
 // work is shared out among XLA's intra-op threads in slices of ~256-512 KiB of weights:
 // first the hidden rows (gate and up) of every chosen expert, then their down projections.
 //
-// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T.
+// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits.
 //
 // colibri_cut_requested: whether the host asked the decode bursts running in this process to
 // end after their current step (colibri_request_cut), read once per step.
@@ -538,8 +538,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
 
 // y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
 // each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
+// w is float32, or bfloat16 bits (T = uint16_t), widened as it is loaded.
+template <typename T>
 struct LinearCall : Gang {
-  const float* w;
+  const T* w;
   float* y;
   int64_t M, O, I, chunk, items;
   std::vector<const float*> xrow;
@@ -554,7 +556,8 @@ struct LinearCall : Gang {
   }
 };
 
-ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT, typename T>
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
@@ -562,17 +565,18 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t M = xd[0], I = xd[1], O = wd[0];
   if (wd[1] != I || yd[0] != M || yd[1] != O)
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
-  auto call = std::make_shared<LinearCall>();
-  call->w = w.typed_data();
+  auto call = std::make_shared<LinearCall<T>>();
+  call->w = reinterpret_cast<const T*>(w.typed_data());
   call->y = y->typed_data();
   call->M = M;
   call->O = O;
   call->I = I;
-  call->chunk = chunk_rows(I * 4, O, 128 << 10);
+  constexpr int64_t bytes = sizeof(T);  // a weight's
+  call->chunk = chunk_rows(I * bytes, O, 128 << 10);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
-  run(pool, call, call->items, O * I * 4 * ((M + 3) / 4));
+  run(pool, call, call->items, O * I * bytes * ((M + 3) / 4));
   return ffi::Error::Success();
 }
 
@@ -733,11 +737,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttend, Attend,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear, Linear,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear, (Linear<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearBf16, (Linear<ffi::U16, uint16_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),

@@ -23,15 +23,28 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 NATIVE_ROWS = 16
 
 
+def widen(w: jax.Array) -> jax.Array:
+    """Float32 weights as they are; bfloat16 bits (uint16, as colibri holds a bfloat16
+    checkpoint's matrices: weights.hold_bf16) as the float32s they stand for."""
+    if w.dtype != jnp.uint16:
+        return w
+    return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
+
+
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in]."""
-    y = _native_linear(x, w) if _native_ok(x, w) else jnp.einsum("...i,oi->...o", x, w)
+    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in], float32 or bfloat16 bits
+    (the native kernel: bitwise what the widened weights give; XLA, which fuses the widening
+    into its product: the same to float32 rounding)."""
+    if _native_ok(x, w):
+        y = _native_linear(x, w)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, widen(w))
     return y if b is None else y + b
 
 
 def _native_ok(x: jax.Array, w: jax.Array) -> bool:
     rows = math.prod(x.shape[:-1])
-    return 0 < rows <= NATIVE_ROWS and w.ndim == 2 and kernels.usable(x, w)
+    return 0 < rows <= NATIVE_ROWS and w.ndim == 2 and kernels.usable_weights(x, w)
 
 
 @jax.custom_vjp

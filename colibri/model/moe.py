@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from colibri import kernels
 from colibri.config import MoeConfig
-from colibri.model.layers import linear, swiglu
+from colibri.model.layers import linear, swiglu, widen
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
@@ -17,13 +17,6 @@ from colibri.model.layers import linear, swiglu
 # the native kernel gives bitwise what the widened weights give, XLA's loops (which fuse the
 # widening into their products) the same to float32 rounding.
 Experts = dict[str, jax.Array]
-
-
-def widen(w: jax.Array) -> jax.Array:
-    """Float32 weights as they are; bfloat16 bits (uint16) as the float32s they stand for."""
-    if w.dtype != jnp.uint16:
-        return w
-    return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
 
 
 def route(m: MoeConfig, w: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -88,7 +81,7 @@ def expert_outputs(
     N, K = ids.shape
     S, F, D = experts["gate"].shape
     if native is None:
-        native = kernels.experts_usable(x, experts["gate"], experts["up"], experts["down"])
+        native = kernels.usable_weights(x, experts["gate"], experts["up"], experts["down"])
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from colibri.config import ModelConfig
 from colibri.model import attention, moe
-from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu
+from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu, widen
 
 Cache = list[attention.Cache]
 
@@ -90,7 +90,7 @@ def forward(
     ids [n_moe, B, T, K] for telemetry. `rope`: the rotary cos and sin of `pos`
     (`layers.rope_cos_sin`) when the caller has them; else computed here, once for all layers.
     """
-    x = params["embed"][tokens]
+    x = widen(params["embed"][tokens])
     if rope is None:
         rope = rope_cos_sin(cfg.rope, pos)
     new_cache, routes = [], []
