@@ -1,9 +1,9 @@
 """python experiments/bench_bf16.py [--shapes qwen3_moe,olmoe] [--level kernel,engine] [--passes N]
 
-What holding a bfloat16 checkpoint's routed experts as bfloat16 buys (colibri.weights.
-expert_dtype: their bit patterns, widened exactly as the CPU kernel loads them) against the
-same experts widened to float32 at load (COLIBRI_EXPERT_DTYPE=f32), side by side in one
-process, on the peers benchmark's shapes (experiments/bench_peers.py) in bfloat16.
+What holding a bfloat16 checkpoint's weights as bfloat16 buys (colibri.weights.holds_bf16:
+their bit patterns, widened exactly as the CPU kernels load them) against the same weights
+widened to float32 at load (COLIBRI_BF16=0), side by side in one process, on the peers
+benchmark's shapes (experiments/bench_peers.py) in bfloat16.
 
 --level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
 rows (as experiments/bench_kernel_revs.py replays them): random weights rounded to bfloat16,
@@ -11,8 +11,9 @@ held once as their bits and once as the float32s they stand for, both on huge pa
 engine holds them; the two take turns step by step, --passes times (default 14) over 24 steps.
 Outputs must agree bitwise.
 --level engine: the bfloat16 checkpoint (made here, cached under .cache/bench-peers) loaded
-twice, once with COLIBRI_EXPERT_DTYPE=f32; the two engines decode bursts in turn, 1 and then
-16 conversations at a time, --passes (default 2) x 24 bursts each; tokens must agree.
+twice, once with COLIBRI_BF16=0 (routed experts and dense matrices alike); the two engines
+decode bursts in turn, 1 and then 16 conversations at a time, --passes (default 2) x 24
+bursts each; tokens must agree.
 
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of bfloat16 / float32 time, and the routed experts' bytes. Writes
@@ -76,14 +77,15 @@ def bf16_checkpoint(name: str) -> Path:
 
 
 def engine(ckpt: Path, held: str):
-    """(runner, first tokens of 16 conversations) with the experts held as `held`."""
-    os.environ["COLIBRI_EXPERT_DTYPE"] = "f32" if held == "float32" else "auto"
+    """(runner, first tokens of 16 conversations) with the weights held as `held`."""
+    os.environ["COLIBRI_BF16"] = "0" if held == "float32" else "1"
     try:
         model = load_model(ckpt, progress=False)
         runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
     finally:
-        os.environ.pop("COLIBRI_EXPERT_DTYPE")
+        os.environ.pop("COLIBRI_BF16")
     assert (model.store.held.itemsize == 2) == (held == "bfloat16")
+    assert (model.params["lm_head"].dtype.itemsize == 2) == (held == "bfloat16")
     prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
     logits, _ = runner.prefill(0, prompt)
     return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
@@ -126,7 +128,7 @@ def main() -> None:
                             "model": name,
                             "level": level,
                             "rows": rows,
-                            "experts held as": h,
+                            "weights held as": h,
                             "routed experts GiB": mb[h] * layer_experts / 1024,
                             "ms a step (median)": med if level == "kernel" else np.nan,
                             "tok/s (median burst)": rows * BURST / med
@@ -142,7 +144,7 @@ def main() -> None:
         f" --passes {args.passes}" if args.passes else ""
     )
     md = [
-        "# bfloat16 experts held as bfloat16 or widened to float32, side by side",
+        "# bfloat16 weights held as bfloat16 or widened to float32, side by side",
         "",
         f"Command: `{cmd}`  ",
         "kernel: ms a step of the expert calls (24 greedy steps' routes, every layer), the "
