@@ -18,6 +18,12 @@ bursts each; tokens must agree.
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of bfloat16 / float32 time, and the routed experts' bytes. Writes
 experiments/results/bf16.md and .json.
+
+--level peers (needs the `bench` extra's llama-cpp-python, as experiments/bench_peers.py): the
+same bfloat16 checkpoint against llama.cpp on its bf16 GGUF export (matrices bit for bit, norms
+and routers f32), each in a process of its own as bench_peers runs them, --rounds (default 3)
+alternating rounds, batch 1, 64 tokens after a 128-token prompt; best of rounds. Writes
+experiments/results/bf16_peers.md and .json.
 """
 
 from __future__ import annotations
@@ -37,7 +43,15 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 from bench_hugepages import BURST, BURSTS, PROMPT, engine_level  # noqa: E402
 from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
-from bench_peers import CACHE, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
+from bench_peers import (  # noqa: E402
+    CACHE,
+    SHAPES,
+    agreement,
+    ensure_inputs,
+    other_conversations,
+    prompt_ids,
+    run_worker,
+)
 
 from colibri import kernels  # noqa: E402
 from colibri.config import load_config  # noqa: E402
@@ -91,19 +105,81 @@ def engine(ckpt: Path, held: str):
     return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
 
 
+def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:
+    """colibri and llama.cpp on the bf16 checkpoint, batch 1, in alternating rounds."""
+    from colibri.gguf import export_gguf
+
+    ckpt = bf16_checkpoint(name)
+    gguf = CACHE / f"{name}-bf16.gguf"
+    if not gguf.exists():
+        export_gguf(ckpt, gguf, dtype="bf16")
+    paths = {"colibri (bf16 held)": ckpt, "llama.cpp bf16": gguf}
+    prompt = prompt_ids(load_config(ckpt).vocab_size, 128)
+    runs = {k: [] for k in paths}
+    for r in range(rounds):
+        for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
+            kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
+            runs[peer].append(run_worker(kind, paths[peer], prompt, tokens))
+    ours = max(runs["colibri (bf16 held)"], key=lambda res: res["decode_tok_s_1"])
+    rows = []
+    for peer, res in runs.items():
+        best = max(res, key=lambda x: x["decode_tok_s_1"])
+        rows.append(
+            {
+                "model": name,
+                "engine": peer,
+                "decode tok/s (batch 1, best of rounds)": best["decode_tok_s_1"],
+                "colibri / this": ours["decode_tok_s_1"] / best["decode_tok_s_1"],
+                "prefill tok/s": best["prefill_tok_s"],
+                "peak RSS MB": best["peak_rss_mb"],
+                "greedy tokens as colibri's": f"{agreement(ours['tokens'], best['tokens'])}"
+                f"/{len(ours['tokens'])}",
+            }
+        )
+    return rows
+
+
+def write_peers(args, rows: list[dict]) -> None:
+    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level peers"
+    md = [
+        "# colibri and llama.cpp on the same bf16 checkpoint",
+        "",
+        f"Command: `{cmd} --rounds {args.rounds}`  ",
+        "Batch-1 greedy decode of 64 tokens after a 128-token prompt, each engine in a process "
+        "of its own, alternating rounds; best of rounds. colibri holds the bf16 weights as bf16 "
+        "and computes in float32; llama.cpp runs its bf16 GGUF export (norms and routers f32) "
+        "with an f32 KV cache and rounds activations to bf16 for its bf16 products.",
+        "",
+        markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
+    ]
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bf16_peers.md").write_text("\n".join(md) + "\n")
+    (RESULTS / "bf16_peers.json").write_text(json.dumps({"command": cmd, "table": rows}, indent=1))
+    print(f"wrote {RESULTS / 'bf16_peers.md'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
+    ap.add_argument("--rounds", type=int, default=3, help="--level peers")
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
+    levels = args.level.split(",")
+    if "peers" in levels:
+        rows = [r for name in args.shapes.split(",") for r in peers_level(name, args.rounds)]
+        print(pd.DataFrame(rows).to_string(index=False))
+        write_peers(args, rows)
+        levels.remove("peers")
+        if not levels:
+            return
     out, raw = [], {}
     for name in args.shapes.split(","):
         cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
         layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
-        for level in args.level.split(","):
+        for level in levels:
             passes = args.passes or {"kernel": 14, "engine": 2}[level]
             if level == "engine":
                 ckpt = bf16_checkpoint(name)
@@ -140,7 +216,7 @@ def main() -> None:
                 print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
             if level == "engine":
                 del engines
-    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level {args.level}" + (
+    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level {','.join(levels)}" + (
         f" --passes {args.passes}" if args.passes else ""
     )
     md = [

@@ -27,13 +27,15 @@ def exported(tmp_path_factory):
     """exported(family, dtype) -> (checkpoint folder, GGUF path), built once per module."""
     built: dict[tuple[str, str], tuple] = {}
 
-    def get(family: str, dtype: str = "f32"):
-        if (family, dtype) not in built:
+    def get(family: str, dtype: str = "f32", stored: str = "f32"):
+        """`stored`: the checkpoint's own dtype."""
+        if (family, dtype, stored) not in built:
             root = tmp_path_factory.mktemp(family)
-            spec = SynthSpec(family=family, kv_heads=KV_HEADS[family], **SMALL)
+            spec = SynthSpec(family=family, kv_heads=KV_HEADS[family], dtype=stored, **SMALL)
             d = synthesize(spec, root / "ckpt", progress=False)
-            built[family, dtype] = d, export_gguf(d, root / f"model-{dtype}.gguf", dtype)
-        return built[family, dtype]
+            out = export_gguf(d, root / f"model-{dtype}.gguf", dtype)
+            built[family, dtype, stored] = d, out
+        return built[family, dtype, stored]
 
     return get
 
@@ -138,6 +140,20 @@ def test_q8_0_quantises_matrices_and_keeps_norms_and_routers(exported):
     assert np.all(np.abs(back - ref).reshape(-1, 32) <= (0.5 + 127 * 2**-11) * step)
 
 
+def test_bf16_export_keeps_a_bf16_checkpoints_matrices_bit_for_bit(exported):
+    d, path = exported("qwen3_moe", "bf16", stored="bf16")
+    reader = gguf.GGUFReader(path)
+    ckpt = Checkpoint(d)
+    Q = gguf.GGMLQuantizationType
+    assert _field(reader, "general.file_type") == 32
+    for t in reader.tensors:
+        small = len(t.shape) == 1 or "ffn_gate_inp" in t.name
+        assert t.tensor_type == (Q.F32 if small else Q.BF16), t.name
+    q = next(t for t in reader.tensors if t.name == "blk.1.attn_q.weight")
+    stored = ckpt.read_raw("model.layers.1.self_attn.q_proj.weight")
+    assert np.array_equal(np.asarray(q.data).view(np.uint16).reshape(stored.shape), stored)
+
+
 @pytest.mark.parametrize(
     "family, edit, match",
     [
@@ -212,4 +228,16 @@ def test_llama_cpp_runs_the_q8_0_file(exported):
     assert timings["load_s"] > 0 and timings["prefill_tok_s"] > 0 and timings["decode_tok_s"] > 0
     # 8-bit weights move the logits by a few percent of their range, not more.
     ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(q8, ids, n_threads=2)
+    assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_llama_cpp_runs_the_bf16_file(exported):
+    pytest.importorskip("llama_cpp")
+    _, f32 = exported("qwen3_moe", "f32", stored="bf16")
+    _, bf16 = exported("qwen3_moe", "bf16", stored="bf16")
+    ids = list(range(10, 30))
+    tokens, timings = llama_generate(bf16, ids, 8, n_threads=2)
+    assert len(tokens) == 8 and timings["decode_tok_s"] > 0
+    # The same weights; llama.cpp rounds the activations to bf16 for its bf16 products.
+    ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(bf16, ids, n_threads=2)
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
