@@ -24,8 +24,8 @@ _RAW_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
 }
 _MAX_HEADER = 100 * 1024 * 1024
-# How colibri holds the bfloat16 weights it keeps as bfloat16 (the routed experts; see
-# weights.expert_dtype): their bit patterns, the top halves of the float32s they stand for.
+# How colibri holds the bfloat16 weights it keeps as bfloat16 (see weights.holds_bf16): their
+# bit patterns, the top halves of the float32s they stand for.
 BF16_BITS = np.dtype("<u2")
 
 
