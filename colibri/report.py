@@ -1,8 +1,10 @@
-"""Small helpers for experiment reports: markdown tables from pandas frames."""
+"""Small helpers for experiment reports: markdown tables from pandas frames, result files."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pandas as pd
 
@@ -21,3 +23,11 @@ def markdown_table(df: pd.DataFrame, floatfmt: str = ".2f", index: bool = True) 
         cells = ([str(key)] if index else []) + [_cell(v, floatfmt) for v in row.tolist()]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_report(results: Path, stem: str, lines: list[str], data: dict) -> None:
+    """`results`/`stem`.md (the lines) and `stem`.json (the data), and say so."""
+    results.mkdir(exist_ok=True)
+    (results / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (results / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    print(f"wrote {results / stem}.md")

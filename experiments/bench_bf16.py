@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -57,7 +56,7 @@ from colibri import kernels  # noqa: E402
 from colibri.config import load_config  # noqa: E402
 from colibri.engine.model import load_model  # noqa: E402
 from colibri.engine.runner import Runner  # noqa: E402
-from colibri.report import markdown_table  # noqa: E402
+from colibri.report import markdown_table, write_report  # noqa: E402
 from colibri.synth import synthesize  # noqa: E402
 
 HELD = ("float32", "bfloat16")
@@ -152,10 +151,7 @@ def write_peers(args, rows: list[dict]) -> None:
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bf16_peers.md").write_text("\n".join(md) + "\n")
-    (RESULTS / "bf16_peers.json").write_text(json.dumps({"command": cmd, "table": rows}, indent=1))
-    print(f"wrote {RESULTS / 'bf16_peers.md'}")
+    write_report(RESULTS, "bf16_peers", md, {"command": cmd, "table": rows})
 
 
 def main() -> None:
@@ -230,10 +226,7 @@ def main() -> None:
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "bf16.md").write_text("\n".join(md) + "\n")
-    (RESULTS / "bf16.json").write_text(json.dumps({"table": out, "runs": raw}, indent=1))
-    print(f"wrote {RESULTS / 'bf16.md'}")
+    write_report(RESULTS, "bf16", md, {"table": out, "runs": raw})
 
 
 if __name__ == "__main__":

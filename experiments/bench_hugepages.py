@@ -23,7 +23,6 @@ median over pairs of huge / small time. Writes experiments/results/hugepages.md 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from colibri import hugepages, kernels  # noqa: E402
 from colibri.config import load_config  # noqa: E402
 from colibri.engine.model import load_model  # noqa: E402
 from colibri.engine.runner import Row, Runner  # noqa: E402
-from colibri.report import markdown_table  # noqa: E402
+from colibri.report import markdown_table, write_report  # noqa: E402
 
 PROMPT = 128
 BURSTS = 24  # per pass and rows, engine level
@@ -177,10 +176,7 @@ def main() -> None:
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "hugepages.md").write_text("\n".join(md) + "\n")
-    (RESULTS / "hugepages.json").write_text(json.dumps({"table": out, "runs": raw}, indent=1))
-    print(f"wrote {RESULTS / 'hugepages.md'}")
+    write_report(RESULTS, "hugepages", md, {"table": out, "runs": raw})
 
 
 if __name__ == "__main__":
