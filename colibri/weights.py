@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 import numpy as np
 
 from colibri import hugepages
@@ -85,11 +86,7 @@ def hold_bf16(params: Params) -> Params:
         bits = a.view(np.uint32)
         return a if (bits & 0xFFFF).any() else (bits >> 16).astype(BF16_BITS)
 
-    if isinstance(params, dict):
-        return {k: hold_bf16(v) for k, v in params.items()}
-    if isinstance(params, list):
-        return [hold_bf16(v) for v in params]
-    return held(params)
+    return jax.tree.map(held, params)
 
 
 def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:

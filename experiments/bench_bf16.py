@@ -53,6 +53,7 @@ from bench_peers import (  # noqa: E402
 )
 
 from colibri import kernels  # noqa: E402
+from colibri.checkpoint import to_f32  # noqa: E402
 from colibri.config import load_config  # noqa: E402
 from colibri.engine.model import load_model  # noqa: E402
 from colibri.engine.runner import Runner  # noqa: E402
@@ -68,14 +69,10 @@ def bf16_bits(a) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def widened(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
     call = expert_call(kernels.build(), "colibri_moe_experts_held")
     hold = {
-        "float32": lambda a: on_huge_pages(widened(bf16_bits(a))),
+        "float32": lambda a: on_huge_pages(to_f32(bf16_bits(a), "BF16")),
         "bfloat16": lambda a: on_huge_pages(bf16_bits(a)),
     }
     routes = record_routes(ckpt, rows)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError
+from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError, to_f32
 from colibri.config import load_config
 from colibri.experts import disk
 from colibri.experts.disk import DiskReader
@@ -104,7 +104,7 @@ def test_bfloat16_experts_come_back_as_their_bits(ckpt_dir, truth):
             for k, name in enumerate(("gate", "up", "down")):
                 bits = f.result()[k]
                 assert bits.dtype == np.uint16
-                wide = (bits.astype(np.uint32) << 16).view(np.float32)
+                wide = to_f32(bits, "BF16")
                 np.testing.assert_array_equal(wide, truth[layer][name][e])
     finally:
         reader.close()

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
+from colibri.checkpoint import to_f32
 from colibri.model.moe import expert_outputs, expert_plan
 
 D, F = 8, 4
@@ -139,7 +140,7 @@ def test_bfloat16_bits_compute_bitwise_what_the_widened_weights_do(dim, ff, rows
     S, K = 5, 2
     shapes = (("gate", (S, ff, dim)), ("up", (S, ff, dim)), ("down", (S, dim, ff)))
     bits = {k: _bf16_bits(rng.standard_normal(s)) for k, s in shapes}
-    wide = {k: (b.astype(np.uint32) << 16).view(np.float32) for k, b in bits.items()}
+    wide = {k: to_f32(b, "BF16") for k, b in bits.items()}
     x = rng.standard_normal((rows, dim)).astype(np.float32)
     ids = rng.integers(-1, S + 1, (rows, K)).astype(np.int32)
     held = {k: jnp.asarray(v) for k, v in bits.items()}

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
+from colibri.checkpoint import to_f32
 from colibri.model import layers
 
 _native = jax.jit(kernels.linear)
@@ -55,7 +56,7 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
     x = rng.standard_normal((rows, dim_in)).astype(np.float32)
     bits = rng.standard_normal((dim_out, dim_in)).astype(np.float32).view(np.uint32) >> 16
     bits = bits.astype(np.uint16)
-    wide = (bits.astype(np.uint32) << 16).view(np.float32)
+    wide = to_f32(bits, "BF16")
     f = jax.jit(layers.linear)
     y, want = np.asarray(f(x, bits)), np.asarray(f(x, wide))
     if rows <= layers.NATIVE_ROWS:

@@ -52,8 +52,9 @@ def load_model(
     ckpt = Checkpoint(model_dir)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
+    bf16 = holds_bf16(ckpt)
     dense = fuse_qkv(load_dense(ckpt, cfg))
-    params = jax.device_put(hold_bf16(dense) if holds_bf16(ckpt) else dense)
+    params = jax.device_put(hold_bf16(dense) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
     n_routed = store.expert_bytes // store.held.itemsize * store.E * len(cfg.moe_layer_ids)
@@ -67,7 +68,7 @@ def load_model(
         cfg.family,
         n_dense / 1e6,
         n_routed / 1e6,
-        "bfloat16 ones held as bfloat16" if holds_bf16(ckpt) else "held as float32",
+        "bfloat16 ones held as bfloat16" if bf16 else "held as float32",
         huge >> 20,
         store.summary(),
     )
