@@ -1,4 +1,11 @@
-"""Safetensors checkpoints as a tensor index: name -> (file, dtype, shape, bytes), read by pread."""
+"""Safetensors checkpoints as a tensor index: name -> (file, dtype, shape, bytes), read by pread.
+
+Block-quantized FP8 checkpoints (DeepSeek-V3, Qwen3 "-FP8": `quantization_config` with
+quant_method "fp8" and `weight_block_size` [b0, b1]) store a linear layer's weight as
+float8_e4m3fn with a float32 `weight_scale_inv` per b0 x b1 block; colibri reads such a weight
+as float32, each value its fp8 number times its block's scale rounded once, as transformers
+dequantizes them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 # safetensors dtype -> (numpy dtype used to hold the raw bytes, bytes per element)
@@ -22,8 +30,11 @@ _RAW_DTYPES: dict[str, np.dtype] = {
     "I8": np.dtype("i1"),
     "U8": np.dtype("u1"),
     "BOOL": np.dtype("?"),
+    "F8_E4M3": np.dtype("u1"),  # float8_e4m3fn bits, dequantized with their block scales
 }
 _MAX_HEADER = 100 * 1024 * 1024
+# float8_e4m3fn bits -> the float32 each stands for (a table: twice as fast as converting).
+_E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 # How colibri holds the bfloat16 weights it keeps as bfloat16 (see weights.holds_bf16): their
 # bit patterns, the top halves of the float32s they stand for.
 BF16_BITS = np.dtype("<u2")
@@ -60,13 +71,44 @@ def to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     return raw.astype(np.float32)
 
 
-def to_held(raw: np.ndarray, dtype: str, held: np.dtype) -> np.ndarray:
+@dataclass(frozen=True)
+class Fp8Scales:
+    """The block scales of whole rows of an FP8 weight with `cols` columns: row i of the part
+    read uses `blocks[(row0 + i) // b0]`, one scale per b1 columns."""
+
+    blocks: np.ndarray  # float32 [block rows, ceil(cols / b1)]
+    row0: int  # the part's first row, counted from the first row of blocks[0]
+    b0: int
+    b1: int
+    cols: int
+
+    def dequantize(self, raw: np.ndarray) -> np.ndarray:
+        """float8_e4m3fn bits (whole rows) to a new float32 array of the same shape: each value
+        widened exactly, then times its block's scale (rounded once, in float32)."""
+        values = _E4M3[raw].reshape(-1, self.cols)
+        rows, b1 = values.shape[0], self.b1
+        scale = self.blocks[(self.row0 + np.arange(rows)) // self.b0]  # [rows, column blocks]
+        whole = self.cols // b1
+        values[:, : whole * b1].reshape(rows, whole, b1)[...] *= scale[:, :whole, None]
+        if whole * b1 < self.cols:
+            values[:, whole * b1 :] *= scale[:, whole:]
+        return values.reshape(raw.shape)
+
+
+def to_held(
+    raw: np.ndarray, dtype: str, held: np.dtype, scales: Fp8Scales | None = None
+) -> np.ndarray:
     """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
-    survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits."""
+    survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
+    weights dequantized with their `scales` to float32."""
     if np.dtype(held) == BF16_BITS:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
         return raw.astype(BF16_BITS, copy=True)
+    if dtype == "F8_E4M3":
+        if scales is None:
+            raise CheckpointError("an F8_E4M3 tensor is read with its block scales")
+        return scales.dequantize(raw)
     return to_f32(raw, dtype)
 
 
@@ -81,6 +123,7 @@ class Checkpoint:
             for info in _read_header(path):
                 self.tensors[info.name] = info
         self._fds: dict[Path, int] = {}
+        self.fp8_block = _fp8_block(self.dir)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -107,15 +150,50 @@ class Checkpoint:
             raise CheckpointError(
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
-        return to_f32(self.read_raw(name), t.dtype)
+        return to_held(self.read_raw(name), t.dtype, np.float32, self.fp8_scales(t))
 
     def read_part(
         self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32
     ) -> np.ndarray:
         """`nbytes` of tensor `t` starting `offset` bytes into it, flat, held as `held`
-        (`to_held`: float32, or bfloat16 bits)."""
+        (`to_held`: float32, or bfloat16 bits; FP8 weights dequantized, whole rows only)."""
         raw = np.frombuffer(self.pread(t.path, t.offset + offset, nbytes), _RAW_DTYPES[t.dtype])
-        return to_held(raw, t.dtype, held)
+        return to_held(raw, t.dtype, held, self.fp8_scales(t, offset, nbytes))
+
+    def fp8_scales(
+        self, t: TensorInfo, offset: int = 0, nbytes: int | None = None
+    ) -> Fp8Scales | None:
+        """The block scales of bytes [offset, offset + nbytes) of an F8_E4M3 weight `t` (whole
+        rows of its last two dimensions, within one matrix), read from its `weight_scale_inv`
+        companion; None for any other dtype."""
+        if t.dtype != "F8_E4M3":
+            return None
+        nbytes = t.nbytes - offset if nbytes is None else nbytes
+        names = [t.name + "_scale_inv", t.name + "_scales_inv"]  # X.weight_scale_inv
+        found = [n for n in names if n in self.tensors]
+        if not found or len(t.shape) < 2:
+            raise CheckpointError(
+                f"{t.path}: F8_E4M3 tensor {t.name!r} has no block scales ({names[0]!r} is missing)"
+            )
+        s = self.tensors[found[0]]
+        (b0, b1), (rows, cols) = self.fp8_block, t.shape[-2:]
+        grid = (-(-rows // b0), -(-cols // b1))
+        if s.shape != (*t.shape[:-2], *grid) or s.dtype not in ("F32", "BF16", "F16"):
+            raise CheckpointError(
+                f"{s.path}: scales {s.name!r} are {s.dtype} {list(s.shape)}; {t.name!r} "
+                f"{list(t.shape)} in blocks of {b0}x{b1} needs float {[*t.shape[:-2], *grid]}"
+            )
+        if offset % cols or nbytes % cols or nbytes <= 0:
+            raise CheckpointError(f"{t.path}: {t.name!r} is read by whole rows of {cols}")
+        first, n = offset // cols, nbytes // cols
+        matrix, r0 = divmod(first, rows)
+        if r0 + n > rows:
+            raise CheckpointError(f"{t.path}: a read of {t.name!r} spans two of its matrices")
+        lo, hi = matrix * grid[0] + r0 // b0, matrix * grid[0] + (r0 + n - 1) // b0 + 1
+        item = _RAW_DTYPES[s.dtype].itemsize
+        buf = self.pread(s.path, s.offset + lo * grid[1] * item, (hi - lo) * grid[1] * item)
+        blocks = to_f32(np.frombuffer(buf, _RAW_DTYPES[s.dtype]), s.dtype).reshape(-1, grid[1])
+        return Fp8Scales(blocks, r0 % b0, b0, b1, cols)
 
     def pread(self, path: Path, offset: int, nbytes: int) -> bytes:
         """Exactly `nbytes` at `offset` of `path`, with os.pread (thread-safe, no seek)."""
@@ -149,6 +227,19 @@ class Checkpoint:
             self.close()
         except Exception:
             pass
+
+
+def _fp8_block(model_dir: Path) -> tuple[int, int]:
+    """The FP8 weight block size config.json names (`quantization_config.weight_block_size`),
+    else DeepSeek-V3's 128 x 128."""
+    try:
+        quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        quant = None
+    block = (quant or {}).get("weight_block_size") if isinstance(quant, dict) else None
+    if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
+        return block[0], block[1]
+    return 128, 128
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -203,14 +294,21 @@ def _read_header(path: Path) -> list[TensorInfo]:
     return out
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: str = "F32") -> None:
-    """Write float tensors to a safetensors file as F32, F16 or BF16 (round to nearest even)."""
+def write_safetensors(
+    path: str | Path,
+    tensors: dict[str, np.ndarray],
+    dtype: str = "F32",
+    dtypes: dict[str, str] | None = None,
+) -> None:
+    """Write tensors to a safetensors file as F32, F16 or BF16 (round to nearest even), or, for
+    the names `dtypes` maps to F8_E4M3, as given: float8_e4m3fn bits (uint8; `quantize_fp8`)."""
     header: dict[str, dict] = {}
     blobs, offset = [], 0
     for name, arr in tensors.items():
-        raw = _encode(np.ascontiguousarray(arr, dtype=np.float32), dtype)
+        kind = (dtypes or {}).get(name, dtype)
+        raw = _encode(np.ascontiguousarray(arr), kind)
         header[name] = {
-            "dtype": dtype,
+            "dtype": kind,
             "shape": list(arr.shape),
             "data_offsets": [offset, offset + raw.nbytes],
         }
@@ -226,7 +324,27 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], dtype: s
     os.replace(tmp, path)
 
 
+def quantize_fp8(w: np.ndarray, block: tuple[int, int] = (128, 128)):
+    """Block-quantize a float32 matrix as DeepSeek-V3's FP8 checkpoints do: per b0 x b1 block,
+    scale_inv = max |w| / 448 (1 for an all-zero block) and the values w / scale_inv rounded to
+    float8_e4m3fn. Returns (bits uint8 [R, C], scale_inv float32 [ceil(R/b0), ceil(C/b1)])."""
+    (R, C), (b0, b1) = w.shape, block
+    grid = (-(-R // b0), -(-C // b1))
+    padded = np.zeros((grid[0] * b0, grid[1] * b1), np.float32)
+    padded[:R, :C] = w
+    amax = np.abs(padded.reshape(grid[0], b0, grid[1], b1)).max(axis=(1, 3))
+    scale_inv = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    full = np.repeat(np.repeat(scale_inv, b0, axis=0), b1, axis=1)[:R, :C]
+    q = np.clip(w.astype(np.float32) / full, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+    return q.view(np.uint8), scale_inv
+
+
 def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "F8_E4M3":
+        if arr.dtype != np.uint8:
+            raise ValueError("F8_E4M3 tensors are written as their bits (uint8; quantize_fp8)")
+        return arr
+    arr = arr.astype(np.float32, copy=False)
     if dtype == "F32":
         return arr
     if dtype == "F16":
@@ -235,4 +353,4 @@ def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
         bits = arr.view(np.uint32)
         rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         return (rounded >> 16).astype(np.uint16)
-    raise ValueError(f"dtype={dtype!r}: write supports F32, F16, BF16")
+    raise ValueError(f"dtype={dtype!r}: write supports F32, F16, BF16 and F8_E4M3")

@@ -87,6 +87,7 @@ def _synth(args: argparse.Namespace) -> int:
         moe_ff=args.moe_ff,
         vocab=args.vocab,
         dtype=args.dtype,
+        fp8_block=args.fp8_block,
         seed=args.seed,
         shard_mb=args.shard_mb,
     )
@@ -139,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hidden", type=int, default=128)
     s.add_argument("--moe-ff", type=int, default=64)
     s.add_argument("--vocab", type=int, default=512)
-    s.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    s.add_argument(
+        "--dtype",
+        default="f32",
+        choices=["f32", "bf16", "f16", "fp8"],
+        help="fp8: linear weights block-quantized to float8_e4m3fn (DeepSeek-V3's layout)",
+    )
+    s.add_argument("--fp8-block", type=int, default=128, help="--dtype fp8: block side")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")
     s.add_argument("--out", required=True)

@@ -134,6 +134,7 @@ def config_from_dict(
         raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
     if raw.get("use_sliding_window"):
         raise ConfigError(f"{source}: use_sliding_window=True is not supported")
+    _check_quantization(raw.get("quantization_config"), source)
     builder = {
         "qwen3_moe": _qwen_like,
         "qwen2_moe": _qwen_like,
@@ -166,6 +167,27 @@ def config_from_dict(
     cfg = ModelConfig(**common)
     _validate(cfg, source)
     return cfg
+
+
+def _check_quantization(quant: Any, source: str) -> None:
+    """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints) are read,
+    dequantized to float32 (checkpoint.Fp8Scales); other quantization formats are refused."""
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    fmt = quant.get("fmt", "e4m3") if isinstance(quant, dict) else None
+    block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, dict) else None
+    if method != "fp8" or fmt != "e4m3":
+        raise ConfigError(
+            f"{source}: quantization_config quant_method={method!r} fmt={fmt!r} is not supported"
+            " (colibri reads block-quantized fp8 e4m3 checkpoints, and unquantized ones)"
+        )
+    ok = isinstance(block, list) and len(block) == 2
+    if not ok or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ConfigError(
+            f"{source}: quantization_config weight_block_size={block!r} must be two positive"
+            " integers"
+        )
 
 
 class _Fields:

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from colibri.checkpoint import write_safetensors
+from colibri.checkpoint import quantize_fp8, write_safetensors
 from colibri.config import FAMILIES
 
-_DTYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16"}
-_TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16"}
+# fp8: the linear layers' weights block-quantized to float8_e4m3fn with float32 scales, as in
+# DeepSeek-V3's checkpoints; everything else (embeddings, norms, routers, lm_head) bf16.
+_DTYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16", "fp8": "BF16"}
+_TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8": "bfloat16"}
+_FP8_LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+
+
+def fp8_linear(name: str) -> bool:
+    """Whether an FP8 checkpoint quantizes this tensor: the weight of a linear layer in the
+    attention or an MLP (routed, shared or dense), not embeddings, norms, routers or lm_head."""
+    return bool(_FP8_LINEAR.search(name))
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,7 @@ class SynthSpec:
     heads: int = 0  # 0: hidden // 64, at least 2
     kv_heads: int = 0  # 0: heads // 2, at least 1
     dtype: str = "f32"
+    fp8_block: int = 128  # dtype fp8: the side of a square block sharing one scale
     seed: int = 0
     shard_mb: float = 512
 
@@ -38,7 +49,16 @@ class SynthSpec:
             raise ValueError(f"family={self.family!r}: one of {', '.join(FAMILIES)}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}: one of {', '.join(_DTYPES)}")
-        for name in ("layers", "experts", "top_k", "hidden", "moe_ff", "vocab", "shard_mb"):
+        for name in (
+            "layers",
+            "experts",
+            "top_k",
+            "hidden",
+            "moe_ff",
+            "vocab",
+            "shard_mb",
+            "fp8_block",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.top_k > self.experts:
@@ -79,6 +99,13 @@ def hf_config(s: SynthSpec) -> dict:
         num_experts_per_tok=s.top_k,
         initializer_range=0.02,
     )
+    if s.dtype == "fp8":
+        base["quantization_config"] = dict(
+            quant_method="fp8",
+            fmt="e4m3",
+            activation_scheme="dynamic",
+            weight_block_size=[s.fp8_block, s.fp8_block],
+        )
     moe = {
         "qwen3_moe": dict(
             architectures=["Qwen3MoeForCausalLM"],
@@ -170,7 +197,13 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
     for name, shape in tqdm(
         list(_tensor_shapes(cfg)), desc="synth", unit="tensor", disable=not progress, leave=False
     ):
-        writer.add(name, _init(rng, name, shape))
+        w = _init(rng, name, shape)
+        if spec.dtype == "fp8" and fp8_linear(name):
+            bits, scale_inv = quantize_fp8(w, (spec.fp8_block, spec.fp8_block))
+            writer.add(name, bits, "F8_E4M3")
+            writer.add(f"{name}_scale_inv", scale_inv, "F32")
+        else:
+            writer.add(name, w)
     writer.close()
     eos = write_tokenizer(out / "tokenizer.json", spec.vocab)
     raw["eos_token_id"] = eos
@@ -264,23 +297,27 @@ class _ShardWriter:
     def __init__(self, out: Path, shard_bytes: int, dtype: str):
         self.out, self.shard_bytes, self.dtype = out, shard_bytes, dtype
         self.pending: dict[str, np.ndarray] = {}
+        self.kinds: dict[str, str] = {}  # tensors not written as `dtype`
         self.pending_bytes = 0
         self.shards: list[list[str]] = []
         self.files: list[Path] = []
 
-    def add(self, name: str, arr: np.ndarray) -> None:
-        size = arr.size * (4 if self.dtype == "F32" else 2)
+    def add(self, name: str, arr: np.ndarray, dtype: str | None = None) -> None:
+        kind = dtype or self.dtype
+        size = arr.size * {"F32": 4, "F8_E4M3": 1}.get(kind, 2)
         if self.pending and self.pending_bytes + size > self.shard_bytes:
             self._flush()
         self.pending[name] = arr
+        if dtype:
+            self.kinds[name] = dtype
         self.pending_bytes += size
 
     def _flush(self) -> None:
         path = self.out / f"shard-{len(self.files):05d}.safetensors"
-        write_safetensors(path, self.pending, self.dtype)
+        write_safetensors(path, self.pending, self.dtype, self.kinds)
         self.files.append(path)
         self.shards.append(list(self.pending))
-        self.pending, self.pending_bytes = {}, 0
+        self.pending, self.kinds, self.pending_bytes = {}, {}, 0
 
     def close(self) -> None:
         if self.pending:

@@ -26,14 +26,18 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised)."""
+    """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised);
+    dtype "fp8": the float32 one with its linear layers block-quantized (8 x 8 blocks)."""
     built: dict[tuple[str, str], Path] = {}
 
     def get(family: str, dtype: str = "float32") -> Path:
         key = (family, dtype)
         if key not in built:
             out = tmp_path_factory.mktemp(f"{family}-{dtype}")
-            built[key] = tiny.build(family, out, dtype=dtype)
+            if dtype == "fp8":
+                built[key] = tiny.to_fp8(get(family), out, block=8)
+            else:
+                built[key] = tiny.build(family, out, dtype=dtype)
         return built[key]
 
     return get

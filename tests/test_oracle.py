@@ -18,7 +18,12 @@ from colibri.weights import load_dense
 PROMPT = "def add(a, b): The quick brown fox, naïve café 🐦"
 
 
-@pytest.fixture(scope="module", params=FAMILIES + [("qwen3_moe", "bfloat16")], ids=str)
+# fp8: linear layers block-quantized (DeepSeek-V3's layout), against transformers' dequantized
+# float32 weights (its CPU path); the fp8 weights move logits by ~1-4 from the float32 ones.
+EXTRA = [("qwen3_moe", "bfloat16"), ("deepseek_v3", "fp8"), ("qwen3_moe", "fp8")]
+
+
+@pytest.fixture(scope="module", params=FAMILIES + EXTRA, ids=str)
 def case(request, checkpoints):
     family, dtype = (
         request.param if isinstance(request.param, tuple) else (request.param, "float32")

@@ -123,6 +123,36 @@ def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **o
     return out_dir
 
 
+def to_fp8(src: Path, out: Path, block: int) -> Path:
+    """A copy of checkpoint `src` as DeepSeek-V3 ships its weights: every linear layer's weight
+    block-quantized to float8_e4m3fn (block x block, float32 scales), the rest as it was."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from colibri.checkpoint import quantize_fp8, write_safetensors
+    from colibri.synth import fp8_linear
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, kinds = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if fp8_linear(name):
+            tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8(w, (block, block))
+            kinds[name] = "F8_E4M3"
+        else:
+            tensors[name] = w
+    write_safetensors(out / "model.safetensors", tensors, "F32", kinds)
+    cfg = saved_config(src)
+    cfg["quantization_config"] = dict(
+        quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[block] * 2
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "tokenizer.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
 def hf_model(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import Checkpoint, CheckpointError, raw_dtype, to_held
+from colibri.checkpoint import Checkpoint, CheckpointError, Fp8Scales, raw_dtype, to_held
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
 from colibri.weights import ExpertSlab, expert_slab
@@ -132,12 +132,14 @@ class DiskReader:
         contents = [(span, parts) for span, (_, parts) in zip(spans, ranges, strict=True)]
         F, D = self.cfg.moe.moe_ff, self.cfg.hidden
         shapes = ((F, D), (F, D), (D, F))
+        # FP8 matrices: their block scales, a few KiB read now (None for other dtypes).
+        scales = [self.ckpt.fp8_scales(t, off, n) for t, off, n in slab.parts]
+        parts = [(s, dt, off, n) for s, held in contents for dt, off, n in held]
 
         def finish(buf: mmap.mmap) -> Weights:
             flat = [
-                _held(buf, dt, s.data_at + off, n, self.held)
-                for s, parts in contents
-                for dt, off, n in parts
+                _held(buf, dt, s.data_at + off, n, self.held, sc)
+                for (s, dt, off, n), sc in zip(parts, scales, strict=True)
             ]
             return tuple(a.reshape(shape) for a, shape in zip(flat, shapes, strict=True))
 
@@ -379,11 +381,14 @@ def _ranges(slab: ExpertSlab) -> list[tuple[tuple[Path, int, int], list[tuple[st
     ]
 
 
-def _held(buf, dtype: str, offset: int, n: int, held: np.dtype) -> np.ndarray:
-    """n raw bytes at offset of buf, copied out as `held` (no view into buf survives)."""
+def _held(
+    buf, dtype: str, offset: int, n: int, held: np.dtype, scales: Fp8Scales | None = None
+) -> np.ndarray:
+    """n raw bytes at offset of buf, copied out as `held` (no view into buf survives); FP8
+    bytes dequantized with their `scales`."""
     dt = raw_dtype(dtype)
     raw = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset)
-    return to_held(raw, dtype, held)
+    return to_held(raw, dtype, held, scales)
 
 
 class _Buffers:

@@ -1,0 +1,160 @@
+"""Block-quantized FP8 checkpoints (DeepSeek-V3's layout): read as float32 exactly as torch
+dequantizes them, in whole tensors and in expert parts, with clear errors, on every tier."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tiny
+
+from colibri.checkpoint import Checkpoint, CheckpointError, quantize_fp8, write_safetensors
+from colibri.config import ConfigError, config_from_dict
+from colibri.engine.model import load_model
+from colibri.engine.runner import Row, Runner
+from colibri.experts.budget import TierConfig
+from colibri.synth import SynthSpec, hf_config, synthesize
+
+
+def _torch_dequant(bits: np.ndarray, scale_inv: np.ndarray, b0: int, b1: int) -> np.ndarray:
+    """torch's float8_e4m3fn widening times each value's block scale, in float32."""
+    import torch
+
+    values = torch.from_numpy(bits.copy()).view(torch.float8_e4m3fn).to(torch.float32)
+    scale = torch.from_numpy(scale_inv).repeat_interleave(b0, -2).repeat_interleave(b1, -1)
+    return (values * scale[..., : bits.shape[-2], : bits.shape[-1]]).numpy()
+
+
+def _write(tmp_path, tensors, kinds, block=(16, 16)) -> Checkpoint:
+    write_safetensors(tmp_path / "model.safetensors", tensors, "F32", kinds)
+    quant = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": quant}))
+    return Checkpoint(tmp_path)
+
+
+def test_a_weight_reads_as_torch_dequantizes_it_partial_blocks_included(tmp_path):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((37, 50)) * np.logspace(-3, 1, 50)).astype(np.float32)
+    w[:16, :16] = 0  # an all-zero block: scale 1
+    bits, scale_inv = quantize_fp8(w, (16, 16))
+    assert bits.dtype == np.uint8 and scale_inv.shape == (3, 4)
+    ck = _write(
+        tmp_path, {"a.weight": bits, "a.weight_scale_inv": scale_inv}, {"a.weight": "F8_E4M3"}
+    )
+    got = ck.read("a.weight", (37, 50))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, _torch_dequant(bits, scale_inv, 16, 16))
+    rel = np.abs(got - w) / np.maximum(np.abs(w), 1e-30)
+    assert 0 < np.median(rel) < 2**-4  # e4m3 keeps 3 mantissa bits: lossy, but close
+    # Whole rows from the middle of the matrix, as the expert readers ask for them.
+    part = ck.read_part(ck.info("a.weight"), 20 * 50, 9 * 50)
+    np.testing.assert_array_equal(part.reshape(9, 50), got[20:29])
+
+
+def test_fused_expert_halves_read_with_their_own_blocks(tmp_path):
+    """A fused [E, 2F, D] tensor (gate rows then up rows per expert) with F not a multiple of
+    the block: each half of each expert reads as torch dequantizes the whole tensor."""
+    rng = np.random.default_rng(1)
+    E, F, D, b = 3, 12, 20, 8
+    w = rng.standard_normal((E, 2 * F, D)).astype(np.float32)
+    pairs = [quantize_fp8(w[e], (b, b)) for e in range(E)]
+    bits, scales = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    ck = _write(tmp_path, {name: bits, f"{name}_scale_inv": scales}, {name: "F8_E4M3"}, (b, b))
+    whole = _torch_dequant(bits, scales, b, b)
+    t = ck.info(name)
+    for e in range(E):
+        for half in range(2):
+            at = (e * 2 * F + half * F) * D
+            got = ck.read_part(t, at, F * D).reshape(F, D)
+            np.testing.assert_array_equal(got, whole[e, half * F : (half + 1) * F])
+    with pytest.raises(CheckpointError, match="spans two of its matrices"):
+        ck.read_part(t, (2 * F - 1) * D, 2 * D)
+
+
+def test_missing_or_misshapen_scales_name_the_tensors(tmp_path):
+    bits, scale_inv = quantize_fp8(np.ones((32, 32), np.float32), (16, 16))
+    ck = _write(tmp_path, {"w.weight": bits}, {"w.weight": "F8_E4M3"})
+    with pytest.raises(CheckpointError, match=r"'w.weight' has no block scales.*weight_scale_inv"):
+        ck.read("w.weight")
+    ck = _write(
+        tmp_path,
+        {"w.weight": bits, "w.weight_scale_inv": scale_inv[:1]},
+        {"w.weight": "F8_E4M3"},
+    )
+    with pytest.raises(CheckpointError, match=r"'w.weight_scale_inv' are F32 \[1, 2\].*\[2, 2\]"):
+        ck.read("w.weight")
+
+
+@pytest.mark.parametrize(
+    "quant, match",
+    [
+        ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ],
+)
+def test_other_quantizations_are_refused_by_name(quant, match):
+    raw = hf_config(SynthSpec())
+    config_from_dict(raw)  # unquantized: fine
+    config_from_dict({**raw, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({**raw, "quantization_config": quant})
+
+
+def test_synth_fp8_is_deepseek_layout_and_matches_transformers(tmp_path):
+    spec = SynthSpec(
+        family="deepseek_v3",
+        layers=3,
+        experts=8,
+        top_k=2,
+        hidden=64,
+        moe_ff=32,
+        vocab=300,
+        dtype="fp8",
+        fp8_block=16,
+    )
+    d = synthesize(spec, tmp_path / "fp8", progress=False)
+    ck = Checkpoint(d)
+    kinds = {n: t.dtype for n, t in ck.tensors.items()}
+    assert kinds["model.layers.1.mlp.experts.3.down_proj.weight"] == "F8_E4M3"
+    assert kinds["model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"] == "F32"
+    assert kinds["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == "F8_E4M3"
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
+        assert kinds[name] == "BF16"
+    model = load_model(d, progress=False)
+    assert model.store.held == np.float32  # dequantized experts are not bfloat16 numbers
+    assert model.params["embed"].dtype == np.uint16  # the bf16 ones stay bf16
+    ids = model.tokenizer.encode("def forward(x): The router sends")
+    ref = tiny.hf_logits(d, ids)
+    np.testing.assert_allclose(Runner(model, capacity=64).full_logits(ids), ref, atol=1e-4)
+    model.store.close()
+
+
+def test_placement_never_changes_fp8_logits(checkpoints):
+    """Routed experts read from disk and staged through RAM and the device slots, dequantized
+    on the way: prefill and decode logits bitwise those of the resident model."""
+    d = checkpoints("deepseek_v3", "fp8")
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
+    got = []
+    for tiered in (False, True):
+        probe = load_model(d, progress=False)
+        eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
+        tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb) if tiered else None
+        model = load_model(d, tiers=tiers, progress=False) if tiered else probe
+        assert model.store.all_resident != tiered
+        runner = Runner(model, slots=2, capacity=64)
+        logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
+        steps, last = [], logits
+        for k in range(3):
+            rows = [Row(s, int(np.argmax(last[s])), len(p) + k) for s, p in enumerate(prompts)]
+            last = runner.decode(rows)[0]
+            steps.append(last)
+        if tiered:
+            assert model.store.disk.bytes_read > 0
+        got.append((np.asarray(logits), np.asarray(steps)))
+        model.store.close()
+        probe.store.close()
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
