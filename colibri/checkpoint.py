@@ -34,10 +34,13 @@ _RAW_DTYPES: dict[str, np.dtype] = {
 }
 _MAX_HEADER = 100 * 1024 * 1024
 # float8_e4m3fn bits -> the float32 each stands for (a table: twice as fast as converting).
-_E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
 # How colibri holds the bfloat16 weights it keeps as bfloat16 (see weights.holds_bf16): their
 # bit patterns, the top halves of the float32s they stand for.
 BF16_BITS = np.dtype("<u2")
+# How it holds block-quantized FP8 experts (weights.expert_dtype): as bytes, each row of a
+# matrix its L float8_e4m3fn values then its L / b float32 block scales (`Fp8Scales.pack`).
+FP8_ROWS = np.dtype("u1")
 
 
 class CheckpointError(ValueError):
@@ -85,7 +88,7 @@ class Fp8Scales:
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
         """float8_e4m3fn bits (whole rows) to a new float32 array of the same shape: each value
         widened exactly, then times its block's scale (rounded once, in float32)."""
-        values = _E4M3[raw].reshape(-1, self.cols)
+        values = E4M3[raw].reshape(-1, self.cols)
         rows, b1 = values.shape[0], self.b1
         scale = self.blocks[(self.row0 + np.arange(rows)) // self.b0]  # [rows, column blocks]
         whole = self.cols // b1
@@ -94,17 +97,36 @@ class Fp8Scales:
             values[:, whole * b1 :] *= scale[:, whole:]
         return values.reshape(raw.shape)
 
+    def pack(self, raw: np.ndarray) -> np.ndarray:
+        """FP8_ROWS of float8_e4m3fn bits (flat, whole rows): each row's values, then the
+        float32 scales of its blocks, as bytes in a new flat array. Needs whole column blocks."""
+        ncb = self.blocks.shape[1]
+        if ncb * self.b1 != self.cols:
+            raise CheckpointError(
+                f"FP8 rows of {self.cols} values need whole blocks of {self.b1} columns"
+            )
+        rows = raw.size // self.cols
+        out = np.empty((rows, self.cols + 4 * ncb), np.uint8)
+        out[:, : self.cols] = raw.reshape(rows, self.cols)
+        scale = np.ascontiguousarray(self.blocks[(self.row0 + np.arange(rows)) // self.b0])
+        out[:, self.cols :] = scale.astype("<f4").view(np.uint8)
+        return out.reshape(-1)
+
 
 def to_held(
     raw: np.ndarray, dtype: str, held: np.dtype, scales: Fp8Scales | None = None
 ) -> np.ndarray:
     """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
     survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
-    weights dequantized with their `scales` to float32."""
+    weights dequantized with their `scales` to float32, or held as FP8_ROWS with them."""
     if np.dtype(held) == BF16_BITS:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
         return raw.astype(BF16_BITS, copy=True)
+    if np.dtype(held) == FP8_ROWS:
+        if dtype != "F8_E4M3" or scales is None:
+            raise CheckpointError(f"a {dtype} tensor cannot be held as FP8 rows")
+        return scales.pack(raw)
     if dtype == "F8_E4M3":
         if scales is None:
             raise CheckpointError("an F8_E4M3 tensor is read with its block scales")

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError, TensorInfo
+from colibri.checkpoint import BF16_BITS, FP8_ROWS, Checkpoint, CheckpointError, TensorInfo
 from colibri.config import ModelConfig
 
 Params = dict[str, Any]
@@ -91,23 +91,44 @@ def hold_bf16(params: Params) -> Params:
 
 def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
-    every one in bfloat16 and `holds_bf16`, else as float32."""
-    if not holds_bf16(ckpt):
-        return np.dtype(np.float32)
-    for layer in cfg.moe_layer_ids:
-        for e in range(cfg.moe.num_experts):
-            if any(t.dtype != "BF16" for t, _, _ in expert_slab(ckpt, cfg, layer, e).parts):
-                return np.dtype(np.float32)
-    return BF16_BITS
+    every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
+    float32) when it stores every one block-quantized in float8_e4m3fn with whole column
+    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; else as float32."""
+    dtypes = {
+        t.dtype
+        for layer in cfg.moe_layer_ids
+        for e in range(cfg.moe.num_experts)
+        for t, _, _ in expert_slab(ckpt, cfg, layer, e).parts
+    }
+    if dtypes == {"BF16"} and holds_bf16(ckpt):
+        return BF16_BITS
+    b1 = ckpt.fp8_block[1]
+    rows_fit = b1 % 8 == 0 and cfg.hidden % b1 == 0 and cfg.moe.moe_ff % b1 == 0
+    if dtypes == {"F8_E4M3"} and rows_fit and os.environ.get("COLIBRI_FP8", "1") != "0":
+        return FP8_ROWS
+    return np.dtype(np.float32)
+
+
+def held_cols(n: int, held: np.dtype, block: int) -> int:
+    """Elements a matrix row of n weights takes held as `held`: n, or for FP8_ROWS n values
+    and n / block float32 scales."""
+    return n + 4 * (n // block) if np.dtype(held) == FP8_ROWS else n
+
+
+def expert_shapes(cfg: ModelConfig, held: np.dtype, block: int = 0) -> dict[str, tuple]:
+    """One expert's matrices as held: gate and up [F, D], down [D, F], their rows as
+    `held_cols` says (`block`: the FP8 block width, for FP8_ROWS)."""
+    F, D = cfg.moe.moe_ff, cfg.hidden
+    row_d, row_f = held_cols(D, held, block), held_cols(F, held, block)
+    return {"gate": (F, row_d), "up": (F, row_d), "down": (D, row_f)}
 
 
 def read_expert(
     ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab, held: np.dtype = np.float32
 ) -> tuple[np.ndarray, ...]:
-    """One expert's (gate [F, D], up [F, D], down [D, F]), held as `held` (float32, or
-    bfloat16 bits for a bfloat16 checkpoint)."""
-    F, D = cfg.moe.moe_ff, cfg.hidden
-    shapes = ((F, D), (F, D), (D, F))
+    """One expert's (gate, up, down) as `expert_shapes` (float32, bfloat16 bits for a bfloat16
+    checkpoint, FP8 rows for a block-quantized one)."""
+    shapes = expert_shapes(cfg, held, ckpt.fp8_block[1]).values()
     out = []
     for (t, off, n), shape in zip(slab.parts, shapes, strict=True):
         flat = ckpt.read_part(t, off, n, held)
@@ -158,20 +179,21 @@ def fuse_qkv(dense: Params) -> Params:
     return {**dense, "layers": layers}
 
 
-def expert_stacks(cfg: ModelConfig, dtype: np.dtype = np.float32) -> dict[str, np.ndarray]:
-    """Room for one layer's stacked experts (uninitialised, float32 or bfloat16 bits): gate/up
-    [E, F, D], down [E, D, F], on huge pages where Linux gives them (decode streams these; see
-    hugepages.py)."""
-    E, F, D = cfg.moe.num_experts, cfg.moe.moe_ff, cfg.hidden
-    shapes = {"gate": (E, F, D), "up": (E, F, D), "down": (E, D, F)}
-    return {k: hugepages.empty(shape, dtype) for k, shape in shapes.items()}
+def expert_stacks(
+    cfg: ModelConfig, dtype: np.dtype = np.float32, block: int = 0
+) -> dict[str, np.ndarray]:
+    """Room for one layer's stacked experts (uninitialised, as `expert_shapes` with E first),
+    on huge pages where Linux gives them (decode streams these; see hugepages.py)."""
+    E = cfg.moe.num_experts
+    shapes = expert_shapes(cfg, dtype, block)
+    return {k: hugepages.empty((E, *shape), dtype) for k, shape in shapes.items()}
 
 
 def load_experts(
     ckpt: Checkpoint, cfg: ModelConfig, layer: int, out: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
     """All routed experts of one layer stacked into `out` (default: new float32
-    `expert_stacks(cfg)`), held as its arrays' dtype (float32 or bfloat16 bits)."""
+    `expert_stacks(cfg)`), held as its arrays' dtype (float32, bfloat16 bits or FP8 rows)."""
     out = expert_stacks(cfg) if out is None else out
     held = out["gate"].dtype
     slabs = [

@@ -93,15 +93,20 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
 
 def expert_call(lib_path: Path, name: str):
     """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
-    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, where it has one."""
+    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, and over FP8 rows
+    (uint8) its fp8 one, `name`_fp8, where it has them."""
     registered(lib_path, "ColibriMoeExperts", name)
-    if hasattr(ctypes.cdll.LoadLibrary(str(lib_path)), "ColibriMoeExpertsBf16"):
-        registered(lib_path, "ColibriMoeExpertsBf16", f"{name}_bf16")
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    variants = {jnp.dtype(jnp.float32): name}
+    for dtype, symbol, suffix in ((jnp.uint16, "Bf16", "bf16"), (jnp.uint8, "Fp8", "fp8")):
+        if hasattr(lib, f"ColibriMoeExperts{symbol}"):
+            registered(lib_path, f"ColibriMoeExperts{symbol}", f"{name}_{suffix}")
+            variants[jnp.dtype(dtype)] = f"{name}_{suffix}"
 
     def call(gate, up, down, x, ids):
         shape = (*ids.shape, x.shape[1])
         out = jax.ShapeDtypeStruct(shape, jnp.float32)
-        target = f"{name}_bf16" if gate.dtype == jnp.uint16 else name
+        target = variants[jnp.dtype(gate.dtype)]
         return jax.ffi.ffi_call(target, out, vmap_method="sequential")(gate, up, down, x, ids)
 
     return jax.jit(call)

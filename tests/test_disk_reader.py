@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri.checkpoint import BF16_BITS, Checkpoint, CheckpointError, to_f32
+from colibri.checkpoint import BF16_BITS, E4M3, FP8_ROWS, Checkpoint, CheckpointError, to_f32
 from colibri.config import load_config
 from colibri.experts import disk
 from colibri.experts.disk import DiskReader
 from colibri.synth import SynthSpec, synthesize
-from colibri.weights import load_experts
+from colibri.weights import expert_dtype, expert_stacks, load_experts
 
 # Pieces from one page (every request split many times over) to larger than any range here.
 PIECES = [4096, 3 * 4096, 64 << 10, 1 << 20]
@@ -33,7 +33,7 @@ def _o_direct_works(path) -> bool:
 
 @pytest.fixture(scope="module", params=["bf16", "f32", "fp8"])
 def ckpt_dir(request, tmp_path_factory):
-    # fp8: blocks of 16 over matrices of 48 x 40 and 40 x 48, partial blocks at the edges.
+    # fp8: blocks of 8 over matrices of 48 x 40 and 40 x 48 (partial blocks: tests/test_fp8.py).
     spec = SynthSpec(
         layers=2,
         experts=6,
@@ -42,7 +42,7 @@ def ckpt_dir(request, tmp_path_factory):
         moe_ff=40,
         vocab=300,
         dtype=request.param,
-        fp8_block=16,
+        fp8_block=8,
     )
     return synthesize(spec, tmp_path_factory.mktemp(f"disk-{request.param}"), progress=False)
 
@@ -115,6 +115,37 @@ def test_bfloat16_experts_come_back_as_their_bits(ckpt_dir, truth):
                 assert bits.dtype == np.uint16
                 wide = to_f32(bits, "BF16")
                 np.testing.assert_array_equal(wide, truth[layer][name][e])
+    finally:
+        reader.close()
+
+
+def test_fp8_experts_come_back_as_fp8_rows(ckpt_dir):
+    """Held as FP8 rows (weights.expert_dtype of a block-quantized checkpoint), an expert comes
+    back as each row's stored e4m3 values followed by its block scales, which widen to exactly
+    the dequantized weights; other checkpoints cannot be held so."""
+    ck, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
+    reader = DiskReader(ck, cfg, threads=2, piece=4096, held=FP8_ROWS)
+    try:
+        layer = cfg.moe_layer_ids[-1]
+        futures = [reader.submit(layer, e) for e in range(cfg.moe.num_experts)]
+        stored = ck.info(reader.slab(layer, 0).parts[0][0].name).dtype
+        if stored != "F8_E4M3":
+            with pytest.raises(CheckpointError, match=f"{stored} tensor cannot be held as FP8"):
+                futures[0].result()
+            return
+        assert expert_dtype(ck, cfg) == FP8_ROWS
+        wide = load_experts(ck, cfg, layer)
+        rows = load_experts(ck, cfg, layer, out=expert_stacks(cfg, FP8_ROWS, 8))
+        for e, f in enumerate(futures):
+            for k, name in enumerate(("gate", "up", "down")):
+                got = f.result()[k]
+                assert got.dtype == np.uint8
+                np.testing.assert_array_equal(got, rows[name][e])
+                cols = wide[name].shape[-1]
+                bits = got[:, :cols].copy()
+                scales = got[:, cols:].copy().view("<f4")
+                dequant = E4M3[bits] * np.repeat(scales, 8, axis=1)
+                np.testing.assert_array_equal(dequant, wide[name][e])
     finally:
         reader.close()
 

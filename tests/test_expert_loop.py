@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
-from colibri.checkpoint import to_f32
+from colibri.checkpoint import Fp8Scales, quantize_fp8, to_f32
+from colibri.model.layers import widen_rows
 from colibri.model.moe import expert_outputs, expert_plan
 
 D, F = 8, 4
@@ -28,7 +30,8 @@ def reference(experts: dict, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         if 0 <= e < len(experts["gate"]):
             g, u, d = (np.asarray(experts[t][e], np.float64) for t in ("gate", "up", "down"))
             a, b = g @ x[n], u @ x[n]
-            y[n, k] = d @ (a / (1 + np.exp(-a)) * b)
+            with np.errstate(over="ignore"):  # silu of a far negative: -0
+                y[n, k] = d @ (a / (1 + np.exp(-a)) * b)
     return y
 
 
@@ -163,3 +166,79 @@ def test_the_native_kernel_takes_bfloat16_bits_and_not_other_dtypes():
     assert kernels.usable_weights(x, w["gate"], w["up"], down)
     assert not kernels.usable_weights(x, w["gate"], w["up"], down.astype(jnp.float32))  # mixed
     assert not kernels.usable_weights(x, *(a.astype(jnp.bfloat16) for a in (*w.values(), down)))
+
+
+def _fp8_rows(rng, shape: tuple[int, int, int], b0: int, b1: int, huge: bool = False):
+    """Random experts block-quantized to float8_e4m3fn: (FP8 rows [S, R, C + 4 C / b1] as the
+    engine holds them, the float32 [S, R, C] they dequantize to). A fifth of the values sit far
+    below their block's largest, so fp8 subnormals and zeros occur; `huge`: the first expert's
+    weights around 2^20, scales from 2^8 up."""
+    S, R, C = shape
+    rows, wide = [], []
+    for e in range(S):
+        w = rng.standard_normal((R, C)).astype(np.float32)
+        w[rng.random((R, C)) < 0.2] *= 1e-4
+        if huge and e == 0:
+            w *= 2.0**20
+        bits, scale_inv = quantize_fp8(w, (b0, b1))
+        scales = Fp8Scales(scale_inv, 0, b0, b1, C)
+        rows.append(scales.pack(bits.reshape(-1)).reshape(R, -1))
+        wide.append(scales.dequantize(bits))
+    return np.stack(rows), np.stack(wide)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    b1=st.sampled_from([8, 16, 32]),
+    b0=st.sampled_from([3, 8, 16]),
+    kd=st.integers(1, 4),
+    kf=st.integers(1, 3),
+    rows=st.integers(1, 16),
+    how=st.sampled_from(PLANS),
+    huge=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_fp8_rows_compute_bitwise_what_the_dequantized_weights_do(
+    b1, b0, kd, kf, rows, how, huge, seed
+):
+    """Experts held as FP8 rows (each row's e4m3 values, then its block scales) give in the
+    native kernel bitwise the outputs of the dequantized float32 weights (partial row blocks,
+    fp8 subnormals, zeros, scales from 2^8 up and out-of-range ids included); in XLA's loops
+    the same to float32 rounding, and the widened rows are exactly the dequantized weights."""
+    native, plan = how
+    rng = np.random.default_rng(seed)
+    S, K, dim, ff = 5, 3, b1 * kd, b1 * kf
+    shapes = {"gate": (S, ff, dim), "up": (S, ff, dim), "down": (S, dim, ff)}
+    packed, wide = {}, {}
+    for k, shape in shapes.items():
+        packed[k], wide[k] = _fp8_rows(rng, shape, b0, b1, huge)
+    assert packed["gate"].shape == (S, ff, dim + 4 * kd) and packed["gate"].dtype == np.uint8
+    np.testing.assert_array_equal(
+        np.asarray(widen_rows(jnp.asarray(packed["down"]), ff)), wide["down"]
+    )
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    ids = rng.integers(-1, S + 1, (rows, K)).astype(np.int32)
+    y = np.asarray(_jitted({k: jnp.asarray(v) for k, v in packed.items()}, x, ids, S, plan, native))
+    want = np.asarray(
+        _jitted({k: jnp.asarray(v) for k, v in wide.items()}, x, ids, S, plan, native)
+    )
+    scale = float(np.abs(want).max()) or 1.0
+    if native:
+        np.testing.assert_array_equal(y, want)
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(y, reference(wide, x, ids), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_the_native_kernel_refuses_rows_that_are_not_fp8_rows():
+    """uint8 experts go to the FP8 target, which checks that each row is L values and L / b
+    float32 scales with b a multiple of 8 dividing L."""
+    x = jnp.ones((2, 16), jnp.float32)
+    gate = jnp.zeros((3, 8, 16 + 8), jnp.uint8)  # 16 values, two scales: blocks of 8
+    down = jnp.zeros((3, 16, 8 + 4), jnp.uint8)
+    assert kernels.usable_experts(x, gate, gate, down)
+    ids = jnp.zeros((2, 1), jnp.int32)
+    np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
+    bad = jnp.zeros((3, 8, 16 + 16), jnp.uint8)  # four scales: blocks of 4
+    with pytest.raises(Exception, match="not L fp8 values and L / b scales"):
+        kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()

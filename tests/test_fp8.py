@@ -124,7 +124,9 @@ def test_synth_fp8_is_deepseek_layout_and_matches_transformers(tmp_path):
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
         assert kinds[name] == "BF16"
     model = load_model(d, progress=False)
-    assert model.store.held == np.float32  # dequantized experts are not bfloat16 numbers
+    # Experts held as FP8 rows: 32 + 64 / 16 * 4 bytes per row of gate and up, 64 + 8 of down.
+    assert model.store.held == np.uint8
+    assert model.store.expert_bytes == 2 * 32 * (64 + 16) + 64 * (32 + 8)
     assert model.params["embed"].dtype == np.uint16  # the bf16 ones stay bf16
     ids = model.tokenizer.encode("def forward(x): The router sends")
     ref = tiny.hf_logits(d, ids)
@@ -158,3 +160,42 @@ def test_placement_never_changes_fp8_logits(checkpoints):
         probe.store.close()
     np.testing.assert_array_equal(got[0][0], got[1][0])
     np.testing.assert_array_equal(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpoints, monkeypatch):
+    """A block-quantized checkpoint's routed experts are held as FP8 rows (values and block
+    scales: under a third of the bytes of float32 here, a quarter with 128-wide blocks) in
+    every tier. Wherever the CPU kernels compute (decode, prefill of up to 16 tokens) the
+    logits are bitwise those of the experts dequantized to float32 at load (COLIBRI_FP8=0);
+    a longer prefill, in XLA's loops, the same to float32 rounding."""
+    d = checkpoints("deepseek_v3", "fp8")
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
+    got = {}
+    for fp8 in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_FP8", fp8)
+        probe = load_model(d, progress=False)
+        eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
+        tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb) if tiered else None
+        model = load_model(d, tiers=tiers, progress=False) if tiered else probe
+        assert model.store.all_resident != tiered
+        runner = Runner(model, slots=len(prompts), capacity=64)
+        logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
+        steps, last = [], logits
+        for k in range(3):
+            rows = [Row(s, int(np.argmax(last[s])), len(p) + k) for s, p in enumerate(prompts)]
+            last = runner.decode(rows)[0]
+            steps.append(last)
+        if tiered:
+            assert model.store.disk.bytes_read > 0
+        got[fp8] = (model.store.held, eb, np.asarray(logits), np.asarray(steps))
+        model.store.close()
+        probe.store.close()
+    (h8, eb8, pre8, dec8), (h32, eb32, pre32, dec32) = got["1"], got["0"]
+    assert (h8, h32) == (np.uint8, np.float32)
+    F, D = 32, 64  # tests/tiny.py's deepseek_v3: blocks of 8 columns, a scale per 8 values
+    assert (eb8, eb32) == (3 * F * D * 3 // 2, 3 * F * D * 4)
+    np.testing.assert_array_equal(pre8[:2], pre32[:2])
+    np.testing.assert_array_equal(dec8, dec32)
+    np.testing.assert_allclose(pre8[2], pre32[2], rtol=1e-4, atol=1e-4)
+    assert np.argmax(pre8[2]) == np.argmax(pre32[2])

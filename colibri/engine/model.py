@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import Checkpoint
+from colibri.checkpoint import FP8_ROWS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -57,7 +57,10 @@ def load_model(
     params = jax.device_put(hold_bf16(dense) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
     n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
-    n_routed = store.expert_bytes // store.held.itemsize * store.E * len(cfg.moe_layer_ids)
+    n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
+    how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
+    if store.held == FP8_ROWS:
+        how += ", routed experts as fp8 rows"
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
     huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
@@ -68,7 +71,7 @@ def load_model(
         cfg.family,
         n_dense / 1e6,
         n_routed / 1e6,
-        "bfloat16 ones held as bfloat16" if bf16 else "held as float32",
+        how,
         huge >> 20,
         store.summary(),
     )

@@ -20,7 +20,7 @@ from colibri import hugepages
 from colibri.checkpoint import Checkpoint, CheckpointError, Fp8Scales, raw_dtype, to_held
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
-from colibri.weights import ExpertSlab, expert_slab
+from colibri.weights import ExpertSlab, expert_shapes, expert_slab
 
 log = logging.getLogger("colibri")
 
@@ -75,7 +75,7 @@ class DiskReader:
     into aligned pieces that are in flight together. Raw bytes land in reusable page-aligned
     buffers (huge pages where the kernel allows: O_DIRECT requests then travel as a few
     large segments instead of 4 KiB ones, measured 2x faster on a virtio disk) and are
-    copied out as `held` (float32, or bfloat16 bits; see weights.expert_dtype) by the thread
+    copied out as `held` (float32, bfloat16 bits or FP8 rows; weights.expert_dtype) by the thread
     that reads the last piece, after its read.
 
     Counters: `bytes_read` (useful bytes of completed requests), `thread_seconds` (t_edisk:
@@ -130,8 +130,7 @@ class DiskReader:
         ranges = _ranges(slab)
         spans = self._layout([r for r, _ in ranges])
         contents = [(span, parts) for span, (_, parts) in zip(spans, ranges, strict=True)]
-        F, D = self.cfg.moe.moe_ff, self.cfg.hidden
-        shapes = ((F, D), (F, D), (D, F))
+        shapes = expert_shapes(self.cfg, self.held, self.ckpt.fp8_block[1]).values()
         # FP8 matrices: their block scales, a few KiB read now (None for other dtypes).
         scales = [self.ckpt.fp8_scales(t, off, n) for t, off, n in slab.parts]
         parts = [(s, dt, off, n) for s, held in contents for dt, off, n in held]

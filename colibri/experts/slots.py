@@ -22,15 +22,12 @@ def _put(bufs: dict, slot: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) 
 
 
 class LayerSlots:
-    """`n` slots of one layer's experts: gate/up [n, F, D], down [n, D, F] on device."""
+    """`n` slots of one layer's experts on device: gate/up [n, F, D], down [n, D, F] as held
+    (`shapes`: one expert's, weights.expert_shapes; `dtype`: weights.expert_dtype)."""
 
-    def __init__(self, n: int, num_experts: int, F: int, D: int, dtype=np.float32):
+    def __init__(self, n: int, num_experts: int, shapes: dict[str, tuple], dtype=np.float32):
         self.n = n
-        self.bufs = {  # float32, or bfloat16 bits (weights.expert_dtype)
-            "gate": jnp.zeros((n, F, D), dtype),
-            "up": jnp.zeros((n, F, D), dtype),
-            "down": jnp.zeros((n, D, F), dtype),
-        }
+        self.bufs = {k: jnp.zeros((n, *shapes[k]), dtype) for k in ("gate", "up", "down")}
         self.slot_of = np.full(num_experts, -1, np.int32)  # expert -> slot, -1 if not on device
         self.expert_in = np.full(n, -1, np.int32)  # slot -> expert, -1 if empty
         self.pinned = np.zeros(n, bool)

@@ -1,7 +1,7 @@
 """Native CPU kernels, built on first use with the system C++ compiler and called through XLA FFI.
 
-`moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32
-or bfloat16 bits, widened exactly as they are loaded) and
+`moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32,
+bfloat16 bits or FP8 rows, widened exactly as they are loaded) and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
 the KV cache (see cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
 `request_cut(True)` raises to end the bursts running in this process after their current step.
@@ -35,6 +35,7 @@ _SOURCE = Path(__file__).with_name("cpu.cc")
 _TARGETS = {
     "colibri_moe_experts": "ColibriMoeExperts",
     "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
+    "colibri_moe_experts_fp8": "ColibriMoeExpertsFp8",
     "colibri_linear": "ColibriLinear",
     "colibri_linear_bf16": "ColibriLinearBf16",
     "colibri_attend": "ColibriAttend",
@@ -142,17 +143,32 @@ def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
     return held and usable(x)
 
 
+def usable_experts(x: jax.Array, *weights: jax.Array) -> bool:
+    """Whether `moe_experts` can take these: as `usable_weights`, or FP8 rows (uint8)."""
+    if {w.dtype for w in weights} == {jnp.dtype(jnp.uint8)}:
+        return usable(x)
+    return usable_weights(x, *weights)
+
+
+_EXPERT_TARGETS = {
+    jnp.dtype(jnp.float32): "colibri_moe_experts",
+    jnp.dtype(jnp.uint16): "colibri_moe_experts_bf16",
+    jnp.dtype(jnp.uint8): "colibri_moe_experts_fp8",
+}
+
+
 def moe_experts(
     gate: jax.Array, up: jax.Array, down: jax.Array, x: jax.Array, ids: jax.Array
 ) -> jax.Array:
     """y [N, K, D] float32: expert ids[n, k] (slot index; outside [0, S) gives 0) on x[n].
-    The weights are float32, or bfloat16 bits (uint16: results bitwise those of the same
-    weights widened to float32)."""
+    The weights are float32, bfloat16 bits (uint16) or FP8 rows (uint8: each row's
+    float8_e4m3fn values, then its float32 block scales; `weights.FP8_ROWS`); results are
+    bitwise those of the same weights widened (and scaled) to float32 beforehand."""
     _require()
     N, K = ids.shape
     D = x.shape[1]
     call = jax.ffi.ffi_call(
-        "colibri_moe_experts_bf16" if gate.dtype == jnp.uint16 else "colibri_moe_experts",
+        _EXPERT_TARGETS[jnp.dtype(gate.dtype)],
         jax.ShapeDtypeStruct((N, K, D), jnp.float32),
         vmap_method="sequential",
     )

@@ -8,6 +8,11 @@
 // Entries of ids outside [0, S) are experts that are not staged: their rows of y are 0.
 // colibri_moe_experts_bf16: the same with gate, up and down as bfloat16 bit patterns (uint16),
 // widened exactly to float32 as they are loaded (half the bytes read, the same results).
+// colibri_moe_experts_fp8: the same with gate, up and down as FP8 rows (uint8): each row of a
+// matrix is its L float8_e4m3fn values, then its L / b float32 block scales (one per b
+// columns; b a multiple of 8 dividing L), so gate and up are [S, F, D + 4 D / b] and down
+// [S, D, F + 4 F / b]. A weight is widened and times its block's scale (rounded once) as it is
+// loaded: the float32 a block-quantized checkpoint dequantizes to, at a quarter of the bytes.
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -33,6 +38,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -81,6 +87,59 @@ inline float widen(uint16_t w) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// float8_e4m3fn (bias 7, no infinities) to the float32 it stands for, exactly: a normal
+// value's exponent and mantissa move into place and the bias is made up; exponent 0 is
+// m * 2^-9 (zero included). The one NaN pattern per sign comes out as 480 (checkpoints have
+// none). Eight at a time: the same arithmetic in the lanes, selected per lane.
+inline float e4m3(uint8_t b) {
+  const uint32_t mag = b & 0x7f;
+  float v;
+  if (mag < 8) {
+    v = static_cast<float>(mag) * (1.0f / 512);
+  } else {
+    const uint32_t bits = (mag << 20) + (120u << 23);
+    std::memcpy(&v, &bits, sizeof v);
+  }
+  return (b & 0x80) ? -v : v;
+}
+
+// Eight float8_e4m3fn values times 2^-120, exactly: the value's sign, exponent and mantissa
+// put in place in a float32 without the bias difference. Exponent 0 (zeros, fp8 subnormals)
+// lands on float32 subnormals, exact as long as they are not flushed (`KeepSubnormals`); the
+// caller's scale carries the 2^120 (a product of exact operands, rounded once: bitwise the
+// value times the scale).
+inline v8 e4m3x8(const uint8_t* p) {
+#if defined(__AVX2__)
+  int64_t eight;
+  std::memcpy(&eight, p, sizeof eight);
+  // Byte k into the top byte of lane k (b << 24), zeros elsewhere: in each 128-bit half the
+  // shuffle picks from the same eight bytes.
+  const __m256i top = _mm256_setr_epi8(
+      -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3,  //
+      -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7);
+  const __m256i b24 = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), top);
+  // Shifted back 4 with the sign copied: sign in bit 31, exponent and mantissa in bits
+  // 26..20; keep those.
+  const __m256i placed = _mm256_and_si256(_mm256_srai_epi32(b24, 4),
+                                          _mm256_set1_epi32(static_cast<int32_t>(0x87f00000u)));
+  return reinterpret_cast<v8>(_mm256_castsi256_ps(placed));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = e4m3(p[i]) * 0x1p-120f;
+  return v;
+#endif
+}
+
+// Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
+// XLA's threads may run with denormals-are-zero set.
+struct KeepSubnormals {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  KeepSubnormals() { _mm_setcsr(saved & ~0x0040u); }  // DAZ off
+  ~KeepSubnormals() { _mm_setcsr(saved); }
+#endif
+};
 
 // Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
 // instantiation of a loop rounds the same way.
@@ -173,8 +232,11 @@ inline v8 exp8(v8 x) {
 inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
 
 // out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
+// `blk`: FP8 rows' block width (unused for float and bfloat16 weights).
 template <int TW, int TR, typename T>
-inline void dots(const T* const* w, const float* const* x, int64_t L, float* out) {
+inline void dots(const T* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk = 0) {
+  (void)blk;
   v8 acc[TW][TR];
   for (int i = 0; i < TW; ++i)
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
@@ -207,6 +269,59 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
       }
 }
 
+// Columns [c0, c0 + blk) of `dots` over FP8 rows: each weight widened (times 2^-120) and
+// times scale[i] (its row's block scale times 2^120; Huge: a scale from 2^8 up, which would
+// overflow so, and goes in two exact steps instead).
+template <int TW, int TR, bool Huge>
+inline void fp8_block(const uint8_t* const* w, const float* const* x, int64_t c0, int64_t blk,
+                      const v8* scale, v8 (*acc)[TR]) {
+  for (int64_t c = c0; c < c0 + blk; c += 8) {
+    v8 wv[TW];
+    if constexpr (TR > 1) {
+      if (c % 64 == 0)  // once a cache line, 2 KiB ahead as for the other weights
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048, 0, 3);
+    }
+    for (int i = 0; i < TW; ++i) {
+      wv[i] = Huge ? (e4m3x8(w[i] + c) * 0x1p120f) * scale[i] : e4m3x8(w[i] + c) * scale[i];
+      in_register(wv[i]);
+    }
+    for (int j = 0; j < TR; ++j) {
+      v8 xv = load8(x[j] + c);
+      in_register(xv);
+      for (int i = 0; i < TW; ++i) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
+    }
+  }
+}
+
+// The same over FP8 rows: w[i] is a row's L float8_e4m3fn values, its L / blk float32 block
+// scales right after them (L a multiple of blk, blk of 8). Each weight is widened and scaled
+// as it is loaded, then the same multiply-adds in the same order: bitwise the dot of the
+// dequantized float32 row.
+template <int TW, int TR>
+inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  v8 acc[TW][TR];
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    v8 scale[TW];
+    bool huge = false;
+    for (int i = 0; i < TW; ++i) {
+      float s;
+      std::memcpy(&s, w[i] + L + 4 * (c0 / blk), sizeof s);
+      huge = huge || !(std::fabs(s) < 256.0f);
+      scale[i] = v8{} + s;
+    }
+    if (huge) {
+      fp8_block<TW, TR, true>(w, x, c0, blk, scale, acc);
+    } else {
+      for (int i = 0; i < TW; ++i) scale[i] = scale[i] * 0x1p120f;
+      fp8_block<TW, TR, false>(w, x, c0, blk, scale, acc);
+    }
+  }
+  hsums<TW * TR>(&acc[0][0], out);
+}
+
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
 // quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
@@ -214,19 +329,19 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
 // (experiments/bench_streams.py).
 template <int TW, int TR, typename T, typename Emit>
 inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
-                         Emit emit) {
+                         Emit emit, int64_t blk) {
   float out[TW * TR];
   const T* w[TW];
   const int64_t gap = R / TW;
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
-    dots<TW, TR>(w, x, L, out);
+    dots<TW, TR>(w, x, L, out, blk);
     for (int i = 0; i < TW; ++i)
       for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
   }
   for (int64_t row = gap * TW; row < R; ++row) {
     w[0] = W + row * ld;
-    dots<1, TR>(w, x, L, out);
+    dots<1, TR>(w, x, L, out, blk);
     for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
   }
 }
@@ -234,9 +349,9 @@ inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const flo
 // out[i * TR + j] = dot(w[i], x[j0 + j]), emitted as emit(rows[i], j0 + j, ...).
 template <int TW, int TR, typename T, typename Emit>
 inline void tile(const T* const* w, const int64_t* rows, const float* const* x, int64_t j0,
-                 int64_t L, Emit& emit) {
+                 int64_t L, Emit& emit, int64_t blk) {
   float out[TW * TR];
-  dots<TW, TR>(w, x + j0, L, out);
+  dots<TW, TR>(w, x + j0, L, out, blk);
   for (int i = 0; i < TW; ++i)
     for (int j = 0; j < TR; ++j) emit(rows[i], j0 + j, out[i * TR + j]);
 }
@@ -247,16 +362,16 @@ inline void tile(const T* const* w, const int64_t* rows, const float* const* x, 
 // peers shapes' 16-row expert calls took 0.99x the time, bench_kernel_revs.py).
 template <int TW, typename T, typename Emit>
 inline void all_inputs(const T* const* w, const int64_t* rows, const float* const* x,
-                       int64_t r, int64_t L, Emit& emit) {
+                       int64_t r, int64_t L, Emit& emit, int64_t blk) {
   if (r == 5) {
-    tile<TW, 3>(w, rows, x, 0, L, emit);
-    tile<TW, 2>(w, rows, x, 3, L, emit);
+    tile<TW, 3>(w, rows, x, 0, L, emit, blk);
+    tile<TW, 2>(w, rows, x, 3, L, emit, blk);
     return;
   }
   const int64_t threes = (4 - r % 4) % 4;  // r = 4 * fours + 3 * threes
   int64_t j0 = 0;
-  for (; j0 + 3 * threes < r; j0 += 4) tile<TW, 4>(w, rows, x, j0, L, emit);
-  for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit);
+  for (; j0 + 3 * threes < r; j0 += 4) tile<TW, 4>(w, rows, x, j0, L, emit, blk);
+  for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit, blk);
 }
 
 // Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
@@ -265,15 +380,16 @@ inline void all_inputs(const T* const* w, const int64_t* rows, const float* cons
 // shape).
 // Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
 // AVX registers: 12% faster per 16-row layer than two rows by four.
+// `ld`: elements from one row of W to the next (default L); `blk`: FP8 rows' block width.
 template <typename T, typename Emit>
 void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
-             int64_t ld = 0) {
+             int64_t ld = 0, int64_t blk = 0) {
   if (ld == 0) ld = L;
   if (r <= 0) return;
-  if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit);
-  if (r == 3) return matvecs_tile<3, 3>(W, R, L, ld, x, emit);
-  if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit);
-  if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit);
+  if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit, blk);
+  if (r == 3) return matvecs_tile<3, 3>(W, R, L, ld, x, emit, blk);
+  if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
+  if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit, blk);
   const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
   const T* w[3];
   int64_t rows[3];
@@ -282,11 +398,11 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
       rows[i] = row + i * gap;
       w[i] = W + rows[i] * ld;
     }
-    all_inputs<3>(w, rows, x, r, L, emit);
+    all_inputs<3>(w, rows, x, r, L, emit, blk);
   }
   for (int64_t row = gap * 3; row < R; ++row) {
     w[0] = W + row * ld;
-    all_inputs<1>(w, &row, x, r, L, emit);
+    all_inputs<1>(w, &row, x, r, L, emit, blk);
   }
 }
 
@@ -297,6 +413,8 @@ struct Problem {
   const T* down;
   float* y;
   int64_t F, D;
+  int64_t ldg = 0, ldd = 0;  // row strides of gate/up and down, in T (D and F but for FP8)
+  int64_t bg = 0, bd = 0;    // FP8 rows: block widths of gate/up and down
   std::vector<int32_t> slot;   // the distinct staged experts, most rows first
   std::vector<int64_t> first;  // their assignments: assign[first[i] .. first[i + 1])
   std::vector<int64_t> assign;
@@ -315,11 +433,15 @@ struct Problem {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     float* hq = h.data() + q * F + f0;
-    const T* G = gate + (s * F + f0) * D;
-    const T* U = up + (s * F + f0) * D;
+    const T* G = gate + (s * F + f0) * ldg;
+    const T* U = up + (s * F + f0) * ldg;
     float* uq = u.data() + q * F + f0;
-    matvecs(G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
-    matvecs(U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
+    matvecs(
+        G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; }, ldg,
+        bg);
+    matvecs(
+        U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; }, ldg,
+        bg);
     for (int64_t j = 0; j < r; ++j) swiglu(hq + j * F, uq + j * F, nf);
   }
 
@@ -345,9 +467,10 @@ struct Problem {
     const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
-    const T* Dn = down + (s * D + d0) * F;
-    matvecs(Dn, nd, F, &hrow[q], r,
-            [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
+    const T* Dn = down + (s * D + d0) * ldd;
+    matvecs(
+        Dn, nd, F, &hrow[q], r, [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
+        ldd, bd);
   }
 };
 
@@ -425,6 +548,7 @@ struct ExpertCall : Gang {
   std::atomic<int64_t> arrivals{0};
 
   void drain() override {
+    [[maybe_unused]] std::conditional_t<std::is_same_v<T, uint8_t>, KeepSubnormals, int> keep{};
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
@@ -453,6 +577,17 @@ struct ExpertCall : Gang {
   }
 };
 
+// FP8 rows of L values held as `held` elements (L values, then L / b float32 scales): the
+// block width b, or 0 when they are not (b must be a multiple of 8 dividing L).
+int64_t fp8_block(int64_t L, int64_t held) {
+  const int64_t extra = held - L;
+  if (L <= 0 || extra <= 0 || extra % 4) return 0;
+  const int64_t blocks = extra / 4;
+  if (L % blocks) return 0;
+  const int64_t b = L / blocks;
+  return b % 8 == 0 ? b : 0;
+}
+
 // Weight rows per work item: about `bytes` of weights, a multiple of 8 rows.
 int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
   const int64_t n = std::max<int64_t>(8, bytes / std::max<int64_t>(row_bytes, 1) / 8 * 8);
@@ -469,10 +604,21 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   if (gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || xd.size() != 2 || id.size() != 2 ||
       yd.size() != 3)
     return ffi::Error::InvalidArgument("colibri_moe_experts: wrong ranks");
-  const int64_t S = gd[0], F = gd[1], D = gd[2], N = xd[0], K = id[1];
-  if (ud[0] != S || ud[1] != F || ud[2] != D || dd[0] != S || dd[1] != D || dd[2] != F ||
-      xd[1] != D || id[0] != N || yd[0] != N || yd[1] != K || yd[2] != D)
+  const int64_t S = gd[0], F = gd[1], D = xd[1], N = xd[0], K = id[1];
+  const int64_t ldg = gd[2], ldd = dd[2];  // row lengths as held
+  if (ud[0] != S || ud[1] != F || ud[2] != ldg || dd[0] != S || dd[1] != D || id[0] != N ||
+      yd[0] != N || yd[1] != K || yd[2] != D)
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
+  int64_t bg = 0, bd = 0;
+  if constexpr (std::is_same_v<T, uint8_t>) {  // rows of L values and L / b scales
+    bg = fp8_block(D, ldg);
+    bd = fp8_block(F, ldd);
+    if (bg == 0 || bd == 0)
+      return ffi::Error::InvalidArgument(
+          "colibri_moe_experts_fp8: rows are not L fp8 values and L / b scales, b of 8");
+  } else if (ldg != D || ldd != F) {
+    return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
+  }
 
   auto call = std::make_shared<ExpertCall<T>>();
   Problem<T>& p = call->p;
@@ -482,6 +628,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   p.y = y->typed_data();
   p.F = F;
   p.D = D;
+  p.ldg = ldg;
+  p.ldd = ldd;
+  p.bg = bg;
+  p.bd = bd;
   const int32_t* sid = ids.typed_data();
   const int64_t NK = N * K;
 
@@ -523,7 +673,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
   // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
-  constexpr int64_t bytes = sizeof(T);  // a weight's
+  constexpr int64_t bytes = sizeof(T);  // a weight's (its scale aside, for FP8)
   p.fchunk = chunk_rows(2 * D * bytes, F, 512 << 10);
   p.dchunk = chunk_rows(F * bytes, D, 256 << 10);
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
@@ -769,6 +919,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsBf16, (MoeExperts<ffi::U16, uint1
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The same over FP8 rows (uint8: each row's float8_e4m3fn values, then its float32 block
+// scales): a block-quantized checkpoint's experts at a quarter of the bytes of float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsFp8, (MoeExperts<ffi::U8, uint8_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

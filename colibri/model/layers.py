@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from colibri import kernels
+from colibri.checkpoint import E4M3
 from colibri.config import RopeConfig
 
 
@@ -29,6 +30,21 @@ def widen(w: jax.Array) -> jax.Array:
     if w.dtype != jnp.uint16:
         return w
     return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
+
+
+def widen_rows(w: jax.Array, cols: int) -> jax.Array:
+    """`widen`, and FP8 rows (uint8 [..., cols + 4 * blocks]: each row's cols float8_e4m3fn
+    values, then its float32 block scales; checkpoint.FP8_ROWS) as the float32 [..., cols]
+    they stand for: each value times its block's scale, rounded once, as the checkpoint
+    dequantizes them."""
+    if w.dtype != jnp.uint8:
+        return widen(w)
+    lead, blocks = w.shape[:-1], (w.shape[-1] - cols) // 4
+    values = jnp.asarray(E4M3)[w[..., :cols]].reshape(*lead, blocks, cols // blocks)
+    scales = jax.lax.bitcast_convert_type(
+        w[..., cols:].reshape(*lead, blocks, 4), jnp.float32
+    )  # [..., blocks]
+    return (values * scales[..., None]).reshape(*lead, cols)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:

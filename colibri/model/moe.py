@@ -9,13 +9,14 @@ import jax.numpy as jnp
 
 from colibri import kernels
 from colibri.config import MoeConfig
-from colibri.model.layers import linear, swiglu, widen
+from colibri.model.layers import linear, swiglu, widen_rows
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
-# Float32, or bfloat16 held as bit patterns (uint16; weights.expert_dtype), widened as used:
-# the native kernel gives bitwise what the widened weights give, XLA's loops (which fuse the
-# widening into their products) the same to float32 rounding.
+# Float32, bfloat16 held as bit patterns (uint16), or block-quantized FP8 held as rows of
+# values and block scales (uint8, rows longer than D or F; weights.expert_dtype), widened as
+# used: the native kernel gives bitwise what the widened weights give, XLA's loops (which
+# fuse the widening into their products) the same to float32 rounding.
 Experts = dict[str, jax.Array]
 
 
@@ -79,9 +80,9 @@ def expert_outputs(
     several chunks are bitwise those of one pass.
     """
     N, K = ids.shape
-    S, F, D = experts["gate"].shape
+    S, D = experts["gate"].shape[0], x.shape[1]
     if native is None:
-        native = kernels.usable_weights(x, experts["gate"], experts["up"], experts["down"])
+        native = kernels.usable_experts(x, experts["gate"], experts["up"], experts["down"])
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
@@ -172,10 +173,13 @@ def expert_plan(rows: int, top_k: int, num_experts: int) -> tuple[int, int]:
 
 def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
     """SwiGLU of slot `slot` over every row of x [N, D]."""
-    F, D = experts["gate"].shape[1:]
-    g = widen(jax.lax.dynamic_slice(experts["gate"], (slot, 0, 0), (1, F, D))[0])
-    u = widen(jax.lax.dynamic_slice(experts["up"], (slot, 0, 0), (1, F, D))[0])
-    d = widen(jax.lax.dynamic_slice(experts["down"], (slot, 0, 0), (1, D, F))[0])
+    F, D = experts["gate"].shape[1], x.shape[1]
+
+    def matrix(name: str, cols: int) -> jax.Array:
+        a = experts[name]
+        return widen_rows(jax.lax.dynamic_slice(a, (slot, 0, 0), (1, *a.shape[1:]))[0], cols)
+
+    g, u, d = matrix("gate", D), matrix("up", D), matrix("down", F)
     return (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T
 
 
