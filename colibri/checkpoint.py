@@ -165,14 +165,18 @@ class Checkpoint:
         buf = self.pread(t.path, t.offset, t.nbytes)
         return np.frombuffer(buf, dtype=_RAW_DTYPES[t.dtype]).reshape(t.shape)
 
-    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor as float32, checked against `shape` when given."""
+    def read(
+        self, name: str, shape: tuple[int, ...] | None = None, held: np.dtype = np.float32
+    ) -> np.ndarray:
+        """The tensor as float32, checked against `shape` when given; with held=FP8_ROWS, an
+        FP8 matrix as its rows of values and block scales ([rows, cols + 4 cols / b1])."""
         t = self.info(name)
         if shape is not None and tuple(shape) != t.shape:
             raise CheckpointError(
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
-        return to_held(self.read_raw(name), t.dtype, np.float32, self.fp8_scales(t))
+        out = to_held(self.read_raw(name), t.dtype, held, self.fp8_scales(t))
+        return out.reshape(t.shape[0], -1) if np.dtype(held) == FP8_ROWS else out
 
     def read_part(
         self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32

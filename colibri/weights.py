@@ -102,17 +102,34 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     }
     if dtypes == {"BF16"} and holds_bf16(ckpt):
         return BF16_BITS
-    b1 = ckpt.fp8_block[1]
-    rows_fit = b1 % 8 == 0 and cfg.hidden % b1 == 0 and cfg.moe.moe_ff % b1 == 0
-    if dtypes == {"F8_E4M3"} and rows_fit and os.environ.get("COLIBRI_FP8", "1") != "0":
+    fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
+    if dtypes == {"F8_E4M3"} and fit and holds_fp8():
         return FP8_ROWS
     return np.dtype(np.float32)
+
+
+def holds_fp8() -> bool:
+    """Whether colibri keeps a block-quantized checkpoint's FP8 matrices as FP8 rows (their
+    values and block scales, a quarter of the bytes of float32; `expert_dtype`, `load_dense`)
+    rather than dequantizing them to float32 at load: unless `COLIBRI_FP8=0`."""
+    return os.environ.get("COLIBRI_FP8", "1") != "0"
+
+
+def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
+    """Whether rows of `cols` weights can be held as FP8 rows: whole column blocks of a
+    multiple of 8 (the kernels widen eight at a time)."""
+    b1 = ckpt.fp8_block[1]
+    return b1 % 8 == 0 and cols % b1 == 0
 
 
 def held_cols(n: int, held: np.dtype, block: int) -> int:
     """Elements a matrix row of n weights takes held as `held`: n, or for FP8_ROWS n values
     and n / block float32 scales."""
     return n + 4 * (n // block) if np.dtype(held) == FP8_ROWS else n
+
+
+def _same_dtype(tree: Params, *names: str) -> bool:
+    return len({tree[n].dtype for n in names}) == 1
 
 
 def expert_shapes(cfg: ModelConfig, held: np.dtype, block: int = 0) -> dict[str, tuple]:
@@ -141,7 +158,9 @@ def read_expert(
 
 
 def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
-    """Every weight except routed experts, as float32 numpy arrays, shape-checked."""
+    """Every weight except routed experts, as float32 numpy arrays, shape-checked; a
+    block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`)."""
+    ckpt = _Matrices(ckpt, holds_fp8())
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
@@ -160,6 +179,27 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
 _QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
 
 
+class _Matrices:
+    """The checkpoint as load_dense reads it: FP8 matrices as FP8 rows where they fit (when
+    `fp8`), everything else as float32."""
+
+    def __init__(self, ckpt: Checkpoint, fp8: bool):
+        self._ckpt, self._fp8 = ckpt, fp8
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._ckpt
+
+    def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        rows = (
+            self._fp8
+            and shape is not None
+            and len(shape) == 2
+            and self._ckpt.info(name).dtype == "F8_E4M3"
+            and fp8_rows_fit(self._ckpt, shape[1])
+        )
+        return self._ckpt.read(name, shape, FP8_ROWS if rows else np.float32)
+
+
 def fuse_qkv(dense: Params) -> Params:
     """`dense` with each GQA layer's q, k and v projections (and biases) stacked into one
     "qkv" matrix [(H + 2 Hkv) Dh, D], so a forward reads them in one linear call: on the CPU
@@ -169,7 +209,7 @@ def fuse_qkv(dense: Params) -> Params:
     layers = []
     for lw in dense["layers"]:
         attn = lw["attn"]
-        if all(name in attn for name in ("q", "k", "v")):
+        if all(name in attn for name in ("q", "k", "v")) and _same_dtype(attn, "q", "k", "v"):
             w = {name: a for name, a in attn.items() if name not in _QKV}
             w["qkv"] = np.concatenate([attn[name] for name in ("q", "k", "v")])
             if "q_bias" in attn:

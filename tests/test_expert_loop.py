@@ -236,7 +236,7 @@ def test_the_native_kernel_refuses_rows_that_are_not_fp8_rows():
     x = jnp.ones((2, 16), jnp.float32)
     gate = jnp.zeros((3, 8, 16 + 8), jnp.uint8)  # 16 values, two scales: blocks of 8
     down = jnp.zeros((3, 16, 8 + 4), jnp.uint8)
-    assert kernels.usable_experts(x, gate, gate, down)
+    assert kernels.usable_weights(x, gate, gate, down)
     ids = jnp.zeros((2, 1), jnp.int32)
     np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
     bad = jnp.zeros((3, 8, 16 + 16), jnp.uint8)  # four scales: blocks of 4

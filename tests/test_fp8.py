@@ -164,11 +164,12 @@ def test_placement_never_changes_fp8_logits(checkpoints):
 
 @pytest.mark.parametrize("tiered", [False, True])
 def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpoints, monkeypatch):
-    """A block-quantized checkpoint's routed experts are held as FP8 rows (values and block
-    scales: under a third of the bytes of float32 here, a quarter with 128-wide blocks) in
-    every tier. Wherever the CPU kernels compute (decode, prefill of up to 16 tokens) the
-    logits are bitwise those of the experts dequantized to float32 at load (COLIBRI_FP8=0);
-    a longer prefill, in XLA's loops, the same to float32 rounding."""
+    """A block-quantized checkpoint's FP8 matrices are held as FP8 rows (values and block
+    scales: under a third of the bytes of float32 here, a quarter with 128-wide blocks): the
+    routed experts in every tier, and the attention's and shared experts' matrices. Wherever
+    the CPU kernels compute (decode, prefill of up to 16 tokens) the logits are bitwise those
+    of the matrices dequantized to float32 at load (COLIBRI_FP8=0); a longer prefill, in XLA's
+    products, the same to float32 rounding."""
     d = checkpoints("deepseek_v3", "fp8")
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
     got = {}
@@ -188,11 +189,15 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
             steps.append(last)
         if tiered:
             assert model.store.disk.bytes_read > 0
-        got[fp8] = (model.store.held, eb, np.asarray(logits), np.asarray(steps))
+        attn = model.params["layers"][0]["attn"]
+        dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
+        got[fp8] = (model.store.held, dense, eb, np.asarray(logits), np.asarray(steps))
         model.store.close()
         probe.store.close()
-    (h8, eb8, pre8, dec8), (h32, eb32, pre32, dec32) = got["1"], got["0"]
+    (h8, d8, eb8, pre8, dec8), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
     assert (h8, h32) == (np.uint8, np.float32)
+    assert d8 == (np.uint8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
+    assert d32 == (np.float32, np.float32, np.float32)  # not quantized in the checkpoint
     F, D = 32, 64  # tests/tiny.py's deepseek_v3: blocks of 8 columns, a scale per 8 values
     assert (eb8, eb32) == (3 * F * D * 3 // 2, 3 * F * D * 4)
     np.testing.assert_array_equal(pre8[:2], pre32[:2])

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
-from colibri.checkpoint import to_f32
+from colibri.checkpoint import Fp8Scales, quantize_fp8, to_f32
 from colibri.model import layers
 
 _native = jax.jit(kernels.linear)
@@ -63,6 +63,39 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
         assert layers._native_ok(jnp.asarray(x), jnp.asarray(bits))
         np.testing.assert_array_equal(y, want)
         np.testing.assert_array_equal(np.asarray(f(x[-1:], bits))[0], y[-1])
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    blocks=st.integers(1, 5),
+    block=st.sampled_from([8, 16, 32]),
+    dim_out=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
+    rows, blocks, block, dim_out, seed
+):
+    """Weights held as FP8 rows (e4m3 values, then block scales): up to 16 rows (the native
+    kernel) bitwise what the dequantized float32 weights give, each row as it is alone; more
+    rows (XLA) the same to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    dim_in = blocks * block
+    x = rng.standard_normal((rows, dim_in)).astype(np.float32)
+    w = rng.standard_normal((dim_out, dim_in)).astype(np.float32)
+    w[rng.random(w.shape) < 0.2] *= 1e-4  # fp8 subnormals and zeros
+    bits, scale_inv = quantize_fp8(w, (block, block))
+    scales = Fp8Scales(scale_inv, 0, block, block, dim_in)
+    packed = scales.pack(bits.reshape(-1)).reshape(dim_out, -1)
+    wide = scales.dequantize(bits)
+    f = jax.jit(layers.linear)
+    y, want = np.asarray(f(x, packed)), np.asarray(f(x, wide))
+    if rows <= layers.NATIVE_ROWS:
+        assert layers._native_ok(jnp.asarray(x), jnp.asarray(packed))
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(np.asarray(f(x[-1:], packed))[0], y[-1])
     else:
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
 

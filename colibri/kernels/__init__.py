@@ -38,6 +38,7 @@ _TARGETS = {
     "colibri_moe_experts_fp8": "ColibriMoeExpertsFp8",
     "colibri_linear": "ColibriLinear",
     "colibri_linear_bf16": "ColibriLinearBf16",
+    "colibri_linear_fp8": "ColibriLinearFp8",
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
@@ -136,25 +137,13 @@ def usable(*arrays: jax.Array) -> bool:
 
 
 def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
-    """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32
-    or all bfloat16 bits (uint16), on CPU, kernels built."""
-    dtypes = {w.dtype for w in weights}
-    held = dtypes == {jnp.dtype(jnp.float32)} or dtypes == {jnp.dtype(jnp.uint16)}
-    return held and usable(x)
+    """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32,
+    all bfloat16 bits (uint16) or all FP8 rows (uint8), on CPU, kernels built."""
+    return len({w.dtype for w in weights}) == 1 and weights[0].dtype in _HELD and usable(x)
 
 
-def usable_experts(x: jax.Array, *weights: jax.Array) -> bool:
-    """Whether `moe_experts` can take these: as `usable_weights`, or FP8 rows (uint8)."""
-    if {w.dtype for w in weights} == {jnp.dtype(jnp.uint8)}:
-        return usable(x)
-    return usable_weights(x, *weights)
-
-
-_EXPERT_TARGETS = {
-    jnp.dtype(jnp.float32): "colibri_moe_experts",
-    jnp.dtype(jnp.uint16): "colibri_moe_experts_bf16",
-    jnp.dtype(jnp.uint8): "colibri_moe_experts_fp8",
-}
+# Weights as the kernels take them -> the suffix of their targets.
+_HELD = {jnp.dtype(jnp.float32): "", jnp.dtype(jnp.uint16): "_bf16", jnp.dtype(jnp.uint8): "_fp8"}
 
 
 def moe_experts(
@@ -168,7 +157,7 @@ def moe_experts(
     N, K = ids.shape
     D = x.shape[1]
     call = jax.ffi.ffi_call(
-        _EXPERT_TARGETS[jnp.dtype(gate.dtype)],
+        "colibri_moe_experts" + _HELD[jnp.dtype(gate.dtype)],
         jax.ShapeDtypeStruct((N, K, D), jnp.float32),
         vmap_method="sequential",
     )
@@ -176,11 +165,12 @@ def moe_experts(
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., I] @ w.T for w [O, I] float32 or bfloat16 bits (uint16): [..., O] float32."""
+    """x [..., I] @ w.T for w [O, I] float32, bfloat16 bits (uint16) or FP8 rows (uint8,
+    [O, I + 4 I / b]): [..., O] float32."""
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(
-        "colibri_linear_bf16" if w.dtype == jnp.uint16 else "colibri_linear",
+        "colibri_linear" + _HELD[jnp.dtype(w.dtype)],
         jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
         vmap_method="sequential",
     )

@@ -19,7 +19,8 @@
 // work is shared out among XLA's intra-op threads in slices of ~256-512 KiB of weights:
 // first the hidden rows (gate and up) of every chosen expert, then their down projections.
 //
-// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits.
+// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits;
+// colibri_linear_fp8: w as FP8 rows [O, I + 4 I / b], as the experts above.
 //
 // colibri_cut_requested: whether the host asked the decode bursts running in this process to
 // end after their current step (colibri_request_cut), read once per step.
@@ -689,19 +690,23 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
 // y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
 // each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
 // w is float32, or bfloat16 bits (T = uint16_t), widened as it is loaded.
+// w is float32, bfloat16 bits (T = uint16_t) or FP8 rows (T = uint8_t: each row's I values,
+// then its I / blk float32 block scales, ld bytes in all).
 template <typename T>
 struct LinearCall : Gang {
   const T* w;
   float* y;
-  int64_t M, O, I, chunk, items;
+  int64_t M, O, I, ld, blk, chunk, items;
   std::vector<const float*> xrow;
   std::atomic<int64_t> next{0};
 
   void drain() override {
+    [[maybe_unused]] std::conditional_t<std::is_same_v<T, uint8_t>, KeepSubnormals, int> keep{};
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
-      matvecs(w + o0 * I, no, I, xrow.data(), M,
-              [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; });
+      matvecs(
+          w + o0 * ld, no, I, xrow.data(), M,
+          [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; }, ld, blk);
     }
   }
 };
@@ -712,15 +717,26 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("colibri_linear: wrong ranks");
-  const int64_t M = xd[0], I = xd[1], O = wd[0];
-  if (wd[1] != I || yd[0] != M || yd[1] != O)
+  const int64_t M = xd[0], I = xd[1], O = wd[0], ld = wd[1];
+  if (yd[0] != M || yd[1] != O)
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
+  int64_t blk = 0;
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    blk = fp8_block(I, ld);
+    if (blk == 0)
+      return ffi::Error::InvalidArgument(
+          "colibri_linear_fp8: rows are not I fp8 values and I / b scales, b of 8");
+  } else if (ld != I) {
+    return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
+  }
   auto call = std::make_shared<LinearCall<T>>();
   call->w = reinterpret_cast<const T*>(w.typed_data());
   call->y = y->typed_data();
   call->M = M;
   call->O = O;
   call->I = I;
+  call->ld = ld;
+  call->blk = blk;
   constexpr int64_t bytes = sizeof(T);  // a weight's
   call->chunk = chunk_rows(I * bytes, O, 128 << 10);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
@@ -899,6 +915,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearBf16, (Linear<ffi::U16, uint16_t>),
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearFp8, (Linear<ffi::U8, uint8_t>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),

@@ -48,13 +48,13 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in], float32 or bfloat16 bits
-    (the native kernel: bitwise what the widened weights give; XLA, which fuses the widening
-    into its product: the same to float32 rounding)."""
+    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in], float32, bfloat16 bits or
+    FP8 rows (the native kernel: bitwise what the widened weights give; XLA, which fuses the
+    widening into its product: the same to float32 rounding)."""
     if _native_ok(x, w):
         y = _native_linear(x, w)
     else:
-        y = jnp.einsum("...i,oi->...o", x, widen(w))
+        y = jnp.einsum("...i,oi->...o", x, widen_rows(w, x.shape[-1]))
     return y if b is None else y + b
 
 

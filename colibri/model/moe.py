@@ -82,7 +82,7 @@ def expert_outputs(
     N, K = ids.shape
     S, D = experts["gate"].shape[0], x.shape[1]
     if native is None:
-        native = kernels.usable_experts(x, experts["gate"], experts["up"], experts["down"])
+        native = kernels.usable_weights(x, experts["gate"], experts["up"], experts["down"])
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
