@@ -128,10 +128,6 @@ def held_cols(n: int, held: np.dtype, block: int) -> int:
     return n + 4 * (n // block) if np.dtype(held) == FP8_ROWS else n
 
 
-def _same_dtype(tree: Params, *names: str) -> bool:
-    return len({tree[n].dtype for n in names}) == 1
-
-
 def expert_shapes(cfg: ModelConfig, held: np.dtype, block: int = 0) -> dict[str, tuple]:
     """One expert's matrices as held: gate and up [F, D], down [D, F], their rows as
     `held_cols` says (`block`: the FP8 block width, for FP8_ROWS)."""
@@ -198,6 +194,10 @@ class _Matrices:
             and fp8_rows_fit(self._ckpt, shape[1])
         )
         return self._ckpt.read(name, shape, FP8_ROWS if rows else np.float32)
+
+
+def _same_dtype(tree: Params, *names: str) -> bool:
+    return len({tree[n].dtype for n in names}) == 1
 
 
 def fuse_qkv(dense: Params) -> Params:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from colibri import hugepages
 from colibri.checkpoint import FP8_ROWS, Checkpoint
@@ -56,7 +55,11 @@ def load_model(
     dense = fuse_qkv(load_dense(ckpt, cfg))
     params = jax.device_put(hold_bf16(dense) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
-    n_dense = sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(params))
+    b1 = ckpt.fp8_block[1]  # FP8 rows hold b1 + 4 bytes for every b1 weights
+    n_dense = sum(
+        a.size * b1 // (b1 + 4) if a.dtype == FP8_ROWS else a.size
+        for a in jax.tree_util.tree_leaves(params)
+    )
     n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
     if store.held == FP8_ROWS:

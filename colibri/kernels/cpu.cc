@@ -323,6 +323,21 @@ inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, floa
   hsums<TW * TR>(&acc[0][0], out);
 }
 
+// out[0 .. L) = one FP8 row (L values, then L / blk scales) as float32: each value times its
+// block's scale, exactly as `dots` widens it in registers.
+inline void widen_fp8_row(const uint8_t* w, int64_t L, int64_t blk, float* out) {
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    float s;
+    std::memcpy(&s, w + L + 4 * (c0 / blk), sizeof s);
+    const bool huge = !(std::fabs(s) < 256.0f);
+    const v8 scale = v8{} + (huge ? s : s * 0x1p120f);
+    for (int64_t c = c0; c < c0 + blk; c += 8) {
+      const v8 v = huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
+      std::memcpy(out + c, &v, sizeof v);
+    }
+  }
+}
+
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
 // quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
@@ -392,18 +407,38 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
   if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit, blk);
   const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
-  const T* w[3];
-  int64_t rows[3];
-  for (int64_t row = 0; row < gap; ++row) {
-    for (int i = 0; i < 3; ++i) {
-      rows[i] = row + i * gap;
-      w[i] = W + rows[i] * ld;
+  if constexpr (std::is_same_v<T, uint8_t>) {
+    // FP8 rows met by several tiles of inputs: each widened once, into float32 rows in L1,
+    // which the float32 tiles then read (the same values, the same multiply-adds).
+    thread_local std::vector<float> wide;
+    wide.resize(3 * L);
+    const float* w[3] = {wide.data(), wide.data() + L, wide.data() + 2 * L};
+    int64_t rows[3];
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < 3; ++i) {
+        rows[i] = row + i * gap;
+        widen_fp8_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+      }
+      all_inputs<3>(w, rows, x, r, L, emit, 0);
     }
-    all_inputs<3>(w, rows, x, r, L, emit, blk);
-  }
-  for (int64_t row = gap * 3; row < R; ++row) {
-    w[0] = W + row * ld;
-    all_inputs<1>(w, &row, x, r, L, emit, blk);
+    for (int64_t row = gap * 3; row < R; ++row) {
+      widen_fp8_row(W + row * ld, L, blk, wide.data());
+      all_inputs<1>(w, &row, x, r, L, emit, 0);
+    }
+  } else {
+    const T* w[3];
+    int64_t rows[3];
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < 3; ++i) {
+        rows[i] = row + i * gap;
+        w[i] = W + rows[i] * ld;
+      }
+      all_inputs<3>(w, rows, x, r, L, emit, blk);
+    }
+    for (int64_t row = gap * 3; row < R; ++row) {
+      w[0] = W + row * ld;
+      all_inputs<1>(w, &row, x, r, L, emit, blk);
+    }
   }
 }
 
