@@ -4,7 +4,8 @@ Block-quantized FP8 checkpoints (DeepSeek-V3, Qwen3 "-FP8": `quantization_config
 quant_method "fp8" and `weight_block_size` [b0, b1]) store a linear layer's weight as
 float8_e4m3fn with a float32 `weight_scale_inv` per b0 x b1 block; colibri reads such a weight
 as float32, each value its fp8 number times its block's scale rounded once, as transformers
-dequantizes them.
+dequantizes them, or keeps it as FP8 rows (values, then their blocks' scales) that the CPU
+kernels and `layers.widen_rows` widen to exactly those float32s.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Checkpoint:
         self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32
     ) -> np.ndarray:
         """`nbytes` of tensor `t` starting `offset` bytes into it, flat, held as `held`
-        (`to_held`: float32, or bfloat16 bits; FP8 weights dequantized, whole rows only)."""
+        (`to_held`: float32, bfloat16 bits or FP8 rows; FP8 weights by whole rows only)."""
         raw = np.frombuffer(self.pread(t.path, t.offset + offset, nbytes), _RAW_DTYPES[t.dtype])
         return to_held(raw, t.dtype, held, self.fp8_scales(t, offset, nbytes))
 

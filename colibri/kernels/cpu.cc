@@ -89,27 +89,12 @@ inline float widen(uint16_t w) {
   return f;
 }
 
-// float8_e4m3fn (bias 7, no infinities) to the float32 it stands for, exactly: a normal
-// value's exponent and mantissa move into place and the bias is made up; exponent 0 is
-// m * 2^-9 (zero included). The one NaN pattern per sign comes out as 480 (checkpoints have
-// none). Eight at a time: the same arithmetic in the lanes, selected per lane.
-inline float e4m3(uint8_t b) {
-  const uint32_t mag = b & 0x7f;
-  float v;
-  if (mag < 8) {
-    v = static_cast<float>(mag) * (1.0f / 512);
-  } else {
-    const uint32_t bits = (mag << 20) + (120u << 23);
-    std::memcpy(&v, &bits, sizeof v);
-  }
-  return (b & 0x80) ? -v : v;
-}
-
-// Eight float8_e4m3fn values times 2^-120, exactly: the value's sign, exponent and mantissa
-// put in place in a float32 without the bias difference. Exponent 0 (zeros, fp8 subnormals)
-// lands on float32 subnormals, exact as long as they are not flushed (`KeepSubnormals`); the
-// caller's scale carries the 2^120 (a product of exact operands, rounded once: bitwise the
-// value times the scale).
+// Eight float8_e4m3fn values (bias 7, no infinities) times 2^-120, exactly: each value's sign,
+// exponent and mantissa put in place in a float32 without the bias difference (127 - 7).
+// Exponent 0 (zeros, fp8 subnormals) lands on float32 subnormals, exact as long as they are
+// not taken as zero (`KeepSubnormals`); the caller's scale carries the 2^120 (a product of
+// exact operands, rounded once: bitwise the value times the scale). The one NaN pattern per
+// sign comes out as 480 (checkpoints have none).
 inline v8 e4m3x8(const uint8_t* p) {
 #if defined(__AVX2__)
   int64_t eight;
@@ -127,13 +112,17 @@ inline v8 e4m3x8(const uint8_t* p) {
   return reinterpret_cast<v8>(_mm256_castsi256_ps(placed));
 #else
   v8 v;
-  for (int i = 0; i < 8; ++i) v[i] = e4m3(p[i]) * 0x1p-120f;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = (uint32_t{p[i]} & 0x80) << 24 | (uint32_t{p[i]} & 0x7f) << 20;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
   return v;
 #endif
 }
 
 // Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
-// XLA's threads may run with denormals-are-zero set.
+// XLA's threads may run with denormals-are-zero set. (Results still flush as the thread
+// says: a dequantized weight below 2^-126 would, where numpy's dequantization keeps it.)
 struct KeepSubnormals {
 #if defined(__SSE__)
   unsigned saved = _mm_getcsr();
