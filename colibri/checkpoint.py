@@ -199,8 +199,11 @@ class Checkpoint:
         names = [t.name + "_scale_inv", t.name + "_scales_inv"]  # X.weight_scale_inv
         found = [n for n in names if n in self.tensors]
         if not found or len(t.shape) < 2:
+            other = t.name.removesuffix(".weight") + ".weight_scale"
+            kind = f" (it has per-tensor {other!r}: not supported)" if other in self.tensors else ""
             raise CheckpointError(
-                f"{t.path}: F8_E4M3 tensor {t.name!r} has no block scales ({names[0]!r} is missing)"
+                f"{t.path}: F8_E4M3 tensor {t.name!r} has no block scales "
+                f"({names[0]!r} is missing){kind}"
             )
         s = self.tensors[found[0]]
         (b0, b1), (rows, cols) = self.fp8_block, t.shape[-2:]

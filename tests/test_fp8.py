@@ -78,6 +78,10 @@ def test_missing_or_misshapen_scales_name_the_tensors(tmp_path):
     ck = _write(tmp_path, {"w.weight": bits}, {"w.weight": "F8_E4M3"})
     with pytest.raises(CheckpointError, match=r"'w.weight' has no block scales.*weight_scale_inv"):
         ck.read("w.weight")
+    per_tensor = {"w.weight": bits, "w.weight_scale": np.ones((), np.float32)}
+    ck = _write(tmp_path, per_tensor, {"w.weight": "F8_E4M3"})
+    with pytest.raises(CheckpointError, match=r"per-tensor 'w.weight_scale': not supported"):
+        ck.read("w.weight")
     ck = _write(
         tmp_path,
         {"w.weight": bits, "w.weight_scale_inv": scale_inv[:1]},
