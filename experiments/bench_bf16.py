@@ -79,6 +79,29 @@ def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
     return compare(dict.fromkeys(HELD, call), load_config(ckpt), routes, passes, hold)
 
 
+def held_rows(name: str, level: str, rows: int, got: dict, gib: dict, column: str) -> list[dict]:
+    """Table rows for one model, level and row count: the times `got` of each way of holding
+    the weights (float32 first, the baseline), with the experts' GiB `gib` as held."""
+    base = np.asarray(got["float32"])
+    out = []
+    for h, times in got.items():
+        t = np.asarray(times)
+        med = float(np.median(t))
+        out.append(
+            {
+                "model": name,
+                "level": level,
+                "rows": rows,
+                column: h,
+                "routed experts GiB": gib[h],
+                "ms a step (median)": med if level == "kernel" else np.nan,
+                "tok/s (median burst)": rows * BURST / med if level == "engine" else np.nan,
+                "time / float32 (median of pairs)": float(np.median(t / base)),
+            }
+        )
+    return out
+
+
 def bf16_checkpoint(name: str) -> Path:
     out = CACHE / f"{name}-bf16"
     if not (out / "config.json").exists():
@@ -188,24 +211,8 @@ def main() -> None:
                 else:
                     got = engine_level(engines, rows, passes)
                 raw[f"{name}/{level}/{rows}"] = got
-                base = np.asarray(got["float32"])
-                for h in HELD:
-                    t = np.asarray(got[h])
-                    med = float(np.median(t))
-                    out.append(
-                        {
-                            "model": name,
-                            "level": level,
-                            "rows": rows,
-                            "weights held as": h,
-                            "routed experts GiB": mb[h] * layer_experts / 1024,
-                            "ms a step (median)": med if level == "kernel" else np.nan,
-                            "tok/s (median burst)": rows * BURST / med
-                            if level == "engine"
-                            else np.nan,
-                            "time / float32 (median of pairs)": float(np.median(t / base)),
-                        }
-                    )
+                gib = {h: mb[h] * layer_experts / 1024 for h in HELD}
+                out += held_rows(name, level, rows, got, gib, "weights held as")
                 print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
             if level == "engine":
                 del engines

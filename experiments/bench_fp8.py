@@ -34,6 +34,7 @@ import pandas as pd
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
+from bench_bf16 import held_rows  # noqa: E402
 from bench_hugepages import BURST, BURSTS, PROMPT, engine_level  # noqa: E402
 from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
 from bench_peers import CACHE, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
@@ -132,24 +133,8 @@ def main() -> None:
                 else:
                     got = engine_level(engines, rows, passes)
                 raw[f"{name}/{level}/{rows}"] = got
-                base = np.asarray(got["float32"])
-                for h in HELD:
-                    t = np.asarray(got[h])
-                    med = float(np.median(t))
-                    out.append(
-                        {
-                            "model": name,
-                            "level": level,
-                            "rows": rows,
-                            "experts held as": h,
-                            "routed experts GiB": held_bytes[h] * layer_experts / 2**30,
-                            "ms a step (median)": med if level == "kernel" else np.nan,
-                            "tok/s (median burst)": rows * BURST / med
-                            if level == "engine"
-                            else np.nan,
-                            "time / float32 (median of pairs)": float(np.median(t / base)),
-                        }
-                    )
+                gib = {h: held_bytes[h] * layer_experts / 2**30 for h in HELD}
+                out += held_rows(name, level, rows, got, gib, "experts held as")
                 print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
             if level == "engine":
                 del engines

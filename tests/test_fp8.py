@@ -12,8 +12,7 @@ import tiny
 from colibri.checkpoint import Checkpoint, CheckpointError, quantize_fp8, write_safetensors
 from colibri.config import ConfigError, config_from_dict
 from colibri.engine.model import load_model
-from colibri.engine.runner import Row, Runner
-from colibri.experts.budget import TierConfig
+from colibri.engine.runner import Runner
 from colibri.synth import SynthSpec, hf_config, synthesize
 
 
@@ -145,21 +144,9 @@ def test_placement_never_changes_fp8_logits(checkpoints):
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
     got = []
     for tiered in (False, True):
-        probe = load_model(d, progress=False)
-        eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
-        tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb) if tiered else None
-        model = load_model(d, tiers=tiers, progress=False) if tiered else probe
-        assert model.store.all_resident != tiered
-        runner = Runner(model, slots=2, capacity=64)
-        logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
-        steps, last = [], logits
-        for k in range(3):
-            rows = [Row(s, int(np.argmax(last[s])), len(p) + k) for s, p in enumerate(prompts)]
-            last = runner.decode(rows)[0]
-            steps.append(last)
-        if tiered:
-            assert model.store.disk.bytes_read > 0
-        got.append((np.asarray(logits), np.asarray(steps)))
+        model, probe = tiny.load_placed(d, tiered)
+        got.append(tiny.prefill_then_decode(model, prompts))
+        assert (model.store.disk.bytes_read > 0) == tiered
         model.store.close()
         probe.store.close()
     np.testing.assert_array_equal(got[0][0], got[1][0])
@@ -179,23 +166,11 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     got = {}
     for fp8 in ("1", "0"):
         monkeypatch.setenv("COLIBRI_FP8", fp8)
-        probe = load_model(d, progress=False)
-        eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
-        tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb) if tiered else None
-        model = load_model(d, tiers=tiers, progress=False) if tiered else probe
-        assert model.store.all_resident != tiered
-        runner = Runner(model, slots=len(prompts), capacity=64)
-        logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
-        steps, last = [], logits
-        for k in range(3):
-            rows = [Row(s, int(np.argmax(last[s])), len(p) + k) for s, p in enumerate(prompts)]
-            last = runner.decode(rows)[0]
-            steps.append(last)
-        if tiered:
-            assert model.store.disk.bytes_read > 0
+        model, probe = tiny.load_placed(d, tiered)
+        logits, steps = tiny.prefill_then_decode(model, prompts)
         attn = model.params["layers"][0]["attn"]
         dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
-        got[fp8] = (model.store.held, dense, eb, np.asarray(logits), np.asarray(steps))
+        got[fp8] = (model.store.held, dense, model.store.expert_bytes, logits, steps)
         model.store.close()
         probe.store.close()
     (h8, d8, eb8, pre8, dec8), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
@@ -205,6 +180,7 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     F, D = 32, 64  # tests/tiny.py's deepseek_v3: blocks of 8 columns, a scale per 8 values
     assert (eb8, eb32) == (3 * F * D * 3 // 2, 3 * F * D * 4)
     np.testing.assert_array_equal(pre8[:2], pre32[:2])
-    np.testing.assert_array_equal(dec8, dec32)
+    np.testing.assert_array_equal(dec8[:, :2], dec32[:, :2])  # each row as it is alone
     np.testing.assert_allclose(pre8[2], pre32[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dec8[:, 2], dec32[:, 2], rtol=1e-4, atol=1e-4)
     assert np.argmax(pre8[2]) == np.argmax(pre32[2])

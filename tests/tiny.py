@@ -153,6 +153,37 @@ def to_fp8(src: Path, out: Path, block: int) -> Path:
     return out
 
 
+def load_placed(model_dir: Path, tiered: bool):
+    """(model, probe): the checkpoint loaded with every routed expert resident (model is probe),
+    or tiered: 3 device slots a layer and 4 experts' room in RAM, the rest read from disk."""
+    from colibri.engine.model import load_model
+    from colibri.experts.budget import TierConfig
+
+    probe = load_model(model_dir, progress=False)
+    if not tiered:
+        return probe, probe
+    eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
+    tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb)
+    model = load_model(model_dir, tiers=tiers, progress=False)
+    assert not model.store.all_resident
+    return model, probe
+
+
+def prefill_then_decode(model, prompts: list[list[int]], steps: int = 3):
+    """Each prompt prefilled in a slot of its own, then `steps` greedy decode steps of all of
+    them at once: (prefill logits [P, V], decode logits [steps, P, V])."""
+    from colibri.engine.runner import Row, Runner
+
+    runner = Runner(model, slots=len(prompts), capacity=64)
+    logits = [runner.prefill(s, p)[0] for s, p in enumerate(prompts)]
+    out, last = [], logits
+    for k in range(steps):
+        rows = [Row(s, int(np.argmax(last[s])), len(p) + k) for s, p in enumerate(prompts)]
+        last = runner.decode(rows)[0]
+        out.append(last)
+    return np.asarray(logits), np.asarray(out)
+
+
 def hf_model(model_dir: Path):
     import torch
     from transformers import AutoModelForCausalLM
