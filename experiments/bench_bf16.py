@@ -102,26 +102,39 @@ def held_rows(name: str, level: str, rows: int, got: dict, gib: dict, column: st
     return out
 
 
-def bf16_checkpoint(name: str) -> Path:
-    out = CACHE / f"{name}-bf16"
+def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
+    """The peers shape `name` synthesized in `dtype` (cached under .cache/bench-peers)."""
+    out = CACHE / f"{name}-{dtype}"
     if not (out / "config.json").exists():
-        synthesize(dataclasses.replace(SHAPES[name], dtype="bf16"), out)
+        synthesize(dataclasses.replace(SHAPES[name], dtype=dtype, **changes), out)
     return out
 
 
-def engine(ckpt: Path, held: str):
-    """(runner, first tokens of 16 conversations) with the weights held as `held`."""
-    os.environ["COLIBRI_BF16"] = "0" if held == "float32" else "1"
+def bf16_checkpoint(name: str) -> Path:
+    return shape_checkpoint(name, "bf16")
+
+
+def engine_under(ckpt: Path, env: dict[str, str]):
+    """(runner, first tokens of 16 conversations) of the checkpoint loaded with `env` set."""
+    os.environ.update(env)
     try:
         model = load_model(ckpt, progress=False)
         runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
     finally:
-        os.environ.pop("COLIBRI_BF16")
-    assert (model.store.held.itemsize == 2) == (held == "bfloat16")
-    assert (model.params["lm_head"].dtype.itemsize == 2) == (held == "bfloat16")
+        for k in env:
+            os.environ.pop(k)
     prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
     logits, _ = runner.prefill(0, prompt)
     return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
+
+
+def engine(ckpt: Path, held: str):
+    """(runner, first tokens of 16 conversations) with the weights held as `held`."""
+    runner, first = engine_under(ckpt, {"COLIBRI_BF16": "0" if held == "float32" else "1"})
+    model = runner.model
+    assert (model.store.held.itemsize == 2) == (held == "bfloat16")
+    assert (model.params["lm_head"].dtype.itemsize == 2) == (held == "bfloat16")
+    return runner, first
 
 
 def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:

@@ -23,8 +23,6 @@ experiments/results/fp8.md and .json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -34,18 +32,15 @@ import pandas as pd
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from bench_bf16 import held_rows  # noqa: E402
-from bench_hugepages import BURST, BURSTS, PROMPT, engine_level  # noqa: E402
+from bench_bf16 import engine_under, held_rows, shape_checkpoint  # noqa: E402
+from bench_hugepages import BURST, BURSTS, engine_level  # noqa: E402
 from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
-from bench_peers import CACHE, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
+from bench_peers import SHAPES, ensure_inputs  # noqa: E402
 
 from colibri import kernels  # noqa: E402
 from colibri.checkpoint import FP8_ROWS, Fp8Scales, quantize_fp8  # noqa: E402
 from colibri.config import load_config  # noqa: E402
-from colibri.engine.model import load_model  # noqa: E402
-from colibri.engine.runner import Runner  # noqa: E402
 from colibri.report import markdown_table, write_report  # noqa: E402
-from colibri.synth import synthesize  # noqa: E402
 from colibri.weights import expert_shapes  # noqa: E402
 
 HELD = ("float32", "fp8")
@@ -81,25 +76,11 @@ def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
     return compare(dict.fromkeys(HELD, call), load_config(ckpt), routes, passes, hold)
 
 
-def fp8_checkpoint(name: str) -> Path:
-    out = CACHE / f"{name}-fp8"
-    if not (out / "config.json").exists():
-        synthesize(dataclasses.replace(SHAPES[name], dtype="fp8", fp8_block=BLOCK), out)
-    return out
-
-
 def engine(ckpt: Path, held: str):
     """(runner, first tokens of 16 conversations) with the routed experts held as `held`."""
-    os.environ["COLIBRI_FP8"] = "0" if held == "float32" else "1"
-    try:
-        model = load_model(ckpt, progress=False)
-        runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
-    finally:
-        os.environ.pop("COLIBRI_FP8")
-    assert (model.store.held == FP8_ROWS) == (held == "fp8")
-    prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
-    logits, _ = runner.prefill(0, prompt)
-    return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
+    runner, first = engine_under(ckpt, {"COLIBRI_FP8": "0" if held == "float32" else "1"})
+    assert (runner.model.store.held == FP8_ROWS) == (held == "fp8")
+    return runner, first
 
 
 def main() -> None:
@@ -122,7 +103,7 @@ def main() -> None:
         for level in levels:
             passes = args.passes or {"kernel": 14, "engine": 2}[level]
             if level == "engine":
-                ckpt = fp8_checkpoint(name)
+                ckpt = shape_checkpoint(name, "fp8", fp8_block=BLOCK)
                 engines = {h: engine(ckpt, h) for h in HELD}
                 assert engines["fp8"][0].model.store.expert_bytes == held_bytes["fp8"]
             else:
