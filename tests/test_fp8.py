@@ -184,3 +184,36 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     np.testing.assert_allclose(pre8[2], pre32[2], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(dec8[:, 2], dec32[:, 2], rtol=1e-4, atol=1e-4)
     assert np.argmax(pre8[2]) == np.argmax(pre32[2])
+
+
+def test_matrices_whose_columns_split_a_block_are_dequantized_at_load(tmp_path, monkeypatch):
+    """Blocks of 32 columns: rows of 64 are whole blocks (held as FP8 rows), rows of 48 are
+    not (those matrices, and so the routed experts, are dequantized to float32 at load). The
+    mixture decodes bitwise what COLIBRI_FP8=0 gives, resident and tiered alike."""
+    spec = SynthSpec(
+        family="deepseek_v3",
+        layers=3,
+        experts=8,
+        top_k=2,
+        hidden=64,
+        moe_ff=48,
+        vocab=300,
+        dtype="fp8",
+        fp8_block=32,
+    )
+    d = synthesize(spec, tmp_path / "fp8", progress=False)
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
+    got = []
+    for fp8, tiered in (("1", False), ("1", True), ("0", False)):
+        monkeypatch.setenv("COLIBRI_FP8", fp8)
+        model, probe = tiny.load_placed(d, tiered)
+        assert model.store.held == np.float32
+        attn, shared = model.params["layers"][1]["attn"], model.params["layers"][1]["moe"]
+        kinds = (attn["q_a"].dtype, shared["shared"]["down"].dtype)  # 64 and 48 columns
+        assert kinds == ((np.uint8 if fp8 == "1" else np.float32), np.float32)
+        got.append(tiny.prefill_then_decode(model, prompts))
+        model.store.close()
+        probe.store.close()
+    for other in got[1:]:
+        np.testing.assert_array_equal(got[0][0], other[0])
+        np.testing.assert_array_equal(got[0][1], other[1])
