@@ -15,6 +15,11 @@ from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
 from colibri.synth import SynthSpec, hf_config, synthesize
 
+# A small DeepSeek-V3-style FP8 checkpoint (`colibri synth --dtype fp8`), hidden size 64.
+DEEPSEEK_FP8 = dict(
+    family="deepseek_v3", layers=3, experts=8, top_k=2, hidden=64, vocab=300, dtype="fp8"
+)
+
 
 def _torch_dequant(bits: np.ndarray, scale_inv: np.ndarray, b0: int, b1: int) -> np.ndarray:
     """torch's float8_e4m3fn widening times each value's block scale, in float32."""
@@ -107,17 +112,7 @@ def test_other_quantizations_are_refused_by_name(quant, match):
 
 
 def test_synth_fp8_is_deepseek_layout_and_matches_transformers(tmp_path):
-    spec = SynthSpec(
-        family="deepseek_v3",
-        layers=3,
-        experts=8,
-        top_k=2,
-        hidden=64,
-        moe_ff=32,
-        vocab=300,
-        dtype="fp8",
-        fp8_block=16,
-    )
+    spec = SynthSpec(**DEEPSEEK_FP8, moe_ff=32, fp8_block=16)
     d = synthesize(spec, tmp_path / "fp8", progress=False)
     ck = Checkpoint(d)
     kinds = {n: t.dtype for n, t in ck.tensors.items()}
@@ -190,17 +185,7 @@ def test_matrices_whose_columns_split_a_block_are_dequantized_at_load(tmp_path, 
     """Blocks of 32 columns: rows of 64 are whole blocks (held as FP8 rows), rows of 48 are
     not (those matrices, and so the routed experts, are dequantized to float32 at load). The
     mixture decodes bitwise what COLIBRI_FP8=0 gives, resident and tiered alike."""
-    spec = SynthSpec(
-        family="deepseek_v3",
-        layers=3,
-        experts=8,
-        top_k=2,
-        hidden=64,
-        moe_ff=48,
-        vocab=300,
-        dtype="fp8",
-        fp8_block=32,
-    )
+    spec = SynthSpec(**DEEPSEEK_FP8, moe_ff=48, fp8_block=32)
     d = synthesize(spec, tmp_path / "fp8", progress=False)
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
     got = []
