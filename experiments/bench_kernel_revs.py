@@ -1,4 +1,4 @@
-"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--passes 10]
+"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8]
 
 A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -12,7 +12,9 @@ alone gives.
 experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
 greedy steps), replayed on random weights of the same shapes held on huge pages as the
-engine holds them (colibri/hugepages.py), every layer of every step per pass. --kernel linear:
+engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held fp8,
+block-quantized and held as FP8 rows (as experiments/bench_fp8.py holds them; --base must have
+the FP8 kernel). --kernel linear:
 the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
 24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
 24 steps after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
@@ -175,10 +177,18 @@ def on_huge_pages(a: jax.Array) -> jax.Array:
     return out
 
 
-def compare(calls: dict, cfg, routes: np.ndarray, passes: int, hold: dict | None = None) -> dict:
+def compare(
+    calls: dict,
+    cfg,
+    routes: np.ndarray,
+    passes: int,
+    hold: dict | None = None,
+    weight_bytes: float = 4.0,
+) -> dict:
     """Time every version on the routes, alternating; ms a step per pass for each version.
     `hold`: for some versions, where their copy of the weights is put (others: where XLA
-    allocates them); by default every version's on huge pages, as in the engine."""
+    allocates them); by default every version's on huge pages, as in the engine.
+    `weight_bytes`: bytes a weight takes as held, for the GB a step reads."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
@@ -201,7 +211,7 @@ def compare(calls: dict, cfg, routes: np.ndarray, passes: int, hold: dict | None
 
     ms = alternate({v: v for v in calls}, step, len(ids), passes)
     distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
-    gb = float(distinct.sum()) * 3 * D * F * 4 / 1e9
+    gb = float(distinct.sum()) * 3 * D * F * weight_bytes / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct.tolist()}
 
@@ -263,6 +273,21 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop}
 
 
+def fp8_holds(calls: dict) -> tuple[dict, float]:
+    """For `compare`: every version holds each random matrix as the same FP8 rows, on huge
+    pages; and the bytes a weight takes so (a byte, and a float32 scale per block)."""
+    from bench_fp8 import BLOCK, fp8_pair  # bench_fp8 imports this module
+
+    rows: dict[int, tuple] = {}
+
+    def hold(a):
+        if id(a) not in rows:
+            rows[id(a)] = (a, on_huge_pages(fp8_pair(a)[0]))
+        return rows[id(a)][1]
+
+    return dict.fromkeys(calls, hold), 1 + 4 / BLOCK
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
@@ -270,6 +295,12 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--held",
+        choices=("float32", "fp8"),
+        default="float32",
+        help="experts: the weights as float32, or block-quantized as FP8 rows (bench_fp8.py)",
+    )
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
@@ -288,7 +319,11 @@ def main() -> None:
         cfg = load_config(ckpt)
         for rows in (int(r) for r in args.rows.split(",")):
             if args.kernel == "experts":
-                res = compare(calls, cfg, record_routes(ckpt, rows), args.passes)
+                routes = record_routes(ckpt, rows)
+                if args.held == "fp8":
+                    res = compare(calls, cfg, routes, args.passes, *fp8_holds(calls))
+                else:
+                    res = compare(calls, cfg, routes, args.passes)
             elif args.kernel == "linear":
                 res = compare_linear(calls, cfg, rows, args.passes)
             else:
@@ -314,6 +349,7 @@ def main() -> None:
     cmd = (
         f"python experiments/bench_kernel_revs.py --base {args.base} --kernel {args.kernel} "
         f"--passes {args.passes} --rows {args.rows}"
+        + (f" --held {args.held}" if args.held != "float32" else "")
     )
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True
