@@ -6,6 +6,15 @@ float8_e4m3fn with a float32 `weight_scale_inv` per b0 x b1 block; colibri reads
 as float32, each value its fp8 number times its block's scale rounded once, as transformers
 dequantizes them, or keeps it as FP8 rows (values, then their blocks' scales) that the CPU
 kernels and `layers.widen_rows` widen to exactly those float32s.
+
+Integer weight-only checkpoints in compressed-tensors' "pack-quantized" format (W4A16 and W8A16
+releases: `quantization_config` quant_method "compressed-tensors") store a linear layer's
+weight as `weight_packed` (int32 words, each holding 8 four-bit or 4 eight-bit values, first
+value in the lowest bits, offset by 8 or 128), `weight_scale` (one scale per group of columns
+of a row) and `weight_shape`; colibri indexes such a weight under its plain name `X.weight`
+(dtype PACK4 or PACK8) and reads it as float32, each value times its group's scale (exact
+for bfloat16 and float16 scales): what compressed-tensors decompresses it to in a float32
+model.
 """
 
 from __future__ import annotations
@@ -42,6 +51,17 @@ BF16_BITS = np.dtype("<u2")
 # How it holds block-quantized FP8 experts (weights.expert_dtype): as bytes, each row of a
 # matrix its L float8_e4m3fn values then its L / b float32 block scales (`Fp8Scales.pack`).
 FP8_ROWS = np.dtype("u1")
+# The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
+# bytes are the `weight_packed` int32 words), and the bits of each value.
+PACKED_BITS = {"PACK4": 4, "PACK8": 8}
+for _kind in PACKED_BITS:
+    _RAW_DTYPES[_kind] = np.dtype("u1")
+# Packed bytes -> their values as float32, (q - 8, q' - 8) per byte for 4 bits (the first
+# value in the low nibble), q - 128 for 8.
+_UNPACK = {
+    4: np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8,
+    8: np.arange(256, dtype=np.float32)[:, None] - 128,
+}
 
 
 class CheckpointError(ValueError):
@@ -114,12 +134,38 @@ class Fp8Scales:
         return out.reshape(-1)
 
 
+@dataclass(frozen=True)
+class GroupScales:
+    """The scales of whole rows of a pack-quantized weight with `cols` columns: value c of row
+    i of the part read is its integer times `scales[i, group[c]]`."""
+
+    scales: np.ndarray  # float32 [rows, groups]
+    group: np.ndarray  # int [cols]: each column's group
+    bits: int
+    cols: int
+
+    def dequantize(self, raw: np.ndarray) -> np.ndarray:
+        """Packed bytes (whole rows) to a new float32 array [rows * cols]: each value times
+        its group's scale, in float32 (exact for bfloat16 and float16 scales)."""
+        values = _UNPACK[self.bits][raw].reshape(-1, self.cols)
+        values *= self.scales[:, self.group]
+        return values.reshape(-1)
+
+
+Scales = Fp8Scales | GroupScales
+
+
 def to_held(
-    raw: np.ndarray, dtype: str, held: np.dtype, scales: Fp8Scales | None = None
+    raw: np.ndarray, dtype: str, held: np.dtype, scales: Scales | None = None
 ) -> np.ndarray:
     """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
     survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
-    weights dequantized with their `scales` to float32, or held as FP8_ROWS with them."""
+    weights dequantized with their `scales` to float32, or held as FP8_ROWS with them;
+    pack-quantized weights dequantized with theirs to float32."""
+    if dtype in PACKED_BITS:
+        if np.dtype(held) != np.float32 or not isinstance(scales, GroupScales):
+            raise CheckpointError(f"a {dtype} tensor is read as float32, with its group scales")
+        return scales.dequantize(raw)
     if np.dtype(held) == BF16_BITS:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
@@ -147,6 +193,38 @@ class Checkpoint:
                 self.tensors[info.name] = info
         self._fds: dict[Path, int] = {}
         self.fp8_block = _fp8_block(self.dir)
+        self._g_idx: dict[str, np.ndarray] = {}  # pack-quantized weights' column groups
+        self._index_packed()
+
+    def _index_packed(self) -> None:
+        """Index each pack-quantized weight (`X.weight_packed`, `X.weight_scale`,
+        `X.weight_shape`) as `X.weight`: dtype PACK4 or PACK8 (its bits: packed bytes per row
+        against the columns `weight_shape` gives), shape as unpacked, bytes those packed."""
+        for name in [n for n in self.tensors if n.endswith(".weight_packed")]:
+            base = name.removesuffix("_packed")
+            t = self.tensors[name]
+            for need in (f"{base}_scale", f"{base}_shape"):
+                if need not in self.tensors:
+                    raise CheckpointError(
+                        f"{t.path}: packed weight {name!r} has no {need!r} beside it"
+                    )
+            shape = tuple(int(v) for v in self.read_raw(f"{base}_shape").reshape(-1))
+            cols = shape[-1] if shape else 0
+            row_bytes = t.nbytes // max(int(np.prod(shape[:-1], dtype=np.int64)), 1)
+            bits = 8 * row_bytes // cols if cols else 0
+            if (
+                t.dtype != "I32"
+                or len(shape) < 2
+                or bits not in (4, 8)
+                or row_bytes * 8 != bits * cols
+                or t.shape[:-1] != shape[:-1]
+            ):
+                raise CheckpointError(
+                    f"{t.path}: packed weight {name!r} is {t.dtype} {list(t.shape)}, which is"
+                    f" not {list(shape)} ({base + '_shape'!r}) in 4 or 8 bits a value packed"
+                    " into int32 words with no padding"
+                )
+            self.tensors[base] = TensorInfo(base, t.path, f"PACK{bits}", shape, t.offset, t.nbytes)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -161,10 +239,11 @@ class Checkpoint:
             ) from None
 
     def read_raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as stored, as a numpy array of its raw dtype (bf16 as uint16)."""
+        """The tensor's bytes as stored, as a numpy array of its raw dtype (bf16 as uint16;
+        a pack-quantized weight's packed bytes, flat)."""
         t = self.info(name)
-        buf = self.pread(t.path, t.offset, t.nbytes)
-        return np.frombuffer(buf, dtype=_RAW_DTYPES[t.dtype]).reshape(t.shape)
+        raw = np.frombuffer(self.pread(t.path, t.offset, t.nbytes), dtype=_RAW_DTYPES[t.dtype])
+        return raw if t.dtype in PACKED_BITS else raw.reshape(t.shape)
 
     def read(
         self, name: str, shape: tuple[int, ...] | None = None, held: np.dtype = np.float32
@@ -176,23 +255,25 @@ class Checkpoint:
             raise CheckpointError(
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
-        out = to_held(self.read_raw(name), t.dtype, held, self.fp8_scales(t))
-        return out.reshape(t.shape[0], -1) if np.dtype(held) == FP8_ROWS else out
+        out = to_held(self.read_raw(name), t.dtype, held, self.scales(t))
+        return out.reshape(t.shape[0], -1) if np.dtype(held) == FP8_ROWS else out.reshape(t.shape)
 
     def read_part(
         self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32
     ) -> np.ndarray:
         """`nbytes` of tensor `t` starting `offset` bytes into it, flat, held as `held`
-        (`to_held`: float32, bfloat16 bits or FP8 rows; FP8 weights by whole rows only)."""
+        (`to_held`: float32, bfloat16 bits or FP8 rows; FP8 and pack-quantized weights by whole
+        rows only)."""
         raw = np.frombuffer(self.pread(t.path, t.offset + offset, nbytes), _RAW_DTYPES[t.dtype])
-        return to_held(raw, t.dtype, held, self.fp8_scales(t, offset, nbytes))
+        return to_held(raw, t.dtype, held, self.scales(t, offset, nbytes))
 
-    def fp8_scales(
-        self, t: TensorInfo, offset: int = 0, nbytes: int | None = None
-    ) -> Fp8Scales | None:
-        """The block scales of bytes [offset, offset + nbytes) of an F8_E4M3 weight `t` (whole
-        rows of its last two dimensions, within one matrix), read from its `weight_scale_inv`
-        companion; None for any other dtype."""
+    def scales(self, t: TensorInfo, offset: int = 0, nbytes: int | None = None) -> Scales | None:
+        """The scales of bytes [offset, offset + nbytes) of a quantized weight `t` (whole rows
+        of its last two dimensions, within one matrix): an F8_E4M3 weight's blocks from its
+        `weight_scale_inv` companion, a pack-quantized one's groups from its `weight_scale`;
+        None for any other dtype."""
+        if t.dtype in PACKED_BITS:
+            return self._group_scales(t, t.nbytes - offset if nbytes is None else nbytes, offset)
         if t.dtype != "F8_E4M3":
             return None
         nbytes = t.nbytes - offset if nbytes is None else nbytes
@@ -224,6 +305,52 @@ class Checkpoint:
         buf = self.pread(s.path, s.offset + lo * grid[1] * item, (hi - lo) * grid[1] * item)
         blocks = to_f32(np.frombuffer(buf, _RAW_DTYPES[s.dtype]), s.dtype).reshape(-1, grid[1])
         return Fp8Scales(blocks, r0 % b0, b0, b1, cols)
+
+    def _group_scales(self, t: TensorInfo, nbytes: int, offset: int) -> GroupScales:
+        """The group scales of whole rows [offset, offset + nbytes) bytes into the packed
+        weight `t`: its `weight_scale` [..., rows, groups] (groups of cols / groups columns,
+        or as `weight_g_idx` assigns them), only the rows needed read (of one matrix or of
+        several, for a fused [E, ...] weight)."""
+        s = self.tensors[f"{t.name}_scale"]
+        bits, cols = PACKED_BITS[t.dtype], t.shape[-1]
+        row_bytes = cols * bits // 8
+        groups = s.shape[-1] if s.shape else 0
+        if (
+            s.shape[:-1] != t.shape[:-1]
+            or groups <= 0
+            or cols % groups
+            or s.dtype not in ("F32", "BF16", "F16")
+        ):
+            raise CheckpointError(
+                f"{s.path}: scales {s.name!r} are {s.dtype} {list(s.shape)}; {t.name!r} "
+                f"{list(t.shape)} needs float [{', '.join(map(str, t.shape[:-1]))}, groups] "
+                "with groups dividing its columns"
+            )
+        if offset % row_bytes or nbytes % row_bytes or nbytes <= 0:
+            raise CheckpointError(f"{t.path}: {t.name!r} is read by whole rows of {cols}")
+        first, n = offset // row_bytes, nbytes // row_bytes  # rows of [..., rows] counted flat
+        item = _RAW_DTYPES[s.dtype].itemsize
+        buf = self.pread(s.path, s.offset + first * groups * item, n * groups * item)
+        scales = to_f32(np.frombuffer(buf, _RAW_DTYPES[s.dtype]), s.dtype).reshape(n, groups)
+        return GroupScales(scales, self._column_groups(t, groups), bits, cols)
+
+    def _column_groups(self, t: TensorInfo, groups: int) -> np.ndarray:
+        """Each column's group: `weight_g_idx` where the checkpoint has one (activation
+        order), else consecutive groups of cols / groups columns."""
+        cols = t.shape[-1]
+        name = f"{t.name}_g_idx"
+        if name not in self.tensors:
+            return np.arange(cols) // (cols // groups)
+        if name in self._g_idx:
+            return self._g_idx[name]
+        g = self.read_raw(name).astype(np.int64).reshape(-1)
+        if g.shape != (cols,) or g.min(initial=0) < 0 or g.max(initial=0) >= groups:
+            raise CheckpointError(
+                f"{self.tensors[name].path}: {name!r} must give each of the {cols} columns a"
+                f" group in [0, {groups})"
+            )
+        self._g_idx[name] = g
+        return g
 
     def pread(self, path: Path, offset: int, nbytes: int) -> bytes:
         """Exactly `nbytes` at `offset` of `path`, with os.pread (thread-safe, no seek)."""
@@ -331,7 +458,8 @@ def write_safetensors(
     dtypes: dict[str, str] | None = None,
 ) -> None:
     """Write tensors to a safetensors file as F32, F16 or BF16 (round to nearest even), or, for
-    the names `dtypes` maps to F8_E4M3, as given: float8_e4m3fn bits (uint8; `quantize_fp8`)."""
+    the names `dtypes` maps to F8_E4M3, as given: float8_e4m3fn bits (uint8; `quantize_fp8`);
+    to I32 or I64, integers (`quantize_packed`)."""
     header: dict[str, dict] = {}
     blobs, offset = [], 0
     for name, arr in tensors.items():
@@ -369,11 +497,35 @@ def quantize_fp8(w: np.ndarray, block: tuple[int, int] = (128, 128)):
     return q.view(np.uint8), scale_inv
 
 
+def quantize_packed(w: np.ndarray, bits: int = 4, group: int = 128):
+    """Quantize a float32 matrix [R, C] to symmetric `bits`-bit integers per row and group of
+    `group` columns (C when 0), packed as compressed-tensors' "pack-quantized" format stores
+    them: scale = max |w| / (2^(bits-1) - 1/2) rounded to bfloat16 (1 for an all-zero group),
+    q = w / scale rounded and clipped to [-2^(bits-1), 2^(bits-1)), q + 2^(bits-1) packed into
+    int32 words from the lowest bits up. Returns (packed int32 [R, C * bits / 32], scales
+    float32 [R, C / group], all bfloat16 numbers; shape int64 [2])."""
+    (R, C), g = w.shape, group or w.shape[1]
+    if bits not in (4, 8) or C % g or (C * bits) % 32:
+        raise ValueError(f"{bits}-bit groups of {g} do not pack a row of {C} into int32 words")
+    top = 2 ** (bits - 1)
+    amax = np.abs(w.reshape(R, C // g, g)).max(axis=2)
+    scale = np.where(amax > 0, amax / np.float32(top - 0.5), np.float32(1)).astype(np.float32)
+    scale = to_f32(_encode(scale, "BF16"), "BF16")
+    q = np.clip(np.rint(w.reshape(R, C // g, g) / scale[..., None]), -top, top - 1)
+    u = (q.reshape(R, C) + top).astype(np.uint8)
+    packed = u if bits == 8 else u[:, 0::2] | (u[:, 1::2] << 4)
+    return np.ascontiguousarray(packed).view("<i4"), scale, np.array([R, C], np.int64)
+
+
 def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "F8_E4M3":
         if arr.dtype != np.uint8:
             raise ValueError("F8_E4M3 tensors are written as their bits (uint8; quantize_fp8)")
         return arr
+    if dtype in ("I32", "I64"):
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{dtype} tensors are written from integer arrays")
+        return arr.astype("<i4" if dtype == "I32" else "<i8")
     arr = arr.astype(np.float32, copy=False)
     if dtype == "F32":
         return arr
@@ -383,4 +535,4 @@ def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:
         bits = arr.view(np.uint32)
         rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         return (rounded >> 16).astype(np.uint16)
-    raise ValueError(f"dtype={dtype!r}: write supports F32, F16, BF16 and F8_E4M3")
+    raise ValueError(f"dtype={dtype!r}: write supports F32, F16, BF16, F8_E4M3, I32 and I64")

@@ -88,6 +88,7 @@ def _synth(args: argparse.Namespace) -> int:
         vocab=args.vocab,
         dtype=args.dtype,
         fp8_block=args.fp8_block,
+        group=args.group,
         seed=args.seed,
         shard_mb=args.shard_mb,
     )
@@ -143,10 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--dtype",
         default="f32",
-        choices=["f32", "bf16", "f16", "fp8"],
-        help="fp8: linear weights block-quantized to float8_e4m3fn (DeepSeek-V3's layout)",
+        choices=["f32", "bf16", "f16", "fp8", "int4", "int8"],
+        help="fp8: linear weights block-quantized to float8_e4m3fn (DeepSeek-V3's layout); "
+        "int4, int8: symmetric integers packed as compressed-tensors stores W4A16/W8A16",
     )
     s.add_argument("--fp8-block", type=int, default=128, help="--dtype fp8: block side")
+    s.add_argument(
+        "--group", type=int, default=128, help="--dtype int4/int8: columns a scale (0: a row)"
+    )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")
     s.add_argument("--out", required=True)

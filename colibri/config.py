@@ -170,11 +170,14 @@ def config_from_dict(
 
 
 def _check_quantization(quant: Any, source: str) -> None:
-    """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints) are read,
-    dequantized to float32 (checkpoint.Fp8Scales); other quantization formats are refused."""
+    """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints) and
+    compressed-tensors' pack-quantized integer weights (W4A16, W8A16) are read, dequantized
+    to float32 (checkpoint.Fp8Scales, GroupScales); other quantization formats are refused."""
     if quant is None:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "compressed-tensors":
+        return _check_compressed_tensors(quant, source)
     fmt = quant.get("fmt", "e4m3") if isinstance(quant, dict) else None
     block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, dict) else None
     if method != "fp8" or fmt != "e4m3":
@@ -188,6 +191,42 @@ def _check_quantization(quant: Any, source: str) -> None:
             f"{source}: quantization_config weight_block_size={block!r} must be two positive"
             " integers"
         )
+
+
+def _check_compressed_tensors(quant: dict, source: str) -> None:
+    """compressed-tensors' weight-only integer schemes in the pack-quantized format: weights
+    of 4 or 8 bits, symmetric (no zero points), a scale per group of columns or per row;
+    activations, the KV cache and rotations left unquantized."""
+
+    def refuse(what: str) -> None:
+        raise ConfigError(
+            f"{source}: quantization_config (compressed-tensors) {what} is not supported (colibri"
+            " reads pack-quantized symmetric int4/int8 weights with group or channel scales)"
+        )
+
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        refuse("without config_groups")
+    for key in ("kv_cache_scheme", "transform_config"):
+        if quant.get(key):
+            refuse(f"{key}={quant[key]!r}")
+    for name, scheme in groups.items():
+        scheme = scheme if isinstance(scheme, dict) else {}
+        fmt = scheme.get("format") or quant.get("format")
+        if fmt != "pack-quantized":
+            refuse(f"{name}: format={fmt!r}")
+        for acts in ("input_activations", "output_activations"):
+            if scheme.get(acts):
+                refuse(f"{name}: {acts} (activation quantization)")
+        w = scheme.get("weights")
+        if not isinstance(w, dict):
+            refuse(f"{name}: weights={w!r}")
+        if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+            refuse(f"{name}: weights type={w.get('type')!r} num_bits={w.get('num_bits')!r}")
+        if not w.get("symmetric", True):
+            refuse(f"{name}: asymmetric weights (zero points)")
+        if w.get("strategy") not in ("group", "channel") or w.get("dynamic"):
+            refuse(f"{name}: weights strategy={w.get('strategy')!r} dynamic={w.get('dynamic')!r}")
 
 
 class _Fields:

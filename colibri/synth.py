@@ -10,13 +10,23 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from colibri.checkpoint import quantize_fp8, write_safetensors
+from colibri.checkpoint import quantize_fp8, quantize_packed, write_safetensors
 from colibri.config import FAMILIES
 
 # fp8: the linear layers' weights block-quantized to float8_e4m3fn with float32 scales, as in
-# DeepSeek-V3's checkpoints; everything else (embeddings, norms, routers, lm_head) bf16.
-_DTYPES = {"f32": "F32", "bf16": "BF16", "f16": "F16", "fp8": "BF16"}
-_TORCH_DTYPES = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "fp8": "bfloat16"}
+# DeepSeek-V3's checkpoints; int4 and int8: quantized to symmetric integers with a bfloat16
+# scale per group of columns and packed into int32 words (compressed-tensors' pack-quantized
+# W4A16 and W8A16); everything else (embeddings, norms, routers, lm_head) bf16.
+_DTYPES = {
+    "f32": "F32",
+    "bf16": "BF16",
+    "f16": "F16",
+    "fp8": "BF16",
+    "int4": "BF16",
+    "int8": "BF16",
+}
+_TORCH_DTYPES = {k: "bfloat16" for k in _DTYPES} | {"f32": "float32", "f16": "float16"}
+_BITS = {"int4": 4, "int8": 8}
 _FP8_LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
 
 
@@ -41,6 +51,7 @@ class SynthSpec:
     kv_heads: int = 0  # 0: heads // 2, at least 1
     dtype: str = "f32"
     fp8_block: int = 128  # dtype fp8: the side of a square block sharing one scale
+    group: int = 128  # dtype int4/int8: columns sharing one scale (0: a whole row)
     seed: int = 0
     shard_mb: float = 512
 
@@ -65,6 +76,8 @@ class SynthSpec:
             raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
         if self.vocab < 260:
             raise ValueError(f"vocab={self.vocab}: at least 260 (256 bytes + specials)")
+        if self.group < 0:
+            raise ValueError(f"group={self.group} must be 0 (a whole row) or positive")
 
     @property
     def n_heads(self) -> int:
@@ -106,6 +119,8 @@ def hf_config(s: SynthSpec) -> dict:
             activation_scheme="dynamic",
             weight_block_size=[s.fp8_block, s.fp8_block],
         )
+    if s.dtype in _BITS:
+        base["quantization_config"] = packed_quantization(_BITS[s.dtype], s.group)
     moe = {
         "qwen3_moe": dict(
             architectures=["Qwen3MoeForCausalLM"],
@@ -180,6 +195,49 @@ def hf_config(s: SynthSpec) -> dict:
     return {**base, **moe}
 
 
+def packed_quantization(bits: int, group: int) -> dict:
+    """The quantization_config of a compressed-tensors pack-quantized checkpoint whose linear
+    layers (`fp8_linear` names them) hold symmetric `bits`-bit weights, a scale per `group`
+    columns (0: per row); lm_head and the routers left as they are."""
+    weights = dict(
+        num_bits=bits,
+        type="int",
+        symmetric=True,
+        strategy="group" if group else "channel",
+        group_size=group or None,
+        dynamic=False,
+        observer="minmax",
+        actorder=None,
+    )
+    return dict(
+        quant_method="compressed-tensors",
+        format="pack-quantized",
+        quantization_status="compressed",
+        config_groups={
+            "group_0": dict(
+                targets=["Linear"],
+                format="pack-quantized",
+                weights=weights,
+                input_activations=None,
+                output_activations=None,
+            )
+        },
+        ignore=["lm_head", "re:.*mlp.gate$"],
+        kv_cache_scheme=None,
+    )
+
+
+def add_packed(add, name: str, w: np.ndarray, bits: int, group: int) -> None:
+    """add(name, array, dtype) the three tensors of weight `name` pack-quantized."""
+    if group and w.shape[1] % group:
+        raise ValueError(f"{name}: {w.shape[1]} columns are not whole groups of {group}")
+    packed, scale, shape = quantize_packed(w, bits, group)
+    base = name.removesuffix(".weight")
+    add(f"{base}.weight_packed", packed, "I32")
+    add(f"{base}.weight_scale", scale, "BF16")
+    add(f"{base}.weight_shape", shape, "I64")
+
+
 def _groups(experts: int) -> int:
     return next(g for g in (8, 4, 2, 1) if experts % g == 0 and experts // g >= 2)
 
@@ -202,6 +260,8 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
             bits, scale_inv = quantize_fp8(w, (spec.fp8_block, spec.fp8_block))
             writer.add(name, bits, "F8_E4M3")
             writer.add(f"{name}_scale_inv", scale_inv, "F32")
+        elif spec.dtype in _BITS and fp8_linear(name):
+            add_packed(writer.add, name, w, _BITS[spec.dtype], spec.group)
         else:
             writer.add(name, w)
     writer.close()
@@ -304,7 +364,7 @@ class _ShardWriter:
 
     def add(self, name: str, arr: np.ndarray, dtype: str | None = None) -> None:
         kind = dtype or self.dtype
-        size = arr.size * {"F32": 4, "F8_E4M3": 1}.get(kind, 2)
+        size = arr.size * {"F32": 4, "F8_E4M3": 1, "I32": 4, "I64": 8}.get(kind, 2)
         if self.pending and self.pending_bytes + size > self.shard_bytes:
             self._flush()
         self.pending[name] = arr

@@ -93,7 +93,8 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
     every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
     float32) when it stores every one block-quantized in float8_e4m3fn with whole column
-    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; else as float32."""
+    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; else as float32 (pack-quantized
+    integer experts too, dequantized as they are read)."""
     dtypes = {
         t.dtype
         for layer in cfg.moe_layer_ids

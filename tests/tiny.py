@@ -153,6 +153,77 @@ def to_fp8(src: Path, out: Path, block: int) -> Path:
     return out
 
 
+def to_packed(src: Path, out: Path, bits: int, group: int) -> Path:
+    """A copy of checkpoint `src` as compressed-tensors' W4A16 / W8A16 releases store it: every
+    linear layer's weight pack-quantized (`bits`, a bfloat16 scale per `group` columns), the
+    rest as it was."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from colibri.checkpoint import write_safetensors
+    from colibri.synth import add_packed, fp8_linear, packed_quantization
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, kinds = {}, {}
+
+    def add(name, arr, kind):
+        tensors[name], kinds[name] = arr, kind
+
+    for name, w in load_file(src / "model.safetensors").items():
+        if fp8_linear(name):
+            add_packed(add, name, w, bits, group)
+        else:
+            tensors[name] = w
+    write_safetensors(out / "model.safetensors", tensors, "F32", kinds)
+    cfg = saved_config(src)
+    cfg["quantization_config"] = packed_quantization(bits, group)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "tokenizer.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def decompressed(model_dir: Path) -> Path:
+    """A float32 copy of a pack-quantized checkpoint with each packed weight as
+    compressed-tensors itself decompresses it in a float32 model (its unpacking, then its
+    dequantize with the scales in float32): the oracle's view of that checkpoint. (transformers
+    loading the packed checkpoint itself keeps fused experts in bfloat16.)"""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file, save_file
+
+    out = model_dir.parent / f"{model_dir.name}-decompressed"
+    if out.exists():
+        return out
+    cfg = saved_config(model_dir)
+    weights = cfg.pop("quantization_config")["config_groups"]["group_0"]["weights"]
+    args = QuantizationArgs(**weights)
+    cfg["torch_dtype"] = "float32"
+    tensors, dense = {}, {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for name, t in tensors.items():
+        base = name.removesuffix("_packed")
+        if name.endswith(".weight_packed"):
+            shape = torch.Size(tensors[f"{base}_shape"].tolist())
+            q = unpack_from_int32(t, args.num_bits, shape)
+            scale = tensors[f"{base}_scale"].float()
+            dense[base] = dequantize(q, scale, None, args, dtype=torch.float32)
+        elif not name.endswith((".weight_scale", ".weight_shape")):
+            dense[name] = t.float()
+    out.mkdir()
+    save_file(dense, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "tokenizer.json"):
+        if (model_dir / name).exists():
+            (out / name).write_bytes((model_dir / name).read_bytes())
+    return out
+
+
 def load_placed(model_dir: Path, tiered: bool):
     """(model, probe): the checkpoint loaded with every routed expert resident (model is probe),
     or tiered: 3 device slots a layer and 4 experts' room in RAM, the rest read from disk."""
@@ -185,9 +256,13 @@ def prefill_then_decode(model, prompts: list[list[int]], steps: int = 3):
 
 
 def hf_model(model_dir: Path):
+    """transformers' float32 model of the checkpoint (of a pack-quantized one, `decompressed`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    quant = saved_config(model_dir).get("quantization_config") or {}
+    if quant.get("quant_method") == "compressed-tensors":
+        model_dir = decompressed(model_dir)
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     m.eval()
     return m

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 
 from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, Checkpoint
+from colibri.checkpoint import FP8_ROWS, PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -64,6 +64,10 @@ def load_model(
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
     if store.held == FP8_ROWS:
         how += ", routed experts as fp8 rows"
+    packed = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype in PACKED_BITS})
+    if packed:
+        bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
+        how += f", pack-quantized {bits} weights dequantized to float32"
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
     huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import Checkpoint, CheckpointError, Fp8Scales, raw_dtype, to_held
+from colibri.checkpoint import Checkpoint, CheckpointError, Scales, raw_dtype, to_held
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
 from colibri.weights import ExpertSlab, expert_shapes, expert_slab
@@ -131,8 +131,8 @@ class DiskReader:
         spans = self._layout([r for r, _ in ranges])
         contents = [(span, parts) for span, (_, parts) in zip(spans, ranges, strict=True)]
         shapes = expert_shapes(self.cfg, self.held, self.ckpt.fp8_block[1]).values()
-        # FP8 matrices: their block scales, a few KiB read now (None for other dtypes).
-        scales = [self.ckpt.fp8_scales(t, off, n) for t, off, n in slab.parts]
+        # Quantized matrices: their scales, a few KiB read now (None for other dtypes).
+        scales = [self.ckpt.scales(t, off, n) for t, off, n in slab.parts]
         parts = [(s, dt, off, n) for s, held in contents for dt, off, n in held]
 
         def finish(buf: mmap.mmap) -> Weights:
@@ -381,10 +381,10 @@ def _ranges(slab: ExpertSlab) -> list[tuple[tuple[Path, int, int], list[tuple[st
 
 
 def _held(
-    buf, dtype: str, offset: int, n: int, held: np.dtype, scales: Fp8Scales | None = None
+    buf, dtype: str, offset: int, n: int, held: np.dtype, scales: Scales | None = None
 ) -> np.ndarray:
     """n raw bytes at offset of buf, copied out as `held` (no view into buf survives); FP8
-    bytes dequantized with their `scales`."""
+    and pack-quantized bytes dequantized with their `scales`."""
     dt = raw_dtype(dtype)
     raw = np.frombuffer(buf, dtype=dt, count=n // dt.itemsize, offset=offset)
     return to_held(raw, dtype, held, scales)
