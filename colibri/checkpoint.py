@@ -51,6 +51,11 @@ BF16_BITS = np.dtype("<u2")
 # How it holds block-quantized FP8 experts (weights.expert_dtype): as bytes, each row of a
 # matrix its L float8_e4m3fn values then its L / b float32 block scales (`Fp8Scales.pack`).
 FP8_ROWS = np.dtype("u1")
+# How it holds pack-quantized int4 weights whose groups fit (weights.expert_dtype): as bytes,
+# each row of a matrix its L values packed two a byte as stored (the first in the low
+# nibble), then its L / g float32 group scales (`GroupScales.pack`). int8, not FP8's uint8:
+# the held dtype names the layout.
+INT4_ROWS = np.dtype("i1")
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
 # bytes are the `weight_packed` int32 words), and the bits of each value.
 PACKED_BITS = {"PACK4": 4, "PACK8": 8}
@@ -58,10 +63,8 @@ for _kind in PACKED_BITS:
     _RAW_DTYPES[_kind] = np.dtype("u1")
 # Packed bytes -> their values as float32, (q - 8, q' - 8) per byte for 4 bits (the first
 # value in the low nibble), q - 128 for 8.
-_UNPACK = {
-    4: np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8,
-    8: np.arange(256, dtype=np.float32)[:, None] - 128,
-}
+UNPACK4 = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
+_UNPACK = {4: UNPACK4, 8: np.arange(256, dtype=np.float32)[:, None] - 128}
 
 
 class CheckpointError(ValueError):
@@ -143,6 +146,7 @@ class GroupScales:
     group: np.ndarray  # int [cols]: each column's group
     bits: int
     cols: int
+    size: int  # columns a group when each is consecutive columns (no g_idx), else 0
 
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
         """Packed bytes (whole rows) to a new float32 array [rows * cols]: each value times
@@ -150,6 +154,27 @@ class GroupScales:
         values = _UNPACK[self.bits][raw].reshape(-1, self.cols)
         values *= self.scales[:, self.group]
         return values.reshape(-1)
+
+    def pack(self, raw: np.ndarray) -> np.ndarray:
+        """INT4_ROWS of packed four-bit bytes (flat, whole rows): each row's bytes as stored,
+        then the float32 scales of its groups, in a new flat array. Needs `rows_fit`."""
+        if not self.rows_fit:
+            raise CheckpointError(
+                f"int4 rows need 4-bit values in consecutive groups of a multiple of 8 columns"
+                f" (these: {self.bits}-bit, groups of {self.size or 'g_idx'})"
+            )
+        half = self.cols // 2
+        rows = raw.size // half
+        out = np.empty((rows, half + 4 * self.scales.shape[1]), np.uint8)
+        out[:, :half] = raw.reshape(rows, half)
+        out[:, half:] = np.ascontiguousarray(self.scales, "<f4").view(np.uint8)
+        return out.reshape(-1).view(INT4_ROWS)
+
+    @property
+    def rows_fit(self) -> bool:
+        """Whether these rows can be held as INT4_ROWS (the kernels widen eight values of one
+        group at a time)."""
+        return self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
 
 
 Scales = Fp8Scales | GroupScales
@@ -161,11 +186,15 @@ def to_held(
     """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
     survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
     weights dequantized with their `scales` to float32, or held as FP8_ROWS with them;
-    pack-quantized weights dequantized with theirs to float32."""
-    if dtype in PACKED_BITS:
-        if np.dtype(held) != np.float32 or not isinstance(scales, GroupScales):
-            raise CheckpointError(f"a {dtype} tensor is read as float32, with its group scales")
-        return scales.dequantize(raw)
+    pack-quantized weights likewise, to float32 or as INT4_ROWS."""
+    if dtype in PACKED_BITS or np.dtype(held) == INT4_ROWS:
+        ok = dtype in PACKED_BITS and isinstance(scales, GroupScales)
+        if not ok or np.dtype(held) not in (np.float32, INT4_ROWS):
+            raise CheckpointError(
+                f"a {dtype} tensor cannot be held as {np.dtype(held)} (pack-quantized weights:"
+                " float32 or int4 rows, with their group scales)"
+            )
+        return scales.pack(raw) if np.dtype(held) == INT4_ROWS else scales.dequantize(raw)
     if np.dtype(held) == BF16_BITS:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
@@ -249,14 +278,16 @@ class Checkpoint:
         self, name: str, shape: tuple[int, ...] | None = None, held: np.dtype = np.float32
     ) -> np.ndarray:
         """The tensor as float32, checked against `shape` when given; with held=FP8_ROWS, an
-        FP8 matrix as its rows of values and block scales ([rows, cols + 4 cols / b1])."""
+        FP8 matrix as its rows of values and block scales ([rows, cols + 4 cols / b1]), with
+        INT4_ROWS a pack-quantized one as its int4 rows ([rows, cols / 2 + 4 cols / g])."""
         t = self.info(name)
         if shape is not None and tuple(shape) != t.shape:
             raise CheckpointError(
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
         out = to_held(self.read_raw(name), t.dtype, held, self.scales(t))
-        return out.reshape(t.shape[0], -1) if np.dtype(held) == FP8_ROWS else out.reshape(t.shape)
+        rows = np.dtype(held) in (FP8_ROWS, INT4_ROWS)
+        return out.reshape(t.shape[0], -1) if rows else out.reshape(t.shape)
 
     def read_part(
         self, t: TensorInfo, offset: int, nbytes: int, held: np.dtype = np.float32
@@ -332,7 +363,17 @@ class Checkpoint:
         item = _RAW_DTYPES[s.dtype].itemsize
         buf = self.pread(s.path, s.offset + first * groups * item, n * groups * item)
         scales = to_f32(np.frombuffer(buf, _RAW_DTYPES[s.dtype]), s.dtype).reshape(n, groups)
-        return GroupScales(scales, self._column_groups(t, groups), bits, cols)
+        consecutive = f"{t.name}_g_idx" not in self.tensors
+        group = self._column_groups(t, groups)
+        return GroupScales(scales, group, bits, cols, cols // groups if consecutive else 0)
+
+    def int4_group(self, t: TensorInfo) -> int:
+        """The columns a scale of weight `t` covers when it can be held as INT4_ROWS
+        (`GroupScales.rows_fit`), else 0."""
+        if t.dtype != "PACK4":
+            return 0
+        scales = self.scales(t, 0, t.shape[-1] // 2)  # its first row's
+        return scales.size if scales.rows_fit else 0
 
     def _column_groups(self, t: TensorInfo, groups: int) -> np.ndarray:
         """Each column's group: `weight_g_idx` where the checkpoint has one (activation

@@ -10,7 +10,14 @@ import jax
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import BF16_BITS, FP8_ROWS, Checkpoint, CheckpointError, TensorInfo
+from colibri.checkpoint import (
+    BF16_BITS,
+    FP8_ROWS,
+    INT4_ROWS,
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+)
 from colibri.config import ModelConfig
 
 Params = dict[str, Any]
@@ -93,20 +100,54 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
     every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
     float32) when it stores every one block-quantized in float8_e4m3fn with whole column
-    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; else as float32 (pack-quantized
-    integer experts too, dequantized as they are read)."""
-    dtypes = {
-        t.dtype
+    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; as int4 rows (INT4_ROWS: about an
+    eighth) when it stores every one pack-quantized in four bits with one group width for
+    gate and up and one for down (`expert_groups`), unless `COLIBRI_INT4=0`; else as float32
+    (other pack-quantized experts are dequantized as they are read)."""
+    parts = [
+        t
         for layer in cfg.moe_layer_ids
         for e in range(cfg.moe.num_experts)
         for t, _, _ in expert_slab(ckpt, cfg, layer, e).parts
-    }
+    ]
+    dtypes = {t.dtype for t in parts}
     if dtypes == {"BF16"} and holds_bf16(ckpt):
         return BF16_BITS
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
     if dtypes == {"F8_E4M3"} and fit and holds_fp8():
         return FP8_ROWS
+    if dtypes == {"PACK4"} and holds_int4() and all(expert_groups(ckpt, parts)):
+        return INT4_ROWS
     return np.dtype(np.float32)
+
+
+def expert_groups(ckpt: Checkpoint, parts: list[TensorInfo]) -> tuple[int, int]:
+    """The group widths of int4 experts' rows as INT4_ROWS holds them: (gate and up, down),
+    each 0 unless every such matrix among `parts` (gate, up, down, gate, ...) fits the one."""
+    found = []
+    for which in (slice(0, None, 3), slice(1, None, 3), slice(2, None, 3)):
+        widths = {ckpt.int4_group(t) for t in dict.fromkeys(parts[which])}
+        found.append(widths.pop() if len(widths) == 1 else 0)
+    gate, up, down = found
+    return (gate if gate == up else 0), down
+
+
+def row_blocks(ckpt: Checkpoint, cfg: ModelConfig, held: np.dtype) -> tuple[int, int]:
+    """The scale block widths of routed experts' rows as held (`held_cols`): for rows of D
+    weights (gate, up) and of F (down); (0, 0) for float32 and bfloat16."""
+    if np.dtype(held) == FP8_ROWS:
+        return ckpt.fp8_block[1], ckpt.fp8_block[1]
+    if np.dtype(held) == INT4_ROWS:
+        layer = cfg.moe_layer_ids[0]
+        return expert_groups(ckpt, [t for t, _, _ in expert_slab(ckpt, cfg, layer, 0).parts])
+    return 0, 0
+
+
+def holds_int4() -> bool:
+    """Whether colibri keeps a pack-quantized checkpoint's int4 matrices as int4 rows (their
+    bytes and group scales, about an eighth of the bytes of float32; `expert_dtype`,
+    `load_dense`) rather than dequantizing them to float32 at load: unless `COLIBRI_INT4=0`."""
+    return os.environ.get("COLIBRI_INT4", "1") != "0"
 
 
 def holds_fp8() -> bool:
@@ -124,16 +165,22 @@ def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
 
 
 def held_cols(n: int, held: np.dtype, block: int) -> int:
-    """Elements a matrix row of n weights takes held as `held`: n, or for FP8_ROWS n values
-    and n / block float32 scales."""
-    return n + 4 * (n // block) if np.dtype(held) == FP8_ROWS else n
+    """Elements a matrix row of n weights takes held as `held`: n, for FP8_ROWS n values and
+    n / block float32 scales, for INT4_ROWS n / 2 bytes of values and n / block scales."""
+    if np.dtype(held) not in (FP8_ROWS, INT4_ROWS):
+        return n
+    if block <= 0:
+        raise CheckpointError(f"rows of {n} weights held as {np.dtype(held)} need scale blocks")
+    return (n if np.dtype(held) == FP8_ROWS else n // 2) + 4 * (n // block)
 
 
-def expert_shapes(cfg: ModelConfig, held: np.dtype, block: int = 0) -> dict[str, tuple]:
+def expert_shapes(
+    cfg: ModelConfig, held: np.dtype, blocks: tuple[int, int] = (0, 0)
+) -> dict[str, tuple]:
     """One expert's matrices as held: gate and up [F, D], down [D, F], their rows as
-    `held_cols` says (`block`: the FP8 block width, for FP8_ROWS)."""
+    `held_cols` says (`blocks`: the scale block widths of rows of D and of F, `row_blocks`)."""
     F, D = cfg.moe.moe_ff, cfg.hidden
-    row_d, row_f = held_cols(D, held, block), held_cols(F, held, block)
+    row_d, row_f = held_cols(D, held, blocks[0]), held_cols(F, held, blocks[1])
     return {"gate": (F, row_d), "up": (F, row_d), "down": (D, row_f)}
 
 
@@ -141,8 +188,8 @@ def read_expert(
     ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab, held: np.dtype = np.float32
 ) -> tuple[np.ndarray, ...]:
     """One expert's (gate, up, down) as `expert_shapes` (float32, bfloat16 bits for a bfloat16
-    checkpoint, FP8 rows for a block-quantized one)."""
-    shapes = expert_shapes(cfg, held, ckpt.fp8_block[1]).values()
+    checkpoint, FP8 rows for a block-quantized one, int4 rows for a pack-quantized one)."""
+    shapes = expert_shapes(cfg, held, row_blocks(ckpt, cfg, held)).values()
     out = []
     for (t, off, n), shape in zip(slab.parts, shapes, strict=True):
         flat = ckpt.read_part(t, off, n, held)
@@ -156,8 +203,9 @@ def read_expert(
 
 def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
     """Every weight except routed experts, as float32 numpy arrays, shape-checked; a
-    block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`)."""
-    ckpt = _Matrices(ckpt, holds_fp8())
+    block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`), a
+    pack-quantized one's int4 matrices as int4 rows where they fit (`holds_int4`)."""
+    ckpt = _Matrices(ckpt, holds_fp8(), holds_int4())
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
@@ -178,27 +226,32 @@ _QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
 
 class _Matrices:
     """The checkpoint as load_dense reads it: FP8 matrices as FP8 rows where they fit (when
-    `fp8`), everything else as float32."""
+    `fp8`), int4 ones as int4 rows where they fit (when `int4`), everything else as
+    float32."""
 
-    def __init__(self, ckpt: Checkpoint, fp8: bool):
-        self._ckpt, self._fp8 = ckpt, fp8
+    def __init__(self, ckpt: Checkpoint, fp8: bool, int4: bool):
+        self._ckpt, self._fp8, self._int4 = ckpt, fp8, int4
 
     def __contains__(self, name: str) -> bool:
         return name in self._ckpt
 
     def read(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        rows = (
-            self._fp8
-            and shape is not None
-            and len(shape) == 2
-            and self._ckpt.info(name).dtype == "F8_E4M3"
-            and fp8_rows_fit(self._ckpt, shape[1])
-        )
-        return self._ckpt.read(name, shape, FP8_ROWS if rows else np.float32)
+        held = np.dtype(np.float32)
+        if shape is not None and len(shape) == 2:
+            t = self._ckpt.info(name)
+            if self._fp8 and t.dtype == "F8_E4M3" and fp8_rows_fit(self._ckpt, shape[1]):
+                held = FP8_ROWS
+            elif self._int4 and t.shape == tuple(shape) and self._ckpt.int4_group(t):
+                held = INT4_ROWS
+        return self._ckpt.read(name, shape, held)
 
 
 def _same_dtype(tree: Params, *names: str) -> bool:
     return len({tree[n].dtype for n in names}) == 1
+
+
+def _same_rows(tree: Params, *names: str) -> bool:
+    return len({tree[n].shape[1:] for n in names}) == 1
 
 
 def fuse_qkv(dense: Params) -> Params:
@@ -210,7 +263,8 @@ def fuse_qkv(dense: Params) -> Params:
     layers = []
     for lw in dense["layers"]:
         attn = lw["attn"]
-        if all(name in attn for name in ("q", "k", "v")) and _same_dtype(attn, "q", "k", "v"):
+        qkv = all(name in attn for name in ("q", "k", "v"))
+        if qkv and _same_dtype(attn, "q", "k", "v") and _same_rows(attn, "q", "k", "v"):
             w = {name: a for name, a in attn.items() if name not in _QKV}
             w["qkv"] = np.concatenate([attn[name] for name in ("q", "k", "v")])
             if "q_bias" in attn:
@@ -221,12 +275,12 @@ def fuse_qkv(dense: Params) -> Params:
 
 
 def expert_stacks(
-    cfg: ModelConfig, dtype: np.dtype = np.float32, block: int = 0
+    cfg: ModelConfig, dtype: np.dtype = np.float32, blocks: tuple[int, int] = (0, 0)
 ) -> dict[str, np.ndarray]:
     """Room for one layer's stacked experts (uninitialised, as `expert_shapes` with E first),
     on huge pages where Linux gives them (decode streams these; see hugepages.py)."""
     E = cfg.moe.num_experts
-    shapes = expert_shapes(cfg, dtype, block)
+    shapes = expert_shapes(cfg, dtype, blocks)
     return {k: hugepages.empty((E, *shape), dtype) for k, shape in shapes.items()}
 
 
@@ -234,7 +288,8 @@ def load_experts(
     ckpt: Checkpoint, cfg: ModelConfig, layer: int, out: dict[str, np.ndarray] | None = None
 ) -> dict[str, np.ndarray]:
     """All routed experts of one layer stacked into `out` (default: new float32
-    `expert_stacks(cfg)`), held as its arrays' dtype (float32, bfloat16 bits or FP8 rows)."""
+    `expert_stacks(cfg)`), held as its arrays' dtype (float32, bfloat16 bits, FP8 or int4
+    rows)."""
     out = expert_stacks(cfg) if out is None else out
     held = out["gate"].dtype
     slabs = [

@@ -1,4 +1,4 @@
-"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8]
+"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4]
 
 A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -12,9 +12,9 @@ alone gives.
 experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
 greedy steps), replayed on random weights of the same shapes held on huge pages as the
-engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held fp8,
-block-quantized and held as FP8 rows (as experiments/bench_fp8.py holds them; --base must have
-the FP8 kernel). --kernel linear:
+engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held fp8
+(int4), quantized and held as FP8 (int4) rows, as experiments/bench_quantized.py holds them
+(--base must have that kernel). --kernel linear:
 the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
 24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
 24 steps after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
@@ -95,12 +95,14 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
 
 def expert_call(lib_path: Path, name: str):
     """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
-    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, and over FP8 rows
-    (uint8) its fp8 one, `name`_fp8, where it has them."""
+    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, over FP8 rows
+    (uint8) its fp8 one, `name`_fp8, and over int4 rows (int8) `name`_int4, where it has
+    them."""
     registered(lib_path, "ColibriMoeExperts", name)
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     variants = {jnp.dtype(jnp.float32): name}
-    for dtype, symbol, suffix in ((jnp.uint16, "Bf16", "bf16"), (jnp.uint8, "Fp8", "fp8")):
+    kinds = ((jnp.uint16, "Bf16", "bf16"), (jnp.uint8, "Fp8", "fp8"), (jnp.int8, "Int4", "int4"))
+    for dtype, symbol, suffix in kinds:
         if hasattr(lib, f"ColibriMoeExperts{symbol}"):
             registered(lib_path, f"ColibriMoeExperts{symbol}", f"{name}_{suffix}")
             variants[jnp.dtype(dtype)] = f"{name}_{suffix}"
@@ -273,19 +275,21 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop}
 
 
-def fp8_holds(calls: dict) -> tuple[dict, float]:
-    """For `compare`: every version holds each random matrix as the same FP8 rows, on huge
-    pages; and the bytes a weight takes so (a byte, and a float32 scale per block)."""
-    from bench_fp8 import BLOCK, fp8_pair  # bench_fp8 imports this module
+def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
+    """For `compare`: every version holds each random matrix as the same FP8 (int4) rows, on
+    huge pages; and the bytes a weight takes so (a byte or half of one, and a float32 scale
+    per block)."""
+    from bench_quantized import FORMATS  # bench_quantized imports this module
 
+    f = FORMATS[fmt]
     rows: dict[int, tuple] = {}
 
     def hold(a):
         if id(a) not in rows:
-            rows[id(a)] = (a, on_huge_pages(fp8_pair(a)[0]))
+            rows[id(a)] = (a, on_huge_pages(f["pair"](a)[0]))
         return rows[id(a)][1]
 
-    return dict.fromkeys(calls, hold), 1 + 4 / BLOCK
+    return dict.fromkeys(calls, hold), (1 if fmt == "fp8" else 0.5) + 4 / f["blocks"][0]
 
 
 def main() -> None:
@@ -297,9 +301,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument(
         "--held",
-        choices=("float32", "fp8"),
+        choices=("float32", "fp8", "int4"),
         default="float32",
-        help="experts: the weights as float32, or block-quantized as FP8 rows (bench_fp8.py)",
+        help="experts: the weights as float32, or quantized as FP8 or int4 rows "
+        "(bench_quantized.py)",
     )
     args = ap.parse_args()
     if not kernels.available():
@@ -320,8 +325,9 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             if args.kernel == "experts":
                 routes = record_routes(ckpt, rows)
-                if args.held == "fp8":
-                    res = compare(calls, cfg, routes, args.passes, *fp8_holds(calls))
+                if args.held != "float32":
+                    holds = quantized_holds(calls, args.held)
+                    res = compare(calls, cfg, routes, args.passes, *holds)
                 else:
                     res = compare(calls, cfg, routes, args.passes)
             elif args.kernel == "linear":

@@ -75,5 +75,5 @@ def test_synth_int4_then_generate_with_experts_on_disk(tmp_path):
     tiered = _generate(out, *args, "--device-gb", "0.00005", "--ram-gb", "0.00003")
     assert resident.returncode == tiered.returncode == 0, tiered.stderr.decode()
     assert resident.stdout == tiered.stdout and len(resident.stdout) > 1
-    assert b"pack-quantized int4 weights dequantized to float32" in resident.stderr
+    assert b"routed experts as int4 rows" in resident.stderr
     assert b", 0 on disk" in resident.stderr and b"16 on disk" in tiered.stderr

@@ -135,7 +135,7 @@ def test_fp8_experts_come_back_as_fp8_rows(ckpt_dir):
             return
         assert expert_dtype(ck, cfg) == FP8_ROWS
         wide = load_experts(ck, cfg, layer)
-        rows = load_experts(ck, cfg, layer, out=expert_stacks(cfg, FP8_ROWS, 8))
+        rows = load_experts(ck, cfg, layer, out=expert_stacks(cfg, FP8_ROWS, (8, 8)))
         for e, f in enumerate(futures):
             for k, name in enumerate(("gate", "up", "down")):
                 got = f.result()[k]

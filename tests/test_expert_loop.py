@@ -15,7 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
-from colibri.checkpoint import Fp8Scales, quantize_fp8, to_f32
+from colibri.checkpoint import (
+    INT4_ROWS,
+    Checkpoint,
+    Fp8Scales,
+    quantize_fp8,
+    quantize_packed,
+    to_f32,
+    write_safetensors,
+)
 from colibri.model.layers import widen_rows
 from colibri.model.moe import expert_outputs, expert_plan
 
@@ -240,5 +248,79 @@ def test_the_native_kernel_refuses_rows_that_are_not_fp8_rows():
     ids = jnp.zeros((2, 1), jnp.int32)
     np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
     bad = jnp.zeros((3, 8, 16 + 16), jnp.uint8)  # four scales: blocks of 4
-    with pytest.raises(Exception, match="not L fp8 values and L / b scales"):
+    with pytest.raises(Exception, match="not L values and L / b scales"):
+        kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()
+
+
+def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path):
+    """Random experts pack-quantized to int4 (a bfloat16 scale per `group` columns) and read
+    back through a checkpoint: (int4 rows [S, R, C / 2 + 4 C / group] as the engine holds them,
+    the float32 [S, R, C] they dequantize to)."""
+    S, R, C = shape
+    tensors, kinds = {}, {}
+    for e in range(S):
+        w = rng.standard_normal((R, C)).astype(np.float32) * np.float32(2.0 ** rng.integers(-9, 9))
+        packed, scale, dims = quantize_packed(w, 4, group)
+        for part, arr, kind in (("packed", packed, "I32"), ("scale", scale, "BF16")):
+            tensors[f"e{e}.weight_{part}"], kinds[f"e{e}.weight_{part}"] = arr, kind
+        tensors[f"e{e}.weight_shape"], kinds[f"e{e}.weight_shape"] = dims, "I64"
+    write_safetensors(tmp_path / "model.safetensors", tensors, "F32", kinds)
+    ck = Checkpoint(tmp_path)
+    rows = [ck.read(f"e{e}.weight", (R, C), INT4_ROWS) for e in range(S)]
+    wide = [ck.read(f"e{e}.weight", (R, C)) for e in range(S)]
+    return np.stack(rows), np.stack(wide)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    group=st.sampled_from([8, 16, 32]),
+    kd=st.integers(1, 4),
+    kf=st.integers(1, 3),
+    rows=st.integers(1, 16),
+    plan=st.sampled_from([p for native, p in PLANS if not native]),
+    seed=st.integers(0, 2**16),
+)
+def test_int4_rows_compute_bitwise_what_the_dequantized_weights_do(
+    tmp_path_factory, group, kd, kf, rows, plan, seed
+):
+    """Experts held as int4 rows (each row's four-bit values two a byte, then its group
+    scales) give in the native kernel bitwise the outputs of the dequantized float32 weights
+    (out-of-range ids included); in XLA's loops (`plan`) the same to float32 rounding, and the
+    widened rows are exactly the dequantized weights."""
+    rng = np.random.default_rng(seed)
+    S, K, dim, ff = 5, 3, group * kd, group * kf
+    shapes = {"gate": (S, ff, dim), "up": (S, ff, dim), "down": (S, dim, ff)}
+    packed, wide = {}, {}
+    for k, shape in shapes.items():
+        packed[k], wide[k] = int4_rows(rng, shape, group, tmp_path_factory.mktemp(k))
+    assert packed["gate"].shape == (S, ff, dim // 2 + 4 * kd) and packed["gate"].dtype == np.int8
+    np.testing.assert_array_equal(
+        np.asarray(widen_rows(jnp.asarray(packed["down"]), ff)), wide["down"]
+    )
+    x = rng.standard_normal((rows, dim)).astype(np.float32)
+    ids = rng.integers(-1, S + 1, (rows, K)).astype(np.int32)
+    rows_held = {k: jnp.asarray(v) for k, v in packed.items()}
+    widened = {k: jnp.asarray(v) for k, v in wide.items()}
+    for native, how in ((True, None), (False, plan)):
+        y = np.asarray(_jitted(rows_held, x, ids, S, how, native))
+        want = np.asarray(_jitted(widened, x, ids, S, how, native))
+        scale = float(np.abs(want).max()) or 1.0
+        if native:
+            np.testing.assert_array_equal(y, want)
+        else:
+            np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(y, reference(wide, x, ids), rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_the_native_kernel_refuses_rows_that_are_not_int4_rows():
+    """int8 experts go to the int4 target, which checks that each row is L / 2 bytes of values
+    and L / g float32 scales with g a multiple of 8 dividing L."""
+    x = jnp.ones((2, 16), jnp.float32)
+    gate = jnp.zeros((3, 8, 8 + 8), jnp.int8)  # 16 values, two scales: groups of 8
+    down = jnp.zeros((3, 16, 4 + 4), jnp.int8)
+    assert kernels.usable_weights(x, gate, gate, down)
+    ids = jnp.zeros((2, 1), jnp.int32)
+    np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
+    bad = jnp.zeros((3, 8, 8 + 16), jnp.int8)  # four scales: groups of 4
+    with pytest.raises(Exception, match="not L values and L / b scales"):
         kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
-from colibri.checkpoint import Fp8Scales, quantize_fp8, to_f32
+from colibri.checkpoint import Fp8Scales, GroupScales, quantize_fp8, quantize_packed, to_f32
 from colibri.model import layers
 
 _native = jax.jit(kernels.linear)
@@ -96,6 +96,39 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
         assert layers._native_ok(jnp.asarray(x), jnp.asarray(packed))
         np.testing.assert_array_equal(y, want)
         np.testing.assert_array_equal(np.asarray(f(x[-1:], packed))[0], y[-1])
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    groups=st.integers(1, 5),
+    group=st.sampled_from([8, 16, 32]),
+    dim_out=st.integers(1, 70),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
+    rows, groups, group, dim_out, seed
+):
+    """Weights held as int4 rows (four-bit values two a byte, then group scales): up to 16
+    rows (the native kernel) bitwise what the dequantized float32 weights give, each row as it
+    is alone; more rows (XLA) the same to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    dim_in = groups * group
+    x = rng.standard_normal((rows, dim_in)).astype(np.float32)
+    w = rng.standard_normal((dim_out, dim_in)).astype(np.float32)
+    packed, scale, _ = quantize_packed(w, 4, group)
+    scales = GroupScales(scale, np.arange(dim_in) // group, 4, dim_in, group)
+    raw = packed.view(np.uint8).reshape(-1)
+    held, wide = scales.pack(raw).reshape(dim_out, -1), scales.dequantize(raw).reshape(w.shape)
+    assert held.dtype == np.int8 and held.shape == (dim_out, dim_in // 2 + 4 * groups)
+    f = jax.jit(layers.linear)
+    y, want = np.asarray(f(x, held)), np.asarray(f(x, wide))
+    if rows <= layers.NATIVE_ROWS:
+        assert layers._native_ok(jnp.asarray(x), jnp.asarray(held))
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(np.asarray(f(x[-1:], held))[0], y[-1])
     else:
         np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
 

@@ -86,6 +86,13 @@ def test_activation_order_groups_come_from_g_idx(tmp_path):
     want = _reference(packed, scale, shape, 4, 16, g_idx)
     np.testing.assert_array_equal(ck.read("a.weight"), want)
     assert not np.array_equal(want, _reference(packed, scale, shape, 4, 16))
+    assert ck.int4_group(ck.info("a.weight")) == 0  # not int4 rows: dequantized at load
+    assert (
+        _write(tmp_path, {"a.weight": (packed, scale, shape)}).int4_group(
+            Checkpoint(tmp_path).info("a.weight")
+        )
+        == 16
+    )
     bad = np.full(64, 4, np.int32)
     ck = _write(tmp_path, {"a.weight": (packed, scale, shape)}, extra={"a.weight_g_idx": bad})
     with pytest.raises(CheckpointError, match=r"'a.weight_g_idx' must give each of the 64"):
@@ -182,26 +189,87 @@ def test_synth_int4_is_compressed_tensors_layout_and_matches_transformers(tmp_pa
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
         assert kinds[name] == "BF16"
     model = load_model(d, progress=False)
-    assert model.store.held == np.float32  # dequantized at load
+    # Experts held as int4 rows: 64 / 2 + 64 / 16 * 4 bytes per row of gate and up, 16 + 8 of
+    # down; the attention's matrices too, the bf16 ones stay bf16.
+    assert model.store.held == np.int8
+    assert model.store.expert_bytes == 2 * 32 * (32 + 16) + 64 * (16 + 8)
+    assert model.params["layers"][0]["attn"]["qkv"].dtype == np.int8
+    assert model.params["embed"].dtype == np.uint16
     ids = model.tokenizer.encode("def forward(x): The router sends")
     ref = tiny.hf_logits(d, ids)
     np.testing.assert_allclose(Runner(model, capacity=64).full_logits(ids), ref, atol=1e-4)
     model.store.close()
 
 
-@pytest.mark.parametrize("dtype", ["int4", "int8"])
-def test_placement_never_changes_packed_logits(checkpoints, dtype):
+@pytest.mark.parametrize("dtype, held", [("int4", np.int8), ("int8", np.float32)])
+def test_placement_never_changes_packed_logits(checkpoints, dtype, held):
     """Routed experts read from disk (their packed bytes and a few scales) and staged through
-    RAM and the device slots, dequantized on the way: prefill and decode logits bitwise those
-    of the resident model."""
+    RAM and the device slots, as int4 rows or dequantized on the way: prefill and decode
+    logits bitwise those of the resident model."""
     d = checkpoints("qwen2_moe", dtype)
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
     got = []
     for tiered in (False, True):
         model, probe = tiny.load_placed(d, tiered)
+        assert model.store.held == held
         got.append(tiny.prefill_then_decode(model, prompts))
         assert (model.store.disk.bytes_read > 0) == tiered
         model.store.close()
         probe.store.close()
+    np.testing.assert_array_equal(got[0][0], got[1][0])
+    np.testing.assert_array_equal(got[0][1], got[1][1])
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_int4_rows_decode_what_dequantized_weights_do(tiered, checkpoints, monkeypatch):
+    """A pack-quantized checkpoint's int4 matrices are held as int4 rows (bytes of values and
+    group scales: under a quarter of the bytes of float32 here, about an eighth with groups of
+    128): the routed experts in every tier, and the attention's and shared experts' matrices.
+    Wherever the CPU kernels compute (decode, prefill of up to 16 tokens) the logits are
+    bitwise those of the matrices dequantized to float32 at load (COLIBRI_INT4=0); a longer
+    prefill, in XLA's products, the same to float32 rounding."""
+    d = checkpoints("deepseek_v3", "int4")
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
+    got = {}
+    for int4 in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_INT4", int4)
+        model, probe = tiny.load_placed(d, tiered)
+        logits, steps = tiny.prefill_then_decode(model, prompts)
+        attn = model.params["layers"][0]["attn"]
+        dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
+        got[int4] = (model.store.held, dense, model.store.expert_bytes, logits, steps)
+        model.store.close()
+        probe.store.close()
+    (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
+    assert (h4, h32) == (np.int8, np.float32)
+    assert d4 == (np.int8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
+    assert d32 == (np.float32, np.float32, np.float32)  # not quantized in the checkpoint
+    F, D = 32, 64  # tests/tiny.py's deepseek_v3: groups of 8 columns, a scale per 8 values
+    assert (eb4, eb32) == (3 * F * D * 1, 3 * F * D * 4)  # half a byte and half a scale each
+    np.testing.assert_array_equal(pre4[:2], pre32[:2])
+    np.testing.assert_array_equal(dec4[:, :2], dec32[:, :2])  # each row as it is alone
+    np.testing.assert_allclose(pre4[2], pre32[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dec4[:, 2], dec32[:, 2], rtol=1e-4, atol=1e-4)
+    assert np.argmax(pre4[2]) == np.argmax(pre32[2])
+
+
+def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path, monkeypatch):
+    """Groups of 4 columns (not a multiple of 8) or in activation order (g_idx) cannot be held
+    as int4 rows: those checkpoints are dequantized to float32 at load and decode bitwise
+    what COLIBRI_INT4=0 gives."""
+    spec = SynthSpec(
+        family="qwen3_moe", layers=2, experts=8, top_k=2, hidden=64, moe_ff=32, vocab=300,
+        dtype="int4", group=4,
+    )  # fmt: skip
+    d = synthesize(spec, tmp_path / "int4", progress=False)
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
+    got = []
+    for int4 in ("1", "0"):
+        monkeypatch.setenv("COLIBRI_INT4", int4)
+        model = load_model(d, progress=False)
+        assert model.store.held == np.float32
+        assert model.params["layers"][0]["attn"]["qkv"].dtype == np.float32
+        got.append(tiny.prefill_then_decode(model, prompts))
+        model.store.close()
     np.testing.assert_array_equal(got[0][0], got[1][0])
     np.testing.assert_array_equal(got[0][1], got[1][1])

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 
 from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, PACKED_BITS, Checkpoint
+from colibri.checkpoint import FP8_ROWS, INT4_ROWS, PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -18,6 +19,9 @@ from colibri.tokenizer import Tokenizer
 from colibri.weights import fuse_qkv, hold_bf16, holds_bf16, load_dense
 
 log = logging.getLogger("colibri")
+
+# The tensors beside a quantized weight (its scales, packed words, shape): not parameters.
+_SIDE_TENSORS = ("_scale_inv", "_scales_inv", "_packed", "_scale", "_shape", "_g_idx")
 
 
 @dataclass
@@ -55,17 +59,19 @@ def load_model(
     dense = fuse_qkv(load_dense(ckpt, cfg))
     params = jax.device_put(hold_bf16(dense) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
-    b1 = ckpt.fp8_block[1]  # FP8 rows hold b1 + 4 bytes for every b1 weights
-    n_dense = sum(
-        a.size * b1 // (b1 + 4) if a.dtype == FP8_ROWS else a.size
-        for a in jax.tree_util.tree_leaves(params)
+    n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
+        math.prod(t.shape)
+        for name, t in ckpt.tensors.items()
+        if ".experts." not in name and not name.endswith(_SIDE_TENSORS)
     )
     n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
+    packed = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype in PACKED_BITS})
     if store.held == FP8_ROWS:
         how += ", routed experts as fp8 rows"
-    packed = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype in PACKED_BITS})
-    if packed:
+    elif store.held == INT4_ROWS:
+        how += ", routed experts as int4 rows"
+    elif packed:
         bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
         how += f", pack-quantized {bits} weights dequantized to float32"
     stacks = jax.tree_util.tree_leaves(store.resident)

@@ -20,7 +20,7 @@ from colibri import hugepages
 from colibri.checkpoint import Checkpoint, CheckpointError, Scales, raw_dtype, to_held
 from colibri.config import ModelConfig
 from colibri.experts.ram import Weights
-from colibri.weights import ExpertSlab, expert_shapes, expert_slab
+from colibri.weights import ExpertSlab, expert_shapes, expert_slab, row_blocks
 
 log = logging.getLogger("colibri")
 
@@ -96,6 +96,7 @@ class DiskReader:
         if piece < _ALIGN or piece % _ALIGN:
             raise ValueError(f"piece={piece} must be a positive multiple of {_ALIGN}")
         self.ckpt, self.cfg, self.held = ckpt, cfg, np.dtype(held)
+        self.blocks = row_blocks(ckpt, cfg, self.held)  # scale block widths of held rows
         self.direct = direct and hasattr(os, "O_DIRECT")
         self.piece = piece
         self._workers = _Workers(threads, self._piece)
@@ -130,7 +131,7 @@ class DiskReader:
         ranges = _ranges(slab)
         spans = self._layout([r for r, _ in ranges])
         contents = [(span, parts) for span, (_, parts) in zip(spans, ranges, strict=True)]
-        shapes = expert_shapes(self.cfg, self.held, self.ckpt.fp8_block[1]).values()
+        shapes = expert_shapes(self.cfg, self.held, self.blocks).values()
         # Quantized matrices: their scales, a few KiB read now (None for other dtypes).
         scales = [self.ckpt.scales(t, off, n) for t, off, n in slab.parts]
         parts = [(s, dt, off, n) for s, held in contents for dt, off, n in held]

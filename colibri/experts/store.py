@@ -21,7 +21,7 @@ from colibri.experts.disk import DiskReader
 from colibri.experts.ram import RamCache, Weights
 from colibri.experts.slots import LayerSlots
 from colibri.experts.usage import read_usage, write_usage
-from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts
+from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts, row_blocks
 
 log = logging.getLogger("colibri")
 
@@ -46,8 +46,9 @@ class ExpertStore:
         self.layer_ids = cfg.moe_layer_ids
         m = cfg.moe
         self.E = m.num_experts
-        self.held = expert_dtype(ckpt, cfg)  # float32, bfloat16 bits or FP8 rows
-        self.shapes = expert_shapes(cfg, self.held, ckpt.fp8_block[1])
+        self.held = expert_dtype(ckpt, cfg)  # float32, bfloat16 bits, FP8 or int4 rows
+        self.blocks = row_blocks(ckpt, cfg, self.held)
+        self.shapes = expert_shapes(cfg, self.held, self.blocks)
         self.expert_bytes = sum(r * c for r, c in self.shapes.values()) * self.held.itemsize
         self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes)
         self.stats = ExpertStats(len(self.layer_ids), self.E, self.expert_bytes)
@@ -89,7 +90,7 @@ class ExpertStore:
         # layers are read into it: a fresh process here loads the peers checkpoints in
         # 0.57-0.63x the time it takes on small pages (faulted in by the writes themselves,
         # layer by layer, it took longer than on small pages; bench_hugepages.py --level load).
-        room = [expert_stacks(self.cfg, self.held, self.ckpt.fp8_block[1]) for _ in self.layer_ids]
+        room = [expert_stacks(self.cfg, self.held, self.blocks) for _ in self.layer_ids]
         hugepages.populate([a for r in room for a in r.values()])
         self.resident = [
             jax.device_put(load_experts(self.ckpt, self.cfg, i, out=r))

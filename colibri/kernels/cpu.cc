@@ -13,6 +13,11 @@
 // columns; b a multiple of 8 dividing L), so gate and up are [S, F, D + 4 D / b] and down
 // [S, D, F + 4 F / b]. A weight is widened and times its block's scale (rounded once) as it is
 // loaded: the float32 a block-quantized checkpoint dequantizes to, at a quarter of the bytes.
+// colibri_moe_experts_int4: the same with int4 rows (int8 buffers of bytes): each row's L
+// four-bit values packed two a byte (the first in the low nibble, each offset by 8), then its
+// L / g float32 group scales (g a multiple of 8 dividing L), so gate and up are
+// [S, F, D / 2 + 4 D / g]; a weight is its integer times its group's scale (rounded once): the
+// float32 a pack-quantized checkpoint dequantizes to, at an eighth of the bytes.
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -20,7 +25,8 @@
 // first the hidden rows (gate and up) of every chosen expert, then their down projections.
 //
 // colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits;
-// colibri_linear_fp8: w as FP8 rows [O, I + 4 I / b], as the experts above.
+// colibri_linear_fp8: w as FP8 rows [O, I + 4 I / b], colibri_linear_int4 as int4 rows
+// [O, I / 2 + 4 I / g], as the experts above.
 //
 // colibri_cut_requested: whether the host asked the decode bursts running in this process to
 // end after their current step (colibri_request_cut), read once per step.
@@ -119,6 +125,61 @@ inline v8 e4m3x8(const uint8_t* p) {
   return v;
 #endif
 }
+
+// A byte of int4 rows (two four-bit values, the first in the low nibble, each offset by 8).
+struct Int4 {
+  uint8_t byte;
+};
+
+// Weights held with per-block scales after each row's values (FP8 rows, int4 rows).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4>;
+
+// Bytes of L values of a row: L for FP8 (one a byte), L / 2 for int4, L * sizeof(T) else.
+template <typename T>
+inline int64_t value_bytes(const T*, int64_t L) {
+  return L * static_cast<int64_t>(sizeof(T));
+}
+inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
+
+// The eight int4 values of four bytes, exactly, as float32 (q - 8, from -8 to 7): each lane
+// shifts the word right to its nibble, then 2^23 + nibble put together in the float's bits,
+// less 2^23 + 8.
+inline v8 int4x8(const Int4* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+#if defined(__AVX2__)
+  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shift),
+                                       _mm256_set1_epi32(15));
+  const __m256 biased = _mm256_castsi256_ps(_mm256_or_si256(nib, _mm256_set1_epi32(0x4b000000)));
+  return reinterpret_cast<v8>(_mm256_sub_ps(biased, _mm256_set1_ps(8388616.0f)));  // 2^23 + 8
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(static_cast<int>((word >> (4 * i)) & 15) - 8);
+  return v;
+#endif
+}
+
+// Eight weights of a scaled row from column c: widened, times their block's scale (`scale`,
+// and for FP8 the 2^120 its widening leaves out, folded into the scale unless Huge).
+template <bool Huge>
+inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale) {
+  return Huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
+}
+
+template <bool Huge>
+inline v8 scaled8(const Int4* w, int64_t c, v8 scale) {
+  return int4x8(w + c / 2) * scale;
+}
+
+// What scaled8 takes as a block's scale: an FP8 scale times the 2^120 its widening leaves
+// out (`folded`), unless the scale is 2^8 or more (`too_big`: the product would overflow;
+// Huge, two exact steps instead); an int4 group's scale as it is.
+inline float folded(const uint8_t*) { return 0x1p120f; }
+inline float folded(const Int4*) { return 1.0f; }
+inline bool too_big(const uint8_t*, float s) { return !(std::fabs(s) < 256.0f); }
+inline bool too_big(const Int4*, float) { return false; }
 
 // Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
 // XLA's threads may run with denormals-are-zero set. (Results still flush as the thread
@@ -259,20 +320,22 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
       }
 }
 
-// Columns [c0, c0 + blk) of `dots` over FP8 rows: each weight widened (times 2^-120) and
-// times scale[i] (its row's block scale times 2^120; Huge: a scale from 2^8 up, which would
-// overflow so, and goes in two exact steps instead).
-template <int TW, int TR, bool Huge>
-inline void fp8_block(const uint8_t* const* w, const float* const* x, int64_t c0, int64_t blk,
-                      const v8* scale, v8 (*acc)[TR]) {
+// Columns [c0, c0 + blk) of `dots` over scaled rows (FP8 or int4): each weight widened and
+// times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up).
+template <int TW, int TR, bool Huge, typename Q>
+inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
+                         const v8* scale, v8 (*acc)[TR]) {
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     v8 wv[TW];
     if constexpr (TR > 1) {
-      if (c % 64 == 0)  // once a cache line, 2 KiB ahead as for the other weights
-        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048, 0, 3);
+      // Once a cache line of values, 2 KiB ahead, as for the other weights.
+      const int64_t at = value_bytes(w[0], c);
+      if (at % 64 == 0)
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
     }
     for (int i = 0; i < TW; ++i) {
-      wv[i] = Huge ? (e4m3x8(w[i] + c) * 0x1p120f) * scale[i] : e4m3x8(w[i] + c) * scale[i];
+      wv[i] = scaled8<Huge>(w[i], c, scale[i]);
       in_register(wv[i]);
     }
     for (int j = 0; j < TR; ++j) {
@@ -283,45 +346,60 @@ inline void fp8_block(const uint8_t* const* w, const float* const* x, int64_t c0
   }
 }
 
-// The same over FP8 rows: w[i] is a row's L float8_e4m3fn values, its L / blk float32 block
-// scales right after them (L a multiple of blk, blk of 8). Each weight is widened and scaled
-// as it is loaded, then the same multiply-adds in the same order: bitwise the dot of the
-// dequantized float32 row.
-template <int TW, int TR>
-inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, float* out,
-                 int64_t blk) {
+// The same over scaled rows: w[i] is a row's L values (value_bytes of them), its L / blk
+// float32 block scales right after them (L a multiple of blk, blk of 8). Each weight is
+// widened and scaled as it is loaded, then the same multiply-adds in the same order: bitwise
+// the dot of the dequantized float32 row.
+template <int TW, int TR, typename Q>
+inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, float* out,
+                        int64_t blk) {
   v8 acc[TW][TR];
   for (int i = 0; i < TW; ++i)
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  const int64_t vb = value_bytes(w[0], L);
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
     v8 scale[TW];
     bool huge = false;
     for (int i = 0; i < TW; ++i) {
       float s;
-      std::memcpy(&s, w[i] + L + 4 * (c0 / blk), sizeof s);
-      huge = huge || !(std::fabs(s) < 256.0f);
+      std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
+      huge = huge || too_big(w[i], s);
       scale[i] = v8{} + s;
     }
     if (huge) {
-      fp8_block<TW, TR, true>(w, x, c0, blk, scale, acc);
+      scaled_block<TW, TR, true>(w, x, c0, blk, scale, acc);
     } else {
-      for (int i = 0; i < TW; ++i) scale[i] = scale[i] * 0x1p120f;
-      fp8_block<TW, TR, false>(w, x, c0, blk, scale, acc);
+      for (int i = 0; i < TW; ++i) scale[i] = scale[i] * folded(w[i]);
+      scaled_block<TW, TR, false>(w, x, c0, blk, scale, acc);
     }
   }
   hsums<TW * TR>(&acc[0][0], out);
 }
 
-// out[0 .. L) = one FP8 row (L values, then L / blk scales) as float32: each value times its
-// block's scale, exactly as `dots` widens it in registers.
-inline void widen_fp8_row(const uint8_t* w, int64_t L, int64_t blk, float* out) {
+template <int TW, int TR>
+inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+template <int TW, int TR>
+inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+// out[0 .. L) = one scaled row (its values, then L / blk scales) as float32: each value times
+// its block's scale, exactly as `dots` widens it in registers.
+template <typename Q>
+inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
+  const int64_t vb = value_bytes(w, L);
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
     float s;
-    std::memcpy(&s, w + L + 4 * (c0 / blk), sizeof s);
-    const bool huge = !(std::fabs(s) < 256.0f);
-    const v8 scale = v8{} + (huge ? s : s * 0x1p120f);
+    std::memcpy(&s, reinterpret_cast<const char*>(w) + vb + 4 * (c0 / blk), sizeof s);
+    const bool huge = too_big(w, s);
+    const v8 scale = v8{} + (huge ? s : s * folded(w));
     for (int64_t c = c0; c < c0 + blk; c += 8) {
-      const v8 v = huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
+      const v8 v = huge ? scaled8<true>(w, c, scale) : scaled8<false>(w, c, scale);
       std::memcpy(out + c, &v, sizeof v);
     }
   }
@@ -396,8 +474,8 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
   if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit, blk);
   const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
-  if constexpr (std::is_same_v<T, uint8_t>) {
-    // FP8 rows met by several tiles of inputs: each widened once, into float32 rows in L1,
+  if constexpr (kScaled<T>) {
+    // Scaled rows met by several tiles of inputs: each widened once, into float32 rows in L1,
     // which the float32 tiles then read (the same values, the same multiply-adds).
     thread_local std::vector<float> wide;
     wide.resize(3 * L);
@@ -406,12 +484,12 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
     for (int64_t row = 0; row < gap; ++row) {
       for (int i = 0; i < 3; ++i) {
         rows[i] = row + i * gap;
-        widen_fp8_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+        widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
       }
       all_inputs<3>(w, rows, x, r, L, emit, 0);
     }
     for (int64_t row = gap * 3; row < R; ++row) {
-      widen_fp8_row(W + row * ld, L, blk, wide.data());
+      widen_row(W + row * ld, L, blk, wide.data());
       all_inputs<1>(w, &row, x, r, L, emit, 0);
     }
   } else {
@@ -573,7 +651,7 @@ struct ExpertCall : Gang {
   std::atomic<int64_t> arrivals{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<std::is_same_v<T, uint8_t>, KeepSubnormals, int> keep{};
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
@@ -602,11 +680,13 @@ struct ExpertCall : Gang {
   }
 };
 
-// FP8 rows of L values held as `held` elements (L values, then L / b float32 scales): the
-// block width b, or 0 when they are not (b must be a multiple of 8 dividing L).
-int64_t fp8_block(int64_t L, int64_t held) {
-  const int64_t extra = held - L;
-  if (L <= 0 || extra <= 0 || extra % 4) return 0;
+// Scaled rows (FP8 or int4, as `w` says) of L values held as `held` bytes (their values,
+// then L / b float32 scales): the block width b, or 0 when they are not (b must be a multiple
+// of 8 dividing L).
+template <typename Q>
+int64_t scale_width(const Q* w, int64_t L, int64_t held) {
+  const int64_t extra = held - value_bytes(w, L);
+  if (L <= 0 || L % 8 || extra <= 0 || extra % 4) return 0;
   const int64_t blocks = extra / 4;
   if (L % blocks) return 0;
   const int64_t b = L / blocks;
@@ -619,7 +699,8 @@ int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
   return std::min(n, rows);
 }
 
-// The expert call over weights of element type T (float, or uint16_t: bfloat16 bits).
+// The expert call over weights of element type T (float, uint16_t: bfloat16 bits, uint8_t:
+// FP8 rows, Int4: int4 rows).
 template <ffi::DataType WT, typename T>
 ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT> up,
                       ffi::Buffer<WT> down, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
@@ -635,12 +716,13 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       yd[0] != N || yd[1] != K || yd[2] != D)
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
   int64_t bg = 0, bd = 0;
-  if constexpr (std::is_same_v<T, uint8_t>) {  // rows of L values and L / b scales
-    bg = fp8_block(D, ldg);
-    bd = fp8_block(F, ldd);
+  if constexpr (kScaled<T>) {  // rows of L values and L / b scales
+    const T* kind = nullptr;
+    bg = scale_width(kind, D, ldg);
+    bd = scale_width(kind, F, ldd);
     if (bg == 0 || bd == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_moe_experts_fp8: rows are not L fp8 values and L / b scales, b of 8");
+          "colibri_moe_experts_fp8/int4: rows are not L values and L / b scales, b of 8");
   } else if (ldg != D || ldd != F) {
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
   }
@@ -698,24 +780,25 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
   // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
-  constexpr int64_t bytes = sizeof(T);  // a weight's (its scale aside, for FP8)
-  p.fchunk = chunk_rows(2 * D * bytes, F, 512 << 10);
-  p.dchunk = chunk_rows(F * bytes, D, 256 << 10);
+  const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
+  p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, 512 << 10);
+  p.dchunk = chunk_rows(value_bytes(kind, F), D, 256 << 10);
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
   p.ditems = (D + p.dchunk - 1) / p.dchunk;
 
   const int64_t experts = static_cast<int64_t>(p.slot.size());
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
-  run(pool, call, p.total(), experts * 3 * F * D * bytes * passes);
+  run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes);
   return ffi::Error::Success();
 }
 
 // y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
 // each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
 // w is float32, or bfloat16 bits (T = uint16_t), widened as it is loaded.
-// w is float32, bfloat16 bits (T = uint16_t) or FP8 rows (T = uint8_t: each row's I values,
-// then its I / blk float32 block scales, ld bytes in all).
+// w is float32, bfloat16 bits (T = uint16_t), FP8 rows (T = uint8_t: each row's I values,
+// then its I / blk float32 block scales, ld bytes in all) or int4 rows (T = Int4: I / 2 bytes
+// of values, then I / blk scales).
 template <typename T>
 struct LinearCall : Gang {
   const T* w;
@@ -725,7 +808,7 @@ struct LinearCall : Gang {
   std::atomic<int64_t> next{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<std::is_same_v<T, uint8_t>, KeepSubnormals, int> keep{};
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
       matvecs(
@@ -745,11 +828,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   if (yd[0] != M || yd[1] != O)
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
   int64_t blk = 0;
-  if constexpr (std::is_same_v<T, uint8_t>) {
-    blk = fp8_block(I, ld);
+  const T* kind = nullptr;
+  if constexpr (kScaled<T>) {
+    blk = scale_width(kind, I, ld);
     if (blk == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_linear_fp8: rows are not I fp8 values and I / b scales, b of 8");
+          "colibri_linear_fp8/int4: rows are not I values and I / b scales, b of 8");
   } else if (ld != I) {
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
   }
@@ -761,12 +845,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   call->I = I;
   call->ld = ld;
   call->blk = blk;
-  constexpr int64_t bytes = sizeof(T);  // a weight's
-  call->chunk = chunk_rows(I * bytes, O, 128 << 10);
+  call->chunk = chunk_rows(value_bytes(kind, I), O, 128 << 10);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
-  run(pool, call, call->items, O * I * bytes * ((M + 3) / 4));
+  run(pool, call, call->items, O * value_bytes(kind, I) * ((M + 3) / 4));
   return ffi::Error::Success();
 }
 
@@ -948,6 +1031,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearFp8, (Linear<ffi::U8, uint8_t>),
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearInt4, (Linear<ffi::S8, Int4>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -978,6 +1068,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsFp8, (MoeExperts<ffi::U8, uint8_t
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The same over int4 rows (int8 buffers of bytes: each row's four-bit values, two a byte,
+// then its float32 group scales): a pack-quantized checkpoint's experts at an eighth of the
+// bytes of float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsInt4, (MoeExperts<ffi::S8, Int4>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

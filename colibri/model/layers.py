@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from colibri import kernels
-from colibri.checkpoint import E4M3
+from colibri.checkpoint import E4M3, UNPACK4
 from colibri.config import RopeConfig
 
 
@@ -34,15 +34,21 @@ def widen(w: jax.Array) -> jax.Array:
 
 def widen_rows(w: jax.Array, cols: int) -> jax.Array:
     """`widen`, and FP8 rows (uint8 [..., cols + 4 * blocks]: each row's cols float8_e4m3fn
-    values, then its float32 block scales; checkpoint.FP8_ROWS) as the float32 [..., cols]
-    they stand for: each value times its block's scale, rounded once, as the checkpoint
-    dequantizes them."""
-    if w.dtype != jnp.uint8:
+    values, then its float32 block scales; checkpoint.FP8_ROWS) or int4 rows (int8
+    [..., cols / 2 + 4 * blocks]: each row's four-bit values two a byte, then its float32
+    group scales; checkpoint.INT4_ROWS) as the float32 [..., cols] they stand for: each value
+    times its block's scale, rounded once, as the checkpoint dequantizes them."""
+    if w.dtype == jnp.uint8:
+        n, table = cols, jnp.asarray(E4M3)
+    elif w.dtype == jnp.int8:
+        n, table = cols // 2, jnp.asarray(UNPACK4)
+        w = jax.lax.bitcast_convert_type(w, jnp.uint8)
+    else:
         return widen(w)
-    lead, blocks = w.shape[:-1], (w.shape[-1] - cols) // 4
-    values = jnp.asarray(E4M3)[w[..., :cols]].reshape(*lead, blocks, cols // blocks)
+    lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
+    values = table[w[..., :n]].reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(
-        w[..., cols:].reshape(*lead, blocks, 4), jnp.float32
+        w[..., n:].reshape(*lead, blocks, 4), jnp.float32
     )  # [..., blocks]
     return (values * scales[..., None]).reshape(*lead, cols)
 

@@ -1,0 +1,195 @@
+"""python experiments/bench_quantized.py [--format fp8|int4] [--shapes qwen3_moe,olmoe]
+                                     [--level kernel,engine] [--passes N]
+
+What holding a quantized checkpoint's routed experts in their quantized form buys against the
+same experts dequantized to float32 at load, side by side in one process, on the peers
+benchmark's shapes (experiments/bench_peers.py):
+- --format fp8: block-quantized FP8 (DeepSeek-V3's layout, blocks of 128 x 128), held as FP8
+  rows (colibri.weights.expert_dtype: each row's float8_e4m3fn values and its float32 block
+  scales), against COLIBRI_FP8=0;
+- --format int4: pack-quantized int4 (compressed-tensors' W4A16, a bfloat16 scale per 128
+  columns), held as int4 rows (each row's four-bit values two a byte and its float32 group
+  scales), against COLIBRI_INT4=0.
+The CPU kernel widens and scales the quantized rows exactly as it loads them.
+
+--level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
+rows (as experiments/bench_kernel_revs.py replays them): random weights quantized, held once in
+the quantized form and once as the float32s they dequantize to, both on huge pages as the
+engine holds them; the two take turns step by step, --passes times (default 14) over 24 steps.
+Outputs must agree bitwise.
+--level engine: the quantized checkpoint (made here, cached under .cache/bench-peers) loaded
+twice, once dequantized at load; the two engines decode bursts in turn, 1 and then 16
+conversations at a time, --passes (default 2) x 24 bursts each; tokens must agree.
+
+Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
+over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
+experiments/results/fp8.md (int4.md) and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+sys.path.insert(0, str(HERE))
+from bench_bf16 import engine_under, held_rows, shape_checkpoint  # noqa: E402
+from bench_hugepages import BURST, BURSTS, engine_level  # noqa: E402
+from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
+from bench_peers import SHAPES, ensure_inputs  # noqa: E402
+
+from colibri import kernels  # noqa: E402
+from colibri.checkpoint import (  # noqa: E402
+    FP8_ROWS,
+    INT4_ROWS,
+    Fp8Scales,
+    GroupScales,
+    quantize_fp8,
+    quantize_packed,
+)
+from colibri.config import load_config  # noqa: E402
+from colibri.report import markdown_table, write_report  # noqa: E402
+from colibri.weights import expert_shapes  # noqa: E402
+
+BLOCK = 128  # fp8: the side of a block sharing one scale
+GROUP = 128  # int4: the columns sharing one scale
+
+
+def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [S, R, C] block-quantized one by one: (FP8 rows, the float32 they stand for)."""
+    rows, wide = [], []
+    for w in np.asarray(a, np.float32):
+        bits, scale_inv = quantize_fp8(w, (BLOCK, BLOCK))
+        scales = Fp8Scales(scale_inv, 0, BLOCK, BLOCK, w.shape[1])
+        rows.append(scales.pack(bits.reshape(-1)).reshape(w.shape[0], -1))
+        wide.append(scales.dequantize(bits))
+    return np.stack(rows), np.stack(wide)
+
+
+def int4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [S, R, C] pack-quantized one by one: (int4 rows, the float32 they stand for)."""
+    rows, wide = [], []
+    for w in np.asarray(a, np.float32):
+        packed, scale, _ = quantize_packed(w, 4, GROUP)
+        C = w.shape[1]
+        scales = GroupScales(scale, np.arange(C) // GROUP, 4, C, GROUP)
+        raw = packed.view(np.uint8).reshape(-1)
+        rows.append(scales.pack(raw).reshape(w.shape[0], -1))
+        wide.append(scales.dequantize(raw).reshape(w.shape))
+    return np.stack(rows), np.stack(wide)
+
+
+# Per format: the held rows, the switch that dequantizes at load instead, how random experts
+# are quantized, the synth changes, the scale block widths, and what the report says of it.
+FORMATS = {
+    "fp8": dict(
+        held=FP8_ROWS,
+        env="COLIBRI_FP8",
+        pair=fp8_pair,
+        synth=dict(fp8_block=BLOCK),
+        blocks=(BLOCK, BLOCK),
+        title="FP8 experts held as FP8 rows or dequantized to float32",
+        note=f"Blocks of {BLOCK} x {BLOCK}.",
+    ),
+    "int4": dict(
+        held=INT4_ROWS,
+        env="COLIBRI_INT4",
+        pair=int4_pair,
+        synth=dict(group=GROUP),
+        blocks=(GROUP, GROUP),
+        title="int4 experts held as int4 rows or dequantized to float32",
+        note=f"Pack-quantized int4 (compressed-tensors W4A16), a scale per {GROUP} columns.",
+    ),
+}
+
+
+def kernel_level(ckpt: Path, fmt: str, rows: int, passes: int) -> dict:
+    call = expert_call(kernels.build(), "colibri_moe_experts_held")
+    pairs: dict[int, tuple] = {}
+    quantize = FORMATS[fmt]["pair"]
+
+    def pair(a):  # both versions hold the same quantization of each random matrix
+        key = id(a)
+        if key not in pairs:
+            pairs[key] = (a, quantize(a))
+        return pairs[key][1]
+
+    hold = {
+        "float32": lambda a: on_huge_pages(pair(a)[1]),
+        fmt: lambda a: on_huge_pages(pair(a)[0]),
+    }
+    routes = record_routes(ckpt, rows)
+    return compare(dict.fromkeys(hold, call), load_config(ckpt), routes, passes, hold)
+
+
+def engine(ckpt: Path, fmt: str, held: str):
+    """(runner, first tokens of 16 conversations) with the routed experts held as `held`."""
+    f = FORMATS[fmt]
+    runner, first = engine_under(ckpt, {f["env"]: "0" if held == "float32" else "1"})
+    assert (runner.model.store.held == f["held"]) == (held == fmt)
+    return runner, first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", choices=tuple(FORMATS), default="fp8")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--level", default="kernel,engine")
+    ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
+    args = ap.parse_args()
+    if not kernels.available():
+        sys.exit("colibri CPU kernels unavailable (see the log)")
+    levels, fmt = args.level.split(","), args.format
+    f, held_as = FORMATS[fmt], ("float32", fmt)
+    out, raw = [], {}
+    for name in args.shapes.split(","):
+        cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
+        layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
+        held_bytes = {
+            "float32": 4 * sum(r * c for r, c in expert_shapes(cfg, np.float32).values()),
+            fmt: sum(r * c for r, c in expert_shapes(cfg, f["held"], f["blocks"]).values()),
+        }
+        for level in levels:
+            passes = args.passes or {"kernel": 14, "engine": 2}[level]
+            if level == "engine":
+                ckpt = shape_checkpoint(name, fmt, **f["synth"])
+                engines = {h: engine(ckpt, fmt, h) for h in held_as}
+                assert engines[fmt][0].model.store.expert_bytes == held_bytes[fmt]
+            else:
+                ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+            for rows in (1, 16):
+                if level == "kernel":
+                    got = kernel_level(ckpt, fmt, rows, passes)["ms"]
+                else:
+                    got = engine_level(engines, rows, passes)
+                raw[f"{name}/{level}/{rows}"] = got
+                gib = {h: held_bytes[h] * layer_experts / 2**30 for h in held_as}
+                out += held_rows(name, level, rows, got, gib, "experts held as")
+                print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
+            if level == "engine":
+                del engines
+    cmd = (
+        f"python experiments/bench_quantized.py --format {fmt} --shapes {args.shapes} "
+        f"--level {','.join(levels)}" + (f" --passes {args.passes}" if args.passes else "")
+    )
+    md = [
+        f"# {f['title']}, side by side",
+        "",
+        f"Command: `{cmd}`  ",
+        f"{f['note']} kernel: ms a step of the expert calls (24 greedy steps' "
+        "routes, every layer), the versions taking turns step by step; outputs bitwise equal. "
+        f"engine: decode tok/s on the {fmt} checkpoint, bursts of {BURST} steps taking turns, "
+        f"{BURSTS} per pass and row count; same tokens.",
+        "",
+        markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
+    ]
+    write_report(RESULTS, fmt, md, {"table": out, "runs": raw})
+
+
+if __name__ == "__main__":
+    main()
