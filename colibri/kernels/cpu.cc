@@ -126,6 +126,18 @@ inline v8 e4m3x8(const uint8_t* p) {
 #endif
 }
 
+// Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
+// instantiation of a loop rounds the same way.
+#if defined(__FMA__)
+inline v8 fma8(v8 a, v8 b, v8 c) {
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                              reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+}
+#else
+inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
+
 // A byte of int4 rows (two four-bit values, the first in the low nibble, each offset by 8).
 struct Int4 {
   uint8_t byte;
@@ -142,21 +154,19 @@ inline int64_t value_bytes(const T*, int64_t L) {
 }
 inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
 
-// The eight int4 values of four bytes, exactly, as float32 (q - 8, from -8 to 7): each lane
-// shifts the word right to its nibble, then 2^23 + nibble put together in the float's bits,
-// less 2^23 + 8.
-inline v8 int4x8(const Int4* p) {
+// The eight nibbles of four bytes (0 to 15, the stored values before their offset of 8),
+// exactly, as float32: each lane shifts the word right to its nibble and masks it.
+inline v8 nibbles8(const Int4* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof word);
 #if defined(__AVX2__)
   const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shift),
                                        _mm256_set1_epi32(15));
-  const __m256 biased = _mm256_castsi256_ps(_mm256_or_si256(nib, _mm256_set1_epi32(0x4b000000)));
-  return reinterpret_cast<v8>(_mm256_sub_ps(biased, _mm256_set1_ps(8388616.0f)));  // 2^23 + 8
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(nib));
 #else
   v8 v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(static_cast<int>((word >> (4 * i)) & 15) - 8);
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>((word >> (4 * i)) & 15);
   return v;
 #endif
 }
@@ -168,9 +178,11 @@ inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale) {
   return Huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
 }
 
+// An int4 weight is (q - 8) s rounded once; as n s - 8 s in one fused multiply-add (8 s
+// exact) it is that same rounding of the same exact value, one instruction fewer.
 template <bool Huge>
 inline v8 scaled8(const Int4* w, int64_t c, v8 scale) {
-  return int4x8(w + c / 2) * scale;
+  return fma8(nibbles8(w + c / 2), scale, scale * -8.0f);
 }
 
 // What scaled8 takes as a block's scale: an FP8 scale times the 2^120 its widening leaves
@@ -191,18 +203,6 @@ struct KeepSubnormals {
   ~KeepSubnormals() { _mm_setcsr(saved); }
 #endif
 };
-
-// Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
-// instantiation of a loop rounds the same way.
-#if defined(__FMA__)
-inline v8 fma8(v8 a, v8 b, v8 c) {
-  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
-                                              reinterpret_cast<__m256>(b),
-                                              reinterpret_cast<__m256>(c)));
-}
-#else
-inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
-#endif
 
 // Pin a loaded vector in a register. Without it GCC folds the loads into the FMAs and repeats
 // them for every pair of the tile (12 loads instead of 6 for 8 FMAs in a 2x4 tile): ~40% of
