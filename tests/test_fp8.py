@@ -157,18 +157,8 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     of the matrices dequantized to float32 at load (COLIBRI_FP8=0); a longer prefill, in XLA's
     products, the same to float32 rounding."""
     d = checkpoints("deepseek_v3", "fp8")
-    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
-    got = {}
-    for fp8 in ("1", "0"):
-        monkeypatch.setenv("COLIBRI_FP8", fp8)
-        model, probe = tiny.load_placed(d, tiered)
-        logits, steps = tiny.prefill_then_decode(model, prompts)
-        attn = model.params["layers"][0]["attn"]
-        dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
-        got[fp8] = (model.store.held, dense, model.store.expert_bytes, logits, steps)
-        model.store.close()
-        probe.store.close()
-    (h8, d8, eb8, pre8, dec8), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
+    got = tiny.held_and_dequantized(d, "COLIBRI_FP8", tiered, monkeypatch)
+    (h8, d8, eb8, pre8, dec8), (h32, d32, eb32, pre32, dec32) = got
     assert (h8, h32) == (np.uint8, np.float32)
     assert d8 == (np.uint8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
     assert d32 == (np.float32, np.float32, np.float32)  # not quantized in the checkpoint

@@ -229,18 +229,8 @@ def test_int4_rows_decode_what_dequantized_weights_do(tiered, checkpoints, monke
     bitwise those of the matrices dequantized to float32 at load (COLIBRI_INT4=0); a longer
     prefill, in XLA's products, the same to float32 rounding."""
     d = checkpoints("deepseek_v3", "int4")
-    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
-    got = {}
-    for int4 in ("1", "0"):
-        monkeypatch.setenv("COLIBRI_INT4", int4)
-        model, probe = tiny.load_placed(d, tiered)
-        logits, steps = tiny.prefill_then_decode(model, prompts)
-        attn = model.params["layers"][0]["attn"]
-        dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
-        got[int4] = (model.store.held, dense, model.store.expert_bytes, logits, steps)
-        model.store.close()
-        probe.store.close()
-    (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got["1"], got["0"]
+    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", tiered, monkeypatch)
+    (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got
     assert (h4, h32) == (np.int8, np.float32)
     assert d4 == (np.int8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
     assert d32 == (np.float32, np.float32, np.float32)  # not quantized in the checkpoint

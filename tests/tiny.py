@@ -240,6 +240,25 @@ def load_placed(model_dir: Path, tiered: bool):
     return model, probe
 
 
+def held_and_dequantized(model_dir: Path, switch: str, tiered: bool, monkeypatch) -> list:
+    """A quantized DeepSeek-style checkpoint loaded with `switch` (COLIBRI_FP8, COLIBRI_INT4)
+    on, then off (dequantized at load), resident or tiered; for each: (how the routed experts
+    are held, the dtypes of layer 0's o projection, kv_a norm and lm_head, an expert's bytes,
+    and `prefill_then_decode`'s logits for two short prompts and one of 40 tokens)."""
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
+    got = []
+    for on in ("1", "0"):
+        monkeypatch.setenv(switch, on)
+        model, probe = load_placed(model_dir, tiered)
+        logits, steps = prefill_then_decode(model, prompts)
+        attn = model.params["layers"][0]["attn"]
+        dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)
+        got.append((model.store.held, dense, model.store.expert_bytes, logits, steps))
+        model.store.close()
+        probe.store.close()
+    return got
+
+
 def prefill_then_decode(model, prompts: list[list[int]], steps: int = 3):
     """Each prompt prefilled in a slot of its own, then `steps` greedy decode steps of all of
     them at once: (prefill logits [P, V], decode logits [steps, P, V])."""
