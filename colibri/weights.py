@@ -185,11 +185,17 @@ def expert_shapes(
 
 
 def read_expert(
-    ckpt: Checkpoint, cfg: ModelConfig, slab: ExpertSlab, held: np.dtype = np.float32
+    ckpt: Checkpoint,
+    cfg: ModelConfig,
+    slab: ExpertSlab,
+    held: np.dtype = np.float32,
+    blocks: tuple[int, int] | None = None,
 ) -> tuple[np.ndarray, ...]:
     """One expert's (gate, up, down) as `expert_shapes` (float32, bfloat16 bits for a bfloat16
-    checkpoint, FP8 rows for a block-quantized one, int4 rows for a pack-quantized one)."""
-    shapes = expert_shapes(cfg, held, row_blocks(ckpt, cfg, held)).values()
+    checkpoint, FP8 rows for a block-quantized one, int4 rows for a pack-quantized one;
+    `blocks`: `row_blocks`, found here when not given)."""
+    blocks = row_blocks(ckpt, cfg, held) if blocks is None else blocks
+    shapes = expert_shapes(cfg, held, blocks).values()
     out = []
     for (t, off, n), shape in zip(slab.parts, shapes, strict=True):
         flat = ckpt.read_part(t, off, n, held)
@@ -292,8 +298,9 @@ def load_experts(
     rows)."""
     out = expert_stacks(cfg) if out is None else out
     held = out["gate"].dtype
+    blocks = row_blocks(ckpt, cfg, held)
     slabs = [
-        read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e), held)
+        read_expert(ckpt, cfg, expert_slab(ckpt, cfg, layer, e), held, blocks)
         for e in range(cfg.moe.num_experts)
     ]
     for i, k in enumerate(("gate", "up", "down")):
