@@ -143,11 +143,14 @@ def row_blocks(ckpt: Checkpoint, cfg: ModelConfig, held: np.dtype) -> tuple[int,
     return 0, 0
 
 
-def holds_int4() -> bool:
+def holds_int4(dense: bool = False) -> bool:
     """Whether colibri keeps a pack-quantized checkpoint's int4 matrices as int4 rows (their
-    bytes and group scales, about an eighth of the bytes of float32; `expert_dtype`,
-    `load_dense`) rather than dequantizing them to float32 at load: unless `COLIBRI_INT4=0`."""
-    return os.environ.get("COLIBRI_INT4", "1") != "0"
+    bytes and group scales, about an eighth of the bytes of float32) rather than dequantizing
+    them to float32 at load: the routed experts (`expert_dtype`) unless `COLIBRI_INT4=0`, the
+    other matrices (`load_dense`, `dense`) unless `COLIBRI_INT4` is 0 or `experts` (which
+    trades their memory for the widening they cost steps of many rows)."""
+    mode = os.environ.get("COLIBRI_INT4", "1")
+    return mode != "0" and not (dense and mode == "experts")
 
 
 def holds_fp8() -> bool:
@@ -211,7 +214,7 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
     """Every weight except routed experts, as float32 numpy arrays, shape-checked; a
     block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`), a
     pack-quantized one's int4 matrices as int4 rows where they fit (`holds_int4`)."""
-    ckpt = _Matrices(ckpt, holds_fp8(), holds_int4())
+    ckpt = _Matrices(ckpt, holds_fp8(), holds_int4(dense=True))
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:

@@ -103,7 +103,10 @@ FORMATS = {
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),
         title="int4 experts held as int4 rows or dequantized to float32",
-        note=f"Pack-quantized int4 (compressed-tensors W4A16), a scale per {GROUP} columns.",
+        note=f"Pack-quantized int4 (compressed-tensors W4A16), a scale per {GROUP} columns; "
+        "at the engine level also with only the routed experts as int4 rows "
+        "(COLIBRI_INT4=experts: attention dequantized at load).",
+        modes={"int4, dense float32": "experts"},
     ),
 }
 
@@ -127,11 +130,12 @@ def kernel_level(ckpt: Path, fmt: str, rows: int, passes: int) -> dict:
     return compare(dict.fromkeys(hold, call), load_config(ckpt), routes, passes, hold)
 
 
-def engine(ckpt: Path, fmt: str, held: str):
-    """(runner, first tokens of 16 conversations) with the routed experts held as `held`."""
+def engine(ckpt: Path, fmt: str, switch: str):
+    """(runner, first tokens of 16 conversations) with the format's switch (COLIBRI_FP8,
+    COLIBRI_INT4) set to `switch`: "0" dequantizes at load."""
     f = FORMATS[fmt]
-    runner, first = engine_under(ckpt, {f["env"]: "0" if held == "float32" else "1"})
-    assert (runner.model.store.held == f["held"]) == (held == fmt)
+    runner, first = engine_under(ckpt, {f["env"]: switch})
+    assert (runner.model.store.held == f["held"]) == (switch != "0")
     return runner, first
 
 
@@ -145,20 +149,23 @@ def main() -> None:
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     levels, fmt = args.level.split(","), args.format
-    f, held_as = FORMATS[fmt], ("float32", fmt)
+    f = FORMATS[fmt]
     out, raw = [], {}
     for name in args.shapes.split(","):
         cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
         layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
+        quantized = sum(r * c for r, c in expert_shapes(cfg, f["held"], f["blocks"]).values())
         held_bytes = {
             "float32": 4 * sum(r * c for r, c in expert_shapes(cfg, np.float32).values()),
-            fmt: sum(r * c for r, c in expert_shapes(cfg, f["held"], f["blocks"]).values()),
+            fmt: quantized,
+            **dict.fromkeys(f.get("modes", {}), quantized),
         }
         for level in levels:
             passes = args.passes or {"kernel": 14, "engine": 2}[level]
             if level == "engine":
                 ckpt = shape_checkpoint(name, fmt, **f["synth"])
-                engines = {h: engine(ckpt, fmt, h) for h in held_as}
+                switches = {"float32": "0", fmt: "1", **f.get("modes", {})}
+                engines = {h: engine(ckpt, fmt, v) for h, v in switches.items()}
                 assert engines[fmt][0].model.store.expert_bytes == held_bytes[fmt]
             else:
                 ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
@@ -168,9 +175,9 @@ def main() -> None:
                 else:
                     got = engine_level(engines, rows, passes)
                 raw[f"{name}/{level}/{rows}"] = got
-                gib = {h: held_bytes[h] * layer_experts / 2**30 for h in held_as}
+                gib = {h: held_bytes[h] * layer_experts / 2**30 for h in got}
                 out += held_rows(name, level, rows, got, gib, "experts held as")
-                print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
+                print(pd.DataFrame(out[-len(got) :]).to_string(index=False), flush=True)
             if level == "engine":
                 del engines
     cmd = (

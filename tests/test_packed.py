@@ -263,3 +263,23 @@ def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path, monkey
         model.store.close()
     np.testing.assert_array_equal(got[0][0], got[1][0])
     np.testing.assert_array_equal(got[0][1], got[1][1])
+
+
+def test_int4_experts_mode_keeps_only_the_routed_experts_as_int4_rows(checkpoints, monkeypatch):
+    """COLIBRI_INT4=experts: the routed experts stay int4 rows, the attention's and shared
+    experts' matrices are dequantized to float32 at load; every computation on the kernels
+    still gives bitwise what all of them dequantized give."""
+    d = checkpoints("deepseek_v3", "int4")
+    prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
+    got = {}
+    for mode in ("experts", "0"):
+        monkeypatch.setenv("COLIBRI_INT4", mode)
+        model = load_model(d, progress=False)
+        attn, moe = model.params["layers"][1]["attn"], model.params["layers"][1]["moe"]
+        got[mode] = (model.store.held, attn["o"].dtype, moe["shared"]["down"].dtype)
+        got[mode] += tiny.prefill_then_decode(model, prompts)
+        model.store.close()
+    assert got["experts"][:3] == (np.int8, np.float32, np.float32)
+    assert got["0"][:3] == (np.float32, np.float32, np.float32)
+    np.testing.assert_array_equal(got["experts"][3], got["0"][3])
+    np.testing.assert_array_equal(got["experts"][4], got["0"][4])
