@@ -41,6 +41,20 @@ def test_linear_matches_numpy_and_rows_are_batch_invariant(rows, dim_in, dim_out
         np.testing.assert_array_equal(np.asarray(_native(x[n : n + 1], w))[0], y[n])
 
 
+def _held_linear_is_widened_linear(x: np.ndarray, held: np.ndarray, wide: np.ndarray) -> None:
+    """Up to NATIVE_ROWS rows (the native kernel) the linear over weights `held` as bf16 bits,
+    FP8 or int4 rows is bitwise the linear over `wide`, the float32 they stand for, each row as
+    it is alone; more rows (XLA) the same to float32 rounding."""
+    f = jax.jit(layers.linear)
+    y, want = np.asarray(f(x, held)), np.asarray(f(x, wide))
+    if x.shape[0] <= layers.NATIVE_ROWS:
+        assert layers._native_ok(jnp.asarray(x), jnp.asarray(held))
+        np.testing.assert_array_equal(y, want)
+        np.testing.assert_array_equal(np.asarray(f(x[-1:], held))[0], y[-1])
+    else:
+        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     rows=st.integers(1, 20),
@@ -57,14 +71,7 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
     bits = rng.standard_normal((dim_out, dim_in)).astype(np.float32).view(np.uint32) >> 16
     bits = bits.astype(np.uint16)
     wide = to_f32(bits, "BF16")
-    f = jax.jit(layers.linear)
-    y, want = np.asarray(f(x, bits)), np.asarray(f(x, wide))
-    if rows <= layers.NATIVE_ROWS:
-        assert layers._native_ok(jnp.asarray(x), jnp.asarray(bits))
-        np.testing.assert_array_equal(y, want)
-        np.testing.assert_array_equal(np.asarray(f(x[-1:], bits))[0], y[-1])
-    else:
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+    _held_linear_is_widened_linear(x, bits, wide)
 
 
 @settings(max_examples=10, deadline=None)
@@ -90,14 +97,7 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
     scales = Fp8Scales(scale_inv, 0, block, block, dim_in)
     packed = scales.pack(bits.reshape(-1)).reshape(dim_out, -1)
     wide = scales.dequantize(bits)
-    f = jax.jit(layers.linear)
-    y, want = np.asarray(f(x, packed)), np.asarray(f(x, wide))
-    if rows <= layers.NATIVE_ROWS:
-        assert layers._native_ok(jnp.asarray(x), jnp.asarray(packed))
-        np.testing.assert_array_equal(y, want)
-        np.testing.assert_array_equal(np.asarray(f(x[-1:], packed))[0], y[-1])
-    else:
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+    _held_linear_is_widened_linear(x, packed, wide)
 
 
 @settings(max_examples=10, deadline=None)
@@ -123,14 +123,7 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     raw = packed.view(np.uint8).reshape(-1)
     held, wide = scales.pack(raw).reshape(dim_out, -1), scales.dequantize(raw).reshape(w.shape)
     assert held.dtype == np.int8 and held.shape == (dim_out, dim_in // 2 + 4 * groups)
-    f = jax.jit(layers.linear)
-    y, want = np.asarray(f(x, held)), np.asarray(f(x, wide))
-    if rows <= layers.NATIVE_ROWS:
-        assert layers._native_ok(jnp.asarray(x), jnp.asarray(held))
-        np.testing.assert_array_equal(y, want)
-        np.testing.assert_array_equal(np.asarray(f(x[-1:], held))[0], y[-1])
-    else:
-        np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(want).max()))
+    _held_linear_is_widened_linear(x, held, wide)
 
 
 def test_linear_keeps_leading_axes_and_bias():
