@@ -15,6 +15,16 @@ of a row) and `weight_shape`; colibri indexes such a weight under its plain name
 (dtype PACK4 or PACK8) and reads it as float32, each value times its group's scale (exact
 for bfloat16 and float16 scales): what compressed-tensors decompresses it to in a float32
 model.
+
+GPTQ checkpoints (quant_method "gptq": Qwen's "-GPTQ-Int4" releases, AutoGPTQ and GPTQModel
+output) store the same integers the other way round: `qweight` int32 [I * bits / 32, O], each
+word holding consecutive input columns of one output row (the first in the lowest bits),
+`scales` [groups, O], `qzeros` [groups, O * bits / 32] (packed along the rows; the original
+"gptq" format stores each zero point less one, "gptq_v2" as it is) and `g_idx` [I] (each
+column's group). colibri indexes such a weight as `X.weight` too (dtype GPTQ4 or GPTQ8, shape
+[O, I]) and reads it as (q - zero) x scale in float32, exact for float16 and bfloat16 scales;
+symmetric weights (every zero point the midpoint, 8 or 128) are the compressed-tensors
+integers with their words transposed.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from colibri.config import gptq_format, quantization_config
 
 # safetensors dtype -> (numpy dtype used to hold the raw bytes, bytes per element)
 _RAW_DTYPES: dict[str, np.dtype] = {
@@ -57,8 +69,10 @@ FP8_ROWS = np.dtype("u1")
 # the held dtype names the layout.
 INT4_ROWS = np.dtype("i1")
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
-# bytes are the `weight_packed` int32 words), and the bits of each value.
-PACKED_BITS = {"PACK4": 4, "PACK8": 8}
+# bytes are the `weight_packed` int32 words, or GPTQ's `qweight` words, which hold columns of
+# the matrix rather than rows), and the bits of each value.
+GPTQ_BITS = {"GPTQ4": 4, "GPTQ8": 8}
+PACKED_BITS = {"PACK4": 4, "PACK8": 8, **GPTQ_BITS}
 for _kind in PACKED_BITS:
     _RAW_DTYPES[_kind] = np.dtype("u1")
 # Packed bytes -> their values as float32, (q - 8, q' - 8) per byte for 4 bits (the first
@@ -140,41 +154,56 @@ class Fp8Scales:
 @dataclass(frozen=True)
 class GroupScales:
     """The scales of whole rows of a pack-quantized weight with `cols` columns: value c of row
-    i of the part read is its integer times `scales[i, group[c]]`."""
+    i of the part read is (its integer q - its group's zero point) times `scales[i, group[c]]`,
+    the zero point 2^(bits-1) (the midpoint) unless `zeros` says otherwise."""
 
     scales: np.ndarray  # float32 [rows, groups]
     group: np.ndarray  # int [cols]: each column's group
     bits: int
     cols: int
-    size: int  # columns a group when each is consecutive columns (no g_idx), else 0
+    size: int  # columns a group when each is consecutive columns, else 0
+    zeros: np.ndarray | None = None  # float32 [rows, groups]: zero points less the midpoint
+    by_column: bool = False  # raw bytes are GPTQ's words [cols * bits / 32, rows]
 
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
-        """Packed bytes (whole rows) to a new float32 array [rows * cols]: each value times
-        its group's scale, in float32 (exact for bfloat16 and float16 scales)."""
-        values = _UNPACK[self.bits][raw].reshape(-1, self.cols)
+        """Packed bytes (whole rows; a GPTQ weight's whole matrix) to a new float32 array
+        [rows * cols]: each value less its zero point, times its group's scale, in float32
+        (exact for bfloat16 and float16 scales)."""
+        rows = np.ascontiguousarray(self._row_words(raw)).view(np.uint8)
+        values = _UNPACK[self.bits][rows].reshape(-1, self.cols)
+        if self.zeros is not None:
+            values -= self.zeros[:, self.group]
         values *= self.scales[:, self.group]
         return values.reshape(-1)
+
+    def _row_words(self, raw: np.ndarray) -> np.ndarray:
+        """The packed words [rows, cols * bits / 32] of whole rows, a view (GPTQ's words
+        transposed: each holds the same values in the same order either way)."""
+        words = raw.view("<u4")
+        rows = self.scales.shape[0]
+        return words.reshape(-1, rows).T if self.by_column else words.reshape(rows, -1)
 
     def pack(self, raw: np.ndarray) -> np.ndarray:
         """INT4_ROWS of packed four-bit bytes (flat, whole rows): each row's bytes as stored,
         then the float32 scales of its groups, in a new flat array. Needs `rows_fit`."""
         if not self.rows_fit:
             raise CheckpointError(
-                f"int4 rows need 4-bit values in consecutive groups of a multiple of 8 columns"
-                f" (these: {self.bits}-bit, groups of {self.size or 'g_idx'})"
+                "int4 rows need symmetric 4-bit values in consecutive groups of a multiple of 8"
+                f" columns (these: {self.bits}-bit, groups of {self.size or 'g_idx'}"
+                f"{', with zero points' if self.zeros is not None else ''})"
             )
-        half = self.cols // 2
-        rows = raw.size // half
-        out = np.empty((rows, half + 4 * self.scales.shape[1]), np.uint8)
-        out[:, :half] = raw.reshape(rows, half)
-        out[:, half:] = np.ascontiguousarray(self.scales, "<f4").view(np.uint8)
+        words = self._row_words(raw)  # whole words a row: cols % 8 == 0
+        out = np.empty((words.shape[0], words.shape[1] + self.scales.shape[1]), "<u4")
+        out[:, : words.shape[1]] = words
+        out[:, words.shape[1] :] = self.scales.view("<u4")
         return out.reshape(-1).view(INT4_ROWS)
 
     @property
     def rows_fit(self) -> bool:
         """Whether these rows can be held as INT4_ROWS (the kernels widen eight values of one
         group at a time)."""
-        return self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
+        fit = self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
+        return fit and self.zeros is None
 
 
 Scales = Fp8Scales | GroupScales
@@ -221,9 +250,15 @@ class Checkpoint:
             for info in _read_header(path):
                 self.tensors[info.name] = info
         self._fds: dict[Path, int] = {}
-        self.fp8_block = _fp8_block(self.dir)
-        self._g_idx: dict[str, np.ndarray] = {}  # pack-quantized weights' column groups
+        quant = quantization_config(self.dir)
+        self.fp8_block = _fp8_block(quant)
+        self._consecutive: dict[str, int] = {}  # g_idx tensors found to be consecutive groups
+        # Each packed weight's companions: "scale", "g_idx", and for GPTQ "zeros".
+        self._parts: dict[str, dict[str, str]] = {}
         self._index_packed()
+        self._index_gptq(quant)
+        # The tensors indexed under another name (packed words, scales, zero points, groups).
+        self.companions = {n for parts in self._parts.values() for n in parts.values()}
 
     def _index_packed(self) -> None:
         """Index each pack-quantized weight (`X.weight_packed`, `X.weight_scale`,
@@ -254,6 +289,48 @@ class Checkpoint:
                     " into int32 words with no padding"
                 )
             self.tensors[base] = TensorInfo(base, t.path, f"PACK{bits}", shape, t.offset, t.nbytes)
+            self._parts[base] = {k: f"{base}_{k}" for k in ("packed", "scale", "shape", "g_idx")}
+
+    def _index_gptq(self, quant: dict) -> None:
+        """Index each GPTQ weight (`X.qweight`, `X.scales`, `X.qzeros`, `X.g_idx`) as
+        `X.weight`: dtype GPTQ4 or GPTQ8 (`bits` of the quantization config), shape [O, I] as
+        the matrix it stands for, bytes those of `qweight` [I * bits / 32, O]."""
+        names = [n for n in self.tensors if n.endswith(".qweight")]
+        if not names:
+            return
+        t = self.tensors[names[0]]
+        if quant.get("quant_method") != "gptq":
+            raise CheckpointError(
+                f"{t.path}: {names[0]!r} is a GPTQ/AWQ-packed weight, but config.json's "
+                f"quantization_config says quant_method={quant.get('quant_method')!r}, not 'gptq'"
+            )
+        bits = quant.get("bits")
+        if bits not in (4, 8):
+            raise CheckpointError(
+                f"{t.path}: GPTQ weights of bits={bits!r} (colibri reads 4 and 8)"
+            )
+        for name in names:
+            base = name.removesuffix(".qweight")
+            t = self.tensors[name]
+            parts = {"packed": name, "scale": f"{base}.scales", "zeros": f"{base}.qzeros"}
+            for need in parts.values():
+                if need not in self.tensors:
+                    raise CheckpointError(
+                        f"{t.path}: GPTQ weight {name!r} has no {need!r} beside it"
+                    )
+            if t.dtype != "I32" or len(t.shape) != 2:
+                raise CheckpointError(
+                    f"{t.path}: GPTQ weight {name!r} is {t.dtype} {list(t.shape)}, not int32"
+                    " [in * bits / 32, out]"
+                )
+            shape = (t.shape[1], t.shape[0] * 32 // bits)
+            weight = f"{base}.weight"
+            self.tensors[weight] = TensorInfo(
+                weight, t.path, f"GPTQ{bits}", shape, t.offset, t.nbytes
+            )
+            self._parts[weight] = {**parts, "g_idx": f"{base}.g_idx"}
+        # The original format stores each zero point less one; "gptq_v2" as it is.
+        self._zero_offset = 1 if gptq_format(quant) == "gptq" else 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -300,9 +377,11 @@ class Checkpoint:
 
     def scales(self, t: TensorInfo, offset: int = 0, nbytes: int | None = None) -> Scales | None:
         """The scales of bytes [offset, offset + nbytes) of a quantized weight `t` (whole rows
-        of its last two dimensions, within one matrix): an F8_E4M3 weight's blocks from its
-        `weight_scale_inv` companion, a pack-quantized one's groups from its `weight_scale`;
-        None for any other dtype."""
+        of its last two dimensions, within one matrix; a GPTQ weight whole): an F8_E4M3
+        weight's blocks from its `weight_scale_inv` companion, a pack-quantized one's groups
+        from its `weight_scale` (GPTQ: `scales` and `qzeros`); None for any other dtype."""
+        if t.dtype in GPTQ_BITS:
+            return self._gptq_scales(t, offset, t.nbytes - offset if nbytes is None else nbytes)
         if t.dtype in PACKED_BITS:
             return self._group_scales(t, t.nbytes - offset if nbytes is None else nbytes, offset)
         if t.dtype != "F8_E4M3":
@@ -342,7 +421,7 @@ class Checkpoint:
         weight `t`: its `weight_scale` [..., rows, groups] (groups of cols / groups columns,
         or as `weight_g_idx` assigns them), only the rows needed read (of one matrix or of
         several, for a fused [E, ...] weight)."""
-        s = self.tensors[f"{t.name}_scale"]
+        s = self.tensors[self._parts[t.name]["scale"]]
         bits, cols = PACKED_BITS[t.dtype], t.shape[-1]
         row_bytes = cols * bits // 8
         groups = s.shape[-1] if s.shape else 0
@@ -363,35 +442,77 @@ class Checkpoint:
         item = _RAW_DTYPES[s.dtype].itemsize
         buf = self.pread(s.path, s.offset + first * groups * item, n * groups * item)
         scales = to_f32(np.frombuffer(buf, _RAW_DTYPES[s.dtype]), s.dtype).reshape(n, groups)
-        consecutive = f"{t.name}_g_idx" not in self.tensors
-        group = self._column_groups(t, groups)
-        return GroupScales(scales, group, bits, cols, cols // groups if consecutive else 0)
+        group, size = self._column_groups(t, groups)
+        return GroupScales(scales, group, bits, cols, size)
+
+    def _gptq_scales(self, t: TensorInfo, offset: int, nbytes: int) -> GroupScales:
+        """The scales and zero points of a whole GPTQ weight: `scales` [groups, O] and
+        `qzeros` [groups, O * bits / 32] transposed to [O, groups] (a part of its rows would be
+        columns of `qweight`, strided on disk: its matrices are read whole)."""
+        parts = self._parts[t.name]
+        s, z = self.tensors[parts["scale"]], self.tensors[parts["zeros"]]
+        bits, (rows, cols) = GPTQ_BITS[t.dtype], t.shape
+        groups = s.shape[0] if s.shape else 0
+        if len(s.shape) != 2 or s.shape[1] != rows or s.dtype not in ("F32", "BF16", "F16"):
+            raise CheckpointError(
+                f"{s.path}: scales {s.name!r} are {s.dtype} {list(s.shape)}; {parts['packed']!r}"
+                f" for a [{rows}, {cols}] matrix needs float [groups, {rows}]"
+            )
+        if z.dtype != "I32" or z.shape != (groups, rows * bits // 32):
+            raise CheckpointError(
+                f"{z.path}: zero points {z.name!r} are {z.dtype} {list(z.shape)}, not int32"
+                f" {[groups, rows * bits // 32]} (a {bits}-bit zero point per group and row)"
+            )
+        if offset or nbytes != t.nbytes:
+            raise CheckpointError(
+                f"{t.path}: {t.name!r} is read whole (its rows are columns of {parts['packed']!r})"
+            )
+        scales = np.ascontiguousarray(to_f32(self.read_raw(s.name), s.dtype).T)
+        words = self.read_raw(z.name).view("<u4")
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        zeros = (words[:, :, None] >> shifts) & np.uint32(2**bits - 1)
+        zeros = zeros.reshape(groups, rows).T.astype(np.float32) + self._zero_offset
+        zeros -= 2 ** (bits - 1)
+        group, size = self._column_groups(t, groups)
+        return GroupScales(
+            scales, group, bits, cols, size, None if not zeros.any() else zeros, by_column=True
+        )
 
     def int4_group(self, t: TensorInfo) -> int:
         """The columns a scale of weight `t` covers when it can be held as INT4_ROWS
         (`GroupScales.rows_fit`), else 0."""
-        if t.dtype != "PACK4":
+        if PACKED_BITS.get(t.dtype) != 4:
             return 0
-        scales = self.scales(t, 0, t.shape[-1] // 2)  # its first row's
+        first_row = t.shape[-1] // 2 if t.dtype not in GPTQ_BITS else t.nbytes  # GPTQ: whole
+        scales = self.scales(t, 0, first_row)
         return scales.size if scales.rows_fit else 0
 
-    def _column_groups(self, t: TensorInfo, groups: int) -> np.ndarray:
-        """Each column's group: `weight_g_idx` where the checkpoint has one (activation
-        order), else consecutive groups of cols / groups columns."""
+    def _column_groups(self, t: TensorInfo, groups: int) -> tuple[np.ndarray, int]:
+        """Each column's group: the weight's g_idx where the checkpoint has one (activation
+        order), else consecutive groups of cols / groups columns; and the columns a group
+        when they are consecutive (whatever says so), else 0."""
         cols = t.shape[-1]
-        name = f"{t.name}_g_idx"
+        size = cols // groups if cols % groups == 0 else 0
+        name = self._parts[t.name]["g_idx"]
         if name not in self.tensors:
-            return np.arange(cols) // (cols // groups)
-        if name in self._g_idx:
-            return self._g_idx[name]
+            if not size:
+                raise CheckpointError(
+                    f"{t.path}: {t.name!r} has {groups} groups of scales for {cols} columns and"
+                    f" no {name!r} to say which columns each covers"
+                )
+            return np.arange(cols) // size, size
+        if self._consecutive.get(name) == size:  # GPTQ stores g_idx even when trivial
+            return np.arange(cols) // size, size
         g = self.read_raw(name).astype(np.int64).reshape(-1)
         if g.shape != (cols,) or g.min(initial=0) < 0 or g.max(initial=0) >= groups:
             raise CheckpointError(
-                f"{self.tensors[name].path}: {name!r} must give each of the {cols} columns a"
-                f" group in [0, {groups})"
+                f"{self.tensors[name].path}: {name!r} must give each of the {cols} columns"
+                f" a group in [0, {groups})"
             )
-        self._g_idx[name] = g
-        return g
+        if size and np.array_equal(g, np.arange(cols) // size):
+            self._consecutive[name] = size
+            return g, size
+        return g, 0
 
     def pread(self, path: Path, offset: int, nbytes: int) -> bytes:
         """Exactly `nbytes` at `offset` of `path`, with os.pread (thread-safe, no seek)."""
@@ -427,14 +548,10 @@ class Checkpoint:
             pass
 
 
-def _fp8_block(model_dir: Path) -> tuple[int, int]:
-    """The FP8 weight block size config.json names (`quantization_config.weight_block_size`),
-    else DeepSeek-V3's 128 x 128."""
-    try:
-        quant = json.loads((model_dir / "config.json").read_text()).get("quantization_config")
-    except (OSError, json.JSONDecodeError, AttributeError):
-        quant = None
-    block = (quant or {}).get("weight_block_size") if isinstance(quant, dict) else None
+def _fp8_block(quant: dict) -> tuple[int, int]:
+    """The FP8 weight block size the quantization config names (`weight_block_size`), else
+    DeepSeek-V3's 128 x 128."""
+    block = quant.get("weight_block_size")
     if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
         return block[0], block[1]
     return 128, 128
@@ -500,7 +617,7 @@ def write_safetensors(
 ) -> None:
     """Write tensors to a safetensors file as F32, F16 or BF16 (round to nearest even), or, for
     the names `dtypes` maps to F8_E4M3, as given: float8_e4m3fn bits (uint8; `quantize_fp8`);
-    to I32 or I64, integers (`quantize_packed`)."""
+    to I32 or I64, integers (`quantize_packed`, `quantize_gptq`)."""
     header: dict[str, dict] = {}
     blobs, offset = [], 0
     for name, arr in tensors.items():
@@ -556,6 +673,56 @@ def quantize_packed(w: np.ndarray, bits: int = 4, group: int = 128):
     u = (q.reshape(R, C) + top).astype(np.uint8)
     packed = u if bits == 8 else u[:, 0::2] | (u[:, 1::2] << 4)
     return np.ascontiguousarray(packed).view("<i4"), scale, np.array([R, C], np.int64)
+
+
+def quantize_gptq(
+    w: np.ndarray,
+    bits: int = 4,
+    group: int = 128,
+    sym: bool = True,
+    fmt: str = "gptq",
+    order: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """Quantize a float32 matrix [R, C] with GPTQ's grid (round to nearest, no error
+    feedback) and store it as GPTQ checkpoints do. Per row and group of `group` columns (C when
+    0; with `order`, a permutation of the columns, groups of consecutive columns in that order,
+    as desc_act gives): symmetric, scale = 2 max |w| / (2^bits - 1) and zero point 2^(bits-1);
+    else scale = (max - min) / (2^bits - 1) over a range holding 0, zero = round(-min / scale);
+    scales rounded to float16; q = clip(round(w / scale) + zero, 0, 2^bits - 1). Returns
+    {"qweight": int32 [C bits / 32, R], "qzeros": int32 [groups, R bits / 32] (the "gptq"
+    format stores each zero point less one, "gptq_v2" as it is), "scales": float32 [groups, R],
+    all float16 numbers, "g_idx": int32 [C]}."""
+    (R, C), g = w.shape, group or w.shape[1]
+    per, top = 32 // bits, 2**bits - 1
+    if bits not in (4, 8) or C % g or C % per or R % per or fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{bits}-bit {fmt} groups of {g} do not pack a [{R}, {C}] matrix")
+    g_idx = np.arange(C) // g
+    if order is not None:
+        g_idx[np.asarray(order)] = np.arange(C) // g
+    groups = C // g
+    x = w.astype(np.float32)
+    hi = np.stack([np.max(x[:, g_idx == k], axis=1) for k in range(groups)], axis=1)
+    lo = np.stack([np.min(x[:, g_idx == k], axis=1) for k in range(groups)], axis=1)
+    hi, lo = np.maximum(hi, 0), np.minimum(lo, 0)  # [R, groups]
+    if sym:
+        hi = np.maximum(hi, -lo)
+        lo = -hi
+    scale = ((hi - lo) / np.float32(top)).astype(np.float16).astype(np.float32)
+    scale[scale == 0] = 1
+    zero = np.full_like(scale, (top + 1) // 2) if sym else np.rint(-lo / scale)
+    if fmt == "gptq" and (zero == 0).any():
+        raise ValueError("the gptq format cannot store a zero point of 0 (it stores zero - 1)")
+    q = np.clip(np.rint(x / scale[:, g_idx]) + zero[:, g_idx], 0, top).astype(np.uint32)
+    shifts = np.arange(0, 32, bits, dtype=np.uint32)
+    qweight = (q.T.reshape(C // per, per, R) << shifts[:, None]).sum(axis=1, dtype=np.uint32)
+    stored = zero.T.astype(np.uint32) - (fmt == "gptq")  # [groups, R]
+    qzeros = (stored.reshape(groups, R // per, per) << shifts).sum(axis=2, dtype=np.uint32)
+    return {
+        "qweight": qweight.view("<i4"),
+        "qzeros": qzeros.view("<i4"),
+        "scales": np.ascontiguousarray(scale.T),
+        "g_idx": g_idx.astype("<i4"),
+    }
 
 
 def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:

@@ -116,7 +116,26 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     gen = Path(model_dir) / "generation_config.json"
     gen_raw = json.loads(gen.read_text()) if gen.exists() else {}
+    if isinstance(raw, dict) and "quantization_config" not in raw:
+        quant = quantization_config(model_dir)
+        if quant:  # AutoGPTQ's quantize_config.json
+            raw = {**raw, "quantization_config": quant}
+            path = path.parent / "quantize_config.json"
     return config_from_dict(raw, gen_raw, source=str(path))
+
+
+def quantization_config(model_dir: str | Path) -> dict:
+    """config.json's `quantization_config`, else AutoGPTQ's `quantize_config.json` beside it
+    (older GPTQ releases carry only that), else {}."""
+    for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
+        try:
+            raw = json.loads((Path(model_dir) / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        quant = raw.get(key) if key and isinstance(raw, dict) else raw
+        if isinstance(quant, dict):
+            return quant if key else {"quant_method": "gptq", **quant}
+    return {}
 
 
 def config_from_dict(
@@ -170,14 +189,17 @@ def config_from_dict(
 
 
 def _check_quantization(quant: Any, source: str) -> None:
-    """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints) and
-    compressed-tensors' pack-quantized integer weights (W4A16, W8A16) are read, dequantized
-    to float32 (checkpoint.Fp8Scales, GroupScales); other quantization formats are refused."""
+    """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints),
+    compressed-tensors' pack-quantized integer weights (W4A16, W8A16) and GPTQ's (Qwen's
+    "-GPTQ-Int4" releases) are read (checkpoint.Fp8Scales, GroupScales); other quantization
+    formats are refused."""
     if quant is None:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if method == "compressed-tensors":
         return _check_compressed_tensors(quant, source)
+    if method == "gptq":
+        return _check_gptq(quant, source)
     fmt = quant.get("fmt", "e4m3") if isinstance(quant, dict) else None
     block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, dict) else None
     if method != "fp8" or fmt != "e4m3":
@@ -227,6 +249,39 @@ def _check_compressed_tensors(quant: dict, source: str) -> None:
             refuse(f"{name}: asymmetric weights (zero points)")
         if w.get("strategy") not in ("group", "channel") or w.get("dynamic"):
             refuse(f"{name}: weights strategy={w.get('strategy')!r} dynamic={w.get('dynamic')!r}")
+
+
+def _check_gptq(quant: dict, source: str) -> None:
+    """GPTQ's weight-only integers in its own layouts ("gptq" and "gptq_v2"): 4 or 8 bits
+    packed into int32 words, a scale and a zero point per group of input columns (or per
+    row), in any column order (desc_act's g_idx); the same settings for every layer."""
+
+    def refuse(what: str) -> None:
+        raise ConfigError(
+            f"{source}: quantization_config (gptq) {what} is not supported (colibri reads 4- and"
+            " 8-bit GPTQ weights in the 'gptq' and 'gptq_v2' layouts, packed into int32)"
+        )
+
+    fmt = gptq_format(quant)
+    if quant.get("is_marlin_format"):
+        refuse("is_marlin_format=True (Marlin's repacked layout)")
+    if fmt not in ("gptq", "gptq_v2"):
+        refuse(f"checkpoint_format={fmt!r}")
+    if quant.get("bits") not in (4, 8):
+        refuse(f"bits={quant.get('bits')!r}")
+    if quant.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+        refuse(f"pack_dtype={quant.get('pack_dtype')!r}")
+    if quant.get("dynamic"):
+        refuse("dynamic (per-module bits and groups)")
+    group = quant.get("group_size", 128)
+    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+        refuse(f"group_size={group!r}")
+
+
+def gptq_format(quant: dict) -> str:
+    """The layout a GPTQ config names: "gptq" (the original, zero points stored less one)
+    unless its checkpoint_format (GPTQModel: format) says otherwise."""
+    return quant.get("checkpoint_format") or quant.get("format") or "gptq"
 
 
 class _Fields:

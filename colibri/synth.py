@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from colibri.checkpoint import quantize_fp8, quantize_packed, write_safetensors
+from colibri.checkpoint import quantize_fp8, quantize_gptq, quantize_packed, write_safetensors
 from colibri.config import FAMILIES
 
 # fp8: the linear layers' weights block-quantized to float8_e4m3fn with float32 scales, as in
 # DeepSeek-V3's checkpoints; int4 and int8: quantized to symmetric integers with a bfloat16
 # scale per group of columns and packed into int32 words (compressed-tensors' pack-quantized
-# W4A16 and W8A16); everything else (embeddings, norms, routers, lm_head) bf16.
+# W4A16 and W8A16); gptq4 and gptq8: GPTQ's layout (`quantize_gptq`, symmetric, float16
+# scales) with the rest float16; everything else (embeddings, norms, routers, lm_head) bf16.
 _DTYPES = {
     "f32": "F32",
     "bf16": "BF16",
@@ -24,9 +25,15 @@ _DTYPES = {
     "fp8": "BF16",
     "int4": "BF16",
     "int8": "BF16",
+    "gptq4": "F16",
+    "gptq8": "F16",
 }
-_TORCH_DTYPES = {k: "bfloat16" for k in _DTYPES} | {"f32": "float32", "f16": "float16"}
+_TORCH_DTYPES = {k: "bfloat16" for k in _DTYPES} | {
+    "f32": "float32",
+    **{k: "float16" for k in ("f16", "gptq4", "gptq8")},
+}
 _BITS = {"int4": 4, "int8": 8}
+_GPTQ_BITS = {"gptq4": 4, "gptq8": 8}
 _FP8_LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
 
 
@@ -51,7 +58,7 @@ class SynthSpec:
     kv_heads: int = 0  # 0: heads // 2, at least 1
     dtype: str = "f32"
     fp8_block: int = 128  # dtype fp8: the side of a square block sharing one scale
-    group: int = 128  # dtype int4/int8: columns sharing one scale (0: a whole row)
+    group: int = 128  # dtype int4/int8/gptq4/gptq8: columns sharing one scale (0: a whole row)
     seed: int = 0
     shard_mb: float = 512
 
@@ -121,6 +128,8 @@ def hf_config(s: SynthSpec) -> dict:
         )
     if s.dtype in _BITS:
         base["quantization_config"] = packed_quantization(_BITS[s.dtype], s.group)
+    if s.dtype in _GPTQ_BITS:
+        base["quantization_config"] = gptq_quantization(_GPTQ_BITS[s.dtype], s.group)
     moe = {
         "qwen3_moe": dict(
             architectures=["Qwen3MoeForCausalLM"],
@@ -238,6 +247,43 @@ def add_packed(add, name: str, w: np.ndarray, bits: int, group: int) -> None:
     add(f"{base}.weight_shape", shape, "I64")
 
 
+def gptq_quantization(
+    bits: int, group: int, sym: bool = True, fmt: str = "gptq", desc_act: bool = False
+) -> dict:
+    """The quantization_config of a GPTQ checkpoint (as Qwen's "-GPTQ-Int4" releases carry
+    it) whose linear layers (`fp8_linear` names them) hold `bits`-bit weights, a scale and zero
+    point per `group` columns (0: per row, GPTQ's -1)."""
+    return dict(
+        quant_method="gptq",
+        bits=bits,
+        group_size=group or -1,
+        desc_act=desc_act,
+        sym=sym,
+        static_groups=False,
+        true_sequential=True,
+        damp_percent=0.01,
+        checkpoint_format=fmt,
+    )
+
+
+def add_gptq(
+    add,
+    name: str,
+    w: np.ndarray,
+    bits: int,
+    group: int,
+    sym: bool = True,
+    fmt: str = "gptq",
+    order: np.ndarray | None = None,
+) -> None:
+    """add(name, array, dtype) the four tensors of weight `name` GPTQ-quantized
+    (`quantize_gptq`)."""
+    base = name.removesuffix(".weight")
+    parts = quantize_gptq(w, bits, group, sym, fmt, order)
+    for part, arr in parts.items():
+        add(f"{base}.{part}", arr, "F16" if part == "scales" else "I32")
+
+
 def _groups(experts: int) -> int:
     return next(g for g in (8, 4, 2, 1) if experts % g == 0 and experts // g >= 2)
 
@@ -262,6 +308,8 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
             writer.add(f"{name}_scale_inv", scale_inv, "F32")
         elif spec.dtype in _BITS and fp8_linear(name):
             add_packed(writer.add, name, w, _BITS[spec.dtype], spec.group)
+        elif spec.dtype in _GPTQ_BITS and fp8_linear(name):
+            add_gptq(writer.add, name, w, _GPTQ_BITS[spec.dtype], spec.group)
         else:
             writer.add(name, w)
     writer.close()

@@ -101,9 +101,10 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
     float32) when it stores every one block-quantized in float8_e4m3fn with whole column
     blocks of a multiple of 8, unless `COLIBRI_FP8=0`; as int4 rows (INT4_ROWS: about an
-    eighth) when it stores every one pack-quantized in four bits with one group width for
-    gate and up and one for down (`expert_groups`), unless `COLIBRI_INT4=0`; else as float32
-    (other pack-quantized experts are dequantized as they are read)."""
+    eighth) when it stores every one pack-quantized (or GPTQ-quantized, symmetric) in four
+    bits with one group width for gate and up and one for down (`expert_groups`), unless
+    `COLIBRI_INT4=0`; else as float32 (other pack-quantized experts are dequantized as they
+    are read)."""
     parts = [
         t
         for layer in cfg.moe_layer_ids
@@ -116,7 +117,8 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
     if dtypes == {"F8_E4M3"} and fit and holds_fp8():
         return FP8_ROWS
-    if dtypes == {"PACK4"} and holds_int4() and all(expert_groups(ckpt, parts)):
+    int4 = dtypes in ({"PACK4"}, {"GPTQ4"})
+    if int4 and holds_int4() and all(expert_groups(ckpt, parts)):
         return INT4_ROWS
     return np.dtype(np.float32)
 

@@ -1,5 +1,5 @@
-"""python experiments/bench_offload.py [--ckpt DIR] [--tokens 32] [--dtype bf16|fp8|int4]
-                                    [--ram-gb G]
+"""python experiments/bench_offload.py [--ckpt DIR] [--tokens 32]
+                                    [--dtype bf16|fp8|int4|gptq4] [--ram-gb G]
 
 Decode speed with routed experts resident, cached in RAM, or streamed from disk, and the
 policies between (LRU, LFRU, +pins, +PILOT), on a synthetic qwen3_moe checkpoint at least 4x
@@ -21,7 +21,8 @@ in offload_fp8.md and .json. Give it half the RAM budget (--ram-gb 0.0625) for t
 of experts to RAM as bf16 at 0.125. --dtype int4: pack-quantized as compressed-tensors'
 W4A16 releases ship (a scale per 128 columns; experts held as int4 rows, about an eighth of
 the bytes of float32; .cache/bench-offload-int4, offload_int4.md): --ram-gb 0.033 for that
-ratio.
+ratio. --dtype gptq4: the same integers in GPTQ's layout (Qwen's "-GPTQ-Int4" releases: each
+matrix's words hold columns, transposed as it is read; offload_gptq4.md), --ram-gb 0.033.
 """
 
 from __future__ import annotations
@@ -213,10 +214,10 @@ def plain_decode(model, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", default="", help="default .cache/bench-offload[-fp8|-int4]")
+    ap.add_argument("--ckpt", default="", help="default .cache/bench-offload[-fp8|-int4|-gptq4]")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ram-gb", type=float, default=0.125, help="RAM budget of the disk runs")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "int4"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "int4", "gptq4"])
     args = ap.parse_args()
     spec = dataclasses.replace(SPEC, dtype=args.dtype)
     suffix = "" if args.dtype == "bf16" else f"_{args.dtype}"

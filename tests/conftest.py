@@ -28,7 +28,8 @@ def pytest_configure(config):
 def checkpoints(tmp_path_factory):
     """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised);
     dtype "fp8": the float32 one with its linear layers block-quantized (8 x 8 blocks); "int4",
-    "int8": pack-quantized (compressed-tensors, a scale per 8 columns)."""
+    "int8": pack-quantized (compressed-tensors, a scale per 8 columns); "gptq4", "gptq8": GPTQ
+    (symmetric, a scale per 8 columns)."""
     built: dict[tuple[str, str], Path] = {}
 
     def get(family: str, dtype: str = "float32") -> Path:
@@ -39,6 +40,8 @@ def checkpoints(tmp_path_factory):
                 built[key] = tiny.to_fp8(get(family), out, block=8)
             elif dtype in ("int4", "int8"):
                 built[key] = tiny.to_packed(get(family), out, int(dtype[3:]), group=8)
+            elif dtype in ("gptq4", "gptq8"):
+                built[key] = tiny.to_gptq(get(family), out, int(dtype[4:]), group=8)
             else:
                 built[key] = tiny.build(family, out, dtype=dtype)
         return built[key]

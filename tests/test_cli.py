@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
@@ -58,18 +60,22 @@ def test_synth_fp8_then_generate_with_experts_on_disk(tmp_path):
     assert b"disk" in tiered.stderr
 
 
-def test_synth_int4_then_generate_with_experts_on_disk(tmp_path):
-    """`colibri synth --dtype int4` writes a compressed-tensors W4A16 checkpoint that `colibri
-    generate` decodes resident and with its experts read from disk (packed, a quarter of the
-    bytes of bf16): the same text."""
-    out = tmp_path / "int4"
+@pytest.mark.parametrize(
+    "dtype, method",
+    [("int4", '"quant_method": "compressed-tensors"'), ("gptq4", '"quant_method": "gptq"')],
+)
+def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method):
+    """`colibri synth --dtype int4` writes a compressed-tensors W4A16 checkpoint (`gptq4`, a
+    GPTQ one) that `colibri generate` decodes resident and with its experts read from disk
+    (packed, a quarter of the bytes of bf16): the same text."""
+    out = tmp_path / dtype
     synth = [sys.executable, "-m", "colibri.cli", "synth", "--family", "qwen2_moe"]
     synth += ["--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64"]
-    synth += ["--moe-ff", "32", "--vocab", "300", "--dtype", "int4", "--group", "16"]
+    synth += ["--moe-ff", "32", "--vocab", "300", "--dtype", dtype, "--group", "16"]
     r = subprocess.run([*synth, "--out", str(out)], capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     config = (out / "config.json").read_text()
-    assert '"quant_method": "compressed-tensors"' in config and '"group_size": 16' in config
+    assert method in config and '"group_size": 16' in config
     args = ("--prompt", "def add", "--max-tokens", "10")
     resident = _generate(out, *args)
     tiered = _generate(out, *args, "--device-gb", "0.00005", "--ram-gb", "0.00003")

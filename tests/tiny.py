@@ -185,6 +185,58 @@ def to_packed(src: Path, out: Path, bits: int, group: int) -> Path:
     return out
 
 
+def to_gptq(src: Path, out: Path, bits: int, group: int, sym: bool = True, fmt: str = "gptq"):
+    """A copy of checkpoint `src` as GPTQ releases store it: every linear layer's weight
+    GPTQ-quantized (`bits`, a float16 scale and a zero point per `group` columns; qweight,
+    qzeros, scales, g_idx), the rest as it was."""
+    import shutil
+
+    from safetensors.numpy import load_file
+
+    from colibri.checkpoint import write_safetensors
+    from colibri.synth import add_gptq, fp8_linear, gptq_quantization
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, kinds = {}, {}
+
+    def add(name, arr, kind):
+        tensors[name], kinds[name] = arr, kind
+
+    for name, w in load_file(src / "model.safetensors").items():
+        if fp8_linear(name):
+            add_gptq(add, name, w, bits, group, sym, fmt)
+        else:
+            tensors[name] = w
+    write_safetensors(out / "model.safetensors", tensors, "F32", kinds)
+    cfg = saved_config(src)
+    cfg["quantization_config"] = gptq_quantization(bits, group, sym, fmt)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "tokenizer.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def gptq_weight(qweight, qzeros, scales, g_idx, bits: int, fmt: str = "gptq") -> np.ndarray:
+    """The float32 matrix [O, I] a GPTQ weight stands for, straight from the layout GPTQ
+    documents: qweight [I * bits / 32, O] holds input column 32 / bits * k + j of every output
+    in bits [bits * j, bits * (j + 1)) of row k; qzeros [groups, O * bits / 32] likewise the
+    zero point of output 32 / bits * k + j (the "gptq" format: less one); scales [groups, O];
+    W^T[i, o] = (q[i, o] - zero[g_idx[i], o]) * scales[g_idx[i], o]."""
+    per, mask = 32 // bits, (1 << bits) - 1
+    words = np.asarray(qweight).astype(np.int64) & 0xFFFFFFFF
+    zwords = np.asarray(qzeros).astype(np.int64) & 0xFFFFFFFF
+    q = np.zeros((words.shape[0] * per, words.shape[1]), np.int64)
+    z = np.zeros((zwords.shape[0], zwords.shape[1] * per), np.int64)
+    for j in range(per):
+        q[j::per] = (words >> (bits * j)) & mask
+        z[:, j::per] = (zwords >> (bits * j)) & mask
+    z = z[:, : q.shape[1]] + (fmt == "gptq")  # a last word's unused outputs dropped
+    g = np.asarray(g_idx).astype(np.int64)
+    s = np.asarray(scales, np.float32)
+    return ((q - z[g]).astype(np.float32) * s[g]).T.copy()
+
+
 def decompressed(model_dir: Path) -> Path:
     """A float32 copy of a pack-quantized checkpoint with each packed weight as
     compressed-tensors itself decompresses it in a float32 model (its unpacking, then its
@@ -215,6 +267,38 @@ def decompressed(model_dir: Path) -> Path:
             dense[base] = dequantize(q, scale, None, args, dtype=torch.float32)
         elif not name.endswith((".weight_scale", ".weight_shape")):
             dense[name] = t.float()
+    out.mkdir()
+    save_file(dense, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for name in ("generation_config.json", "tokenizer.json"):
+        if (model_dir / name).exists():
+            (out / name).write_bytes((model_dir / name).read_bytes())
+    return out
+
+
+def gptq_dequantized(model_dir: Path) -> Path:
+    """A float32 copy of a GPTQ checkpoint, each weight as `gptq_weight` gives it (transformers
+    reads GPTQ through GPTQModel's kernels, which this CPU-only machine does not build): the
+    oracle's view of that checkpoint."""
+    from safetensors.numpy import load_file, save_file
+
+    out = model_dir.parent / f"{model_dir.name}-dequantized"
+    if out.exists():
+        return out
+    cfg = saved_config(model_dir)
+    quant = cfg.pop("quantization_config")
+    cfg["torch_dtype"] = "float32"
+    tensors, dense = {}, {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    fmt = quant.get("checkpoint_format", "gptq")
+    for name, t in tensors.items():
+        base = name.removesuffix(".qweight")
+        if name.endswith(".qweight"):
+            parts = [tensors[f"{base}.{p}"] for p in ("qzeros", "scales", "g_idx")]
+            dense[f"{base}.weight"] = gptq_weight(t, *parts, quant["bits"], fmt)
+        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
+            dense[name] = t.astype(np.float32)
     out.mkdir()
     save_file(dense, out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -282,6 +366,8 @@ def hf_model(model_dir: Path):
     quant = saved_config(model_dir).get("quantization_config") or {}
     if quant.get("quant_method") == "compressed-tensors":
         model_dir = decompressed(model_dir)
+    if quant.get("quant_method") == "gptq":
+        model_dir = gptq_dequantized(model_dir)
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     m.eval()
     return m

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, INT4_ROWS, PACKED_BITS, Checkpoint
+from colibri.checkpoint import FP8_ROWS, GPTQ_BITS, INT4_ROWS, PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -21,7 +21,7 @@ from colibri.weights import fuse_qkv, hold_bf16, holds_bf16, load_dense
 log = logging.getLogger("colibri")
 
 # The tensors beside a quantized weight (its scales, packed words, shape): not parameters.
-_SIDE_TENSORS = ("_scale_inv", "_scales_inv", "_packed", "_scale", "_shape", "_g_idx")
+_FP8_SCALES = ("_scale_inv", "_scales_inv")
 
 
 @dataclass
@@ -62,7 +62,9 @@ def load_model(
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)
         for name, t in ckpt.tensors.items()
-        if ".experts." not in name and not name.endswith(_SIDE_TENSORS)
+        if ".experts." not in name
+        and not name.endswith(_FP8_SCALES)
+        and name not in ckpt.companions
     )
     n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
@@ -73,7 +75,8 @@ def load_model(
         how += ", routed experts as int4 rows"
     elif packed:
         bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
-        how += f", pack-quantized {bits} weights dequantized to float32"
+        kind = "GPTQ" if any(k in GPTQ_BITS for k in packed) else "pack-quantized"
+        how += f", {kind} {bits} weights dequantized to float32"
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
     huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
