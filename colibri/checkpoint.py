@@ -24,7 +24,9 @@ word holding consecutive input columns of one output row (the first in the lowes
 column's group). colibri indexes such a weight as `X.weight` too (dtype GPTQ4 or GPTQ8, shape
 [O, I]) and reads it as (q - zero) x scale in float32, exact for float16 and bfloat16 scales;
 symmetric weights (every zero point the midpoint, 8 or 128) are the compressed-tensors
-integers with their words transposed.
+integers with their words transposed. AutoAWQ's GEMM checkpoints (quant_method "awq") pack the
+other axis: `qweight` int32 [I, O / 8], each word eight outputs of one input in AWQ_ORDER,
+`qzeros` [groups, O / 8] likewise, `scales` [groups, O]; indexed as `X.weight` (AWQ4).
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ INT4_ROWS = np.dtype("i1")
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
 # bytes are the `weight_packed` int32 words, or GPTQ's `qweight` words, which hold columns of
 # the matrix rather than rows), and the bits of each value.
-GPTQ_BITS = {"GPTQ4": 4, "GPTQ8": 8}
+GPTQ_BITS = {"GPTQ4": 4, "GPTQ8": 8, "AWQ4": 4}  # GPTQ's and AWQ's: words of columns
 PACKED_BITS = {"PACK4": 4, "PACK8": 8, **GPTQ_BITS}
 for _kind in PACKED_BITS:
     _RAW_DTYPES[_kind] = np.dtype("u1")
@@ -79,6 +81,8 @@ for _kind in PACKED_BITS:
 # value in the low nibble), q - 128 for 8.
 UNPACK4 = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
 _UNPACK = {4: UNPACK4, 8: np.arange(256, dtype=np.float32)[:, None] - 128}
+# AWQ's 4-bit words: bits [4 k, 4 k + 4) of word m hold output 8 m + AWQ_ORDER[k].
+AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 
 
 class CheckpointError(ValueError):
@@ -163,14 +167,20 @@ class GroupScales:
     cols: int
     size: int  # columns a group when each is consecutive columns, else 0
     zeros: np.ndarray | None = None  # float32 [rows, groups]: zero points less the midpoint
-    by_column: bool = False  # raw bytes are GPTQ's words [cols * bits / 32, rows]
+    # How the raw bytes hold the values: "rows" (compressed-tensors: words of a row's values),
+    # "gptq" (words [cols * bits / 32, rows], each of one row's columns), "awq" (words
+    # [cols, rows / 8], each of 8 rows' values of one column in AWQ_ORDER).
+    layout: str = "rows"
 
     def dequantize(self, raw: np.ndarray) -> np.ndarray:
         """Packed bytes (whole rows; a GPTQ weight's whole matrix) to a new float32 array
         [rows * cols]: each value less its zero point, times its group's scale, in float32
         (exact for bfloat16 and float16 scales)."""
-        rows = np.ascontiguousarray(self._row_words(raw)).view(np.uint8)
-        values = _UNPACK[self.bits][rows].reshape(-1, self.cols)
+        if self.layout == "awq":
+            values = self._awq_values(raw)
+        else:
+            rows = np.ascontiguousarray(self._row_words(raw)).view(np.uint8)
+            values = _UNPACK[self.bits][rows].reshape(-1, self.cols)
         if self.zeros is not None:
             values -= self.zeros[:, self.group]
         values *= self.scales[:, self.group]
@@ -181,7 +191,15 @@ class GroupScales:
         transposed: each holds the same values in the same order either way)."""
         words = raw.view("<u4")
         rows = self.scales.shape[0]
-        return words.reshape(-1, rows).T if self.by_column else words.reshape(rows, -1)
+        return words.reshape(-1, rows).T if self.layout == "gptq" else words.reshape(rows, -1)
+
+    def _awq_values(self, raw: np.ndarray) -> np.ndarray:
+        """AWQ's words [cols, rows / 8] as float32 values less the midpoint [rows, cols]."""
+        words = raw.view("<u4").reshape(self.cols, -1)
+        codes = np.empty((self.cols, words.shape[1], 8), np.uint8)
+        for k, row in enumerate(AWQ_ORDER):
+            codes[:, :, row] = (words >> np.uint32(4 * k)) & np.uint32(15)
+        return UNPACK4[codes.reshape(self.cols, -1).T, 0]
 
     def pack(self, raw: np.ndarray) -> np.ndarray:
         """INT4_ROWS of packed four-bit bytes (flat, whole rows): each row's bytes as stored,
@@ -203,7 +221,7 @@ class GroupScales:
         """Whether these rows can be held as INT4_ROWS (the kernels widen eight values of one
         group at a time)."""
         fit = self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
-        return fit and self.zeros is None
+        return fit and self.zeros is None and self.layout != "awq"
 
 
 Scales = Fp8Scales | GroupScales
@@ -294,21 +312,20 @@ class Checkpoint:
     def _index_gptq(self, quant: dict) -> None:
         """Index each GPTQ weight (`X.qweight`, `X.scales`, `X.qzeros`, `X.g_idx`) as
         `X.weight`: dtype GPTQ4 or GPTQ8 (`bits` of the quantization config), shape [O, I] as
-        the matrix it stands for, bytes those of `qweight` [I * bits / 32, O]."""
+        the matrix it stands for, bytes those of `qweight` [I * bits / 32, O]; and each AWQ
+        weight (`qweight` [I, O / 8], `scales`, `qzeros`; no g_idx) likewise as AWQ4."""
         names = [n for n in self.tensors if n.endswith(".qweight")]
         if not names:
             return
-        t = self.tensors[names[0]]
-        if quant.get("quant_method") != "gptq":
+        t, method = self.tensors[names[0]], quant.get("quant_method")
+        if method not in ("gptq", "awq"):
             raise CheckpointError(
-                f"{t.path}: {names[0]!r} is a GPTQ/AWQ-packed weight, but config.json's "
-                f"quantization_config says quant_method={quant.get('quant_method')!r}, not 'gptq'"
+                f"{t.path}: {names[0]!r} is a GPTQ/AWQ-packed weight, but the quantization"
+                f" config says quant_method={method!r}, not 'gptq' or 'awq'"
             )
-        bits = quant.get("bits")
-        if bits not in (4, 8):
-            raise CheckpointError(
-                f"{t.path}: GPTQ weights of bits={bits!r} (colibri reads 4 and 8)"
-            )
+        bits = quant.get("bits", quant.get("w_bit"))
+        if bits not in ((4, 8) if method == "gptq" else (4,)):
+            raise CheckpointError(f"{t.path}: {method} weights of bits={bits!r} are not read")
         for name in names:
             base = name.removesuffix(".qweight")
             t = self.tensors[name]
@@ -316,21 +333,22 @@ class Checkpoint:
             for need in parts.values():
                 if need not in self.tensors:
                     raise CheckpointError(
-                        f"{t.path}: GPTQ weight {name!r} has no {need!r} beside it"
+                        f"{t.path}: {method} weight {name!r} has no {need!r} beside it"
                     )
             if t.dtype != "I32" or len(t.shape) != 2:
                 raise CheckpointError(
-                    f"{t.path}: GPTQ weight {name!r} is {t.dtype} {list(t.shape)}, not int32"
-                    " [in * bits / 32, out]"
+                    f"{t.path}: {method} weight {name!r} is {t.dtype} {list(t.shape)}, not int32"
+                    + (" [in * bits / 32, out]" if method == "gptq" else " [in, out / 8]")
                 )
-            shape = (t.shape[1], t.shape[0] * 32 // bits)
+            if method == "gptq":
+                kind, shape = f"GPTQ{bits}", (t.shape[1], t.shape[0] * 32 // bits)
+            else:
+                kind, shape = "AWQ4", (t.shape[1] * 8, t.shape[0])
             weight = f"{base}.weight"
-            self.tensors[weight] = TensorInfo(
-                weight, t.path, f"GPTQ{bits}", shape, t.offset, t.nbytes
-            )
+            self.tensors[weight] = TensorInfo(weight, t.path, kind, shape, t.offset, t.nbytes)
             self._parts[weight] = {**parts, "g_idx": f"{base}.g_idx"}
-        # The original format stores each zero point less one; "gptq_v2" as it is.
-        self._zero_offset = 1 if gptq_format(quant) == "gptq" else 0
+        # The original GPTQ format stores each zero point less one; "gptq_v2" and AWQ as is.
+        self._zero_offset = 1 if method == "gptq" and gptq_format(quant) == "gptq" else 0
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -470,13 +488,15 @@ class Checkpoint:
         scales = np.ascontiguousarray(to_f32(self.read_raw(s.name), s.dtype).T)
         words = self.read_raw(z.name).view("<u4")
         shifts = np.arange(0, 32, bits, dtype=np.uint32)
-        zeros = (words[:, :, None] >> shifts) & np.uint32(2**bits - 1)
+        zeros = (words[:, :, None] >> shifts) & np.uint32(2**bits - 1)  # [groups, O / per, per]
+        layout = "awq" if t.dtype == "AWQ4" else "gptq"
+        if layout == "awq":  # bits 4 k hold output 8 m + AWQ_ORDER[k]
+            zeros[:, :, AWQ_ORDER] = zeros.copy()
         zeros = zeros.reshape(groups, rows).T.astype(np.float32) + self._zero_offset
         zeros -= 2 ** (bits - 1)
         group, size = self._column_groups(t, groups)
-        return GroupScales(
-            scales, group, bits, cols, size, None if not zeros.any() else zeros, by_column=True
-        )
+        zeros = None if not zeros.any() else zeros
+        return GroupScales(scales, group, bits, cols, size, zeros, layout)
 
     def int4_group(self, t: TensorInfo) -> int:
         """The columns a scale of weight `t` covers when it can be held as INT4_ROWS
@@ -683,19 +703,59 @@ def quantize_gptq(
     fmt: str = "gptq",
     order: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Quantize a float32 matrix [R, C] with GPTQ's grid (round to nearest, no error
-    feedback) and store it as GPTQ checkpoints do. Per row and group of `group` columns (C when
+    """Quantize a float32 matrix [R, C] on GPTQ's grid (`integer_grid`: round to nearest, no
+    error feedback) and store it as GPTQ checkpoints do. Returns {"qweight": int32
+    [C bits / 32, R], "qzeros": int32 [groups, R bits / 32] (the "gptq" format stores each
+    zero point less one, "gptq_v2" as it is), "scales": float32 [groups, R], all float16
+    numbers, "g_idx": int32 [C]}."""
+    (R, C), per = w.shape, 32 // bits
+    if bits not in (4, 8) or C % per or R % per or fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"{bits}-bit {fmt} words do not pack a [{R}, {C}] matrix")
+    q, zero, scale, g_idx = integer_grid(w, bits, group, sym, order)
+    if fmt == "gptq" and (zero == 0).any():
+        raise ValueError("the gptq format cannot store a zero point of 0 (it stores zero - 1)")
+    return {
+        "qweight": _pack_words(q.T, bits, axis=0),
+        "qzeros": _pack_words(zero.T.astype(np.uint32) - (fmt == "gptq"), bits, axis=1),
+        "scales": np.ascontiguousarray(scale.T),
+        "g_idx": g_idx.astype("<i4"),
+    }
+
+
+def quantize_awq(w: np.ndarray, group: int = 128) -> dict[str, np.ndarray]:
+    """Quantize a float32 matrix [R, C] to 4 bits with zero points on GPTQ's asymmetric grid
+    (`integer_grid`) and store it as AutoAWQ's GEMM checkpoints do. Returns {"qweight": int32
+    [C, R / 8], "qzeros": int32 [groups, R / 8] (output 8 m + AWQ_ORDER[k] of each in bits
+    [4 k, 4 k + 4) of word m), "scales": float32 [groups, R], all float16 numbers}."""
+    R, C = w.shape
+    if R % 8:
+        raise ValueError(f"AWQ words do not pack {R} outputs (not a multiple of 8)")
+    q, zero, scale, _ = integer_grid(w, 4, group, sym=False)
+
+    def pack(codes):  # [*, R] -> [*, R / 8], each word's outputs in AWQ's order
+        interleaved = codes.reshape(codes.shape[0], R // 8, 8)[:, :, AWQ_ORDER]
+        return _pack_words(interleaved.reshape(codes.shape[0], R), 4, axis=1)
+
+    return {
+        "qweight": pack(q.T),
+        "qzeros": pack(zero.T.astype(np.uint32)),
+        "scales": np.ascontiguousarray(scale.T),
+    }
+
+
+def integer_grid(
+    w: np.ndarray, bits: int, group: int, sym: bool, order: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """GPTQ's grid of a float32 matrix [R, C], per row and group of `group` columns (C when
     0; with `order`, a permutation of the columns, groups of consecutive columns in that order,
     as desc_act gives): symmetric, scale = 2 max |w| / (2^bits - 1) and zero point 2^(bits-1);
     else scale = (max - min) / (2^bits - 1) over a range holding 0, zero = round(-min / scale);
     scales rounded to float16; q = clip(round(w / scale) + zero, 0, 2^bits - 1). Returns
-    {"qweight": int32 [C bits / 32, R], "qzeros": int32 [groups, R bits / 32] (the "gptq"
-    format stores each zero point less one, "gptq_v2" as it is), "scales": float32 [groups, R],
-    all float16 numbers, "g_idx": int32 [C]}."""
-    (R, C), g = w.shape, group or w.shape[1]
-    per, top = 32 // bits, 2**bits - 1
-    if bits not in (4, 8) or C % g or C % per or R % per or fmt not in ("gptq", "gptq_v2"):
-        raise ValueError(f"{bits}-bit {fmt} groups of {g} do not pack a [{R}, {C}] matrix")
+    (q uint32 [R, C], zero [R, groups], scale float32 [R, groups], each column's group [C])."""
+    C, g = w.shape[1], group or w.shape[1]
+    top = 2**bits - 1
+    if C % g:
+        raise ValueError(f"groups of {g} do not divide {C} columns")
     g_idx = np.arange(C) // g
     if order is not None:
         g_idx[np.asarray(order)] = np.arange(C) // g
@@ -710,19 +770,19 @@ def quantize_gptq(
     scale = ((hi - lo) / np.float32(top)).astype(np.float16).astype(np.float32)
     scale[scale == 0] = 1
     zero = np.full_like(scale, (top + 1) // 2) if sym else np.rint(-lo / scale)
-    if fmt == "gptq" and (zero == 0).any():
-        raise ValueError("the gptq format cannot store a zero point of 0 (it stores zero - 1)")
     q = np.clip(np.rint(x / scale[:, g_idx]) + zero[:, g_idx], 0, top).astype(np.uint32)
+    return q, zero, scale, g_idx
+
+
+def _pack_words(codes: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """Codes [A, B] packed 32 / bits to an int32 word along `axis`, the first in the lowest
+    bits."""
+    per = 32 // bits
     shifts = np.arange(0, 32, bits, dtype=np.uint32)
-    qweight = (q.T.reshape(C // per, per, R) << shifts[:, None]).sum(axis=1, dtype=np.uint32)
-    stored = zero.T.astype(np.uint32) - (fmt == "gptq")  # [groups, R]
-    qzeros = (stored.reshape(groups, R // per, per) << shifts).sum(axis=2, dtype=np.uint32)
-    return {
-        "qweight": qweight.view("<i4"),
-        "qzeros": qzeros.view("<i4"),
-        "scales": np.ascontiguousarray(scale.T),
-        "g_idx": g_idx.astype("<i4"),
-    }
+    u = codes.astype(np.uint32)
+    if axis == 0:
+        return (u.reshape(-1, per, u.shape[1]) << shifts[:, None]).sum(1, np.uint32).view("<i4")
+    return (u.reshape(u.shape[0], -1, per) << shifts).sum(2, np.uint32).view("<i4")
 
 
 def _encode(arr: np.ndarray, dtype: str) -> np.ndarray:

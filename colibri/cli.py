@@ -144,14 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--dtype",
         default="f32",
-        choices=["f32", "bf16", "f16", "fp8", "int4", "int8", "gptq4", "gptq8"],
+        choices=["f32", "bf16", "f16", "fp8", "int4", "int8", "gptq4", "gptq8", "awq4"],
         help="fp8: linear weights block-quantized to float8_e4m3fn (DeepSeek-V3's layout); "
         "int4, int8: symmetric integers packed as compressed-tensors stores W4A16/W8A16; "
-        "gptq4, gptq8: GPTQ's layout (qweight, qzeros, scales, g_idx), the rest float16",
+        "gptq4, gptq8: GPTQ's layout (qweight, qzeros, scales, g_idx), awq4: AutoAWQ's GEMM "
+        "layout (zero points), the rest float16",
     )
     s.add_argument("--fp8-block", type=int, default=128, help="--dtype fp8: block side")
     s.add_argument(
-        "--group", type=int, default=128, help="--dtype int4/int8/gptq*: columns a scale (0: a row)"
+        "--group", type=int, default=128, help="--dtype int*/gptq*/awq4: columns a scale (0: a row)"
     )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")

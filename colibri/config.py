@@ -190,9 +190,9 @@ def config_from_dict(
 
 def _check_quantization(quant: Any, source: str) -> None:
     """Block-quantized FP8 weights (DeepSeek-V3's and Qwen3's "-FP8" checkpoints),
-    compressed-tensors' pack-quantized integer weights (W4A16, W8A16) and GPTQ's (Qwen's
-    "-GPTQ-Int4" releases) are read (checkpoint.Fp8Scales, GroupScales); other quantization
-    formats are refused."""
+    compressed-tensors' pack-quantized integer weights (W4A16, W8A16), GPTQ's (Qwen's
+    "-GPTQ-Int4" releases) and AWQ's are read (checkpoint.Fp8Scales, GroupScales); other
+    quantization formats are refused."""
     if quant is None:
         return
     method = quant.get("quant_method") if isinstance(quant, dict) else None
@@ -200,6 +200,8 @@ def _check_quantization(quant: Any, source: str) -> None:
         return _check_compressed_tensors(quant, source)
     if method == "gptq":
         return _check_gptq(quant, source)
+    if method == "awq":
+        return _check_awq(quant, source)
     fmt = quant.get("fmt", "e4m3") if isinstance(quant, dict) else None
     block = quant.get("weight_block_size", [128, 128]) if isinstance(quant, dict) else None
     if method != "fp8" or fmt != "e4m3":
@@ -274,6 +276,29 @@ def _check_gptq(quant: dict, source: str) -> None:
     if quant.get("dynamic"):
         refuse("dynamic (per-module bits and groups)")
     group = quant.get("group_size", 128)
+    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+        refuse(f"group_size={group!r}")
+
+
+def _check_awq(quant: dict, source: str) -> None:
+    """AutoAWQ's GEMM layout: 4-bit weights with a scale and a zero point per group of input
+    columns, packed eight outputs to an int32 word."""
+
+    def refuse(what: str) -> None:
+        raise ConfigError(
+            f"{source}: quantization_config (awq) {what} is not supported (colibri reads 4-bit"
+            " AWQ weights with zero points in the GEMM layout)"
+        )
+
+    version = str(quant.get("version", "gemm")).lower()
+    if version != "gemm":
+        refuse(f"version={quant.get('version')!r}")
+    bits = quant.get("bits", quant.get("w_bit"))
+    if bits != 4:
+        refuse(f"bits={bits!r}")
+    if not quant.get("zero_point", True):
+        refuse("zero_point=False")
+    group = quant.get("group_size", quant.get("q_group_size", 128))
     if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
         refuse(f"group_size={group!r}")
 

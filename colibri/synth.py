@@ -10,14 +10,21 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from colibri.checkpoint import quantize_fp8, quantize_gptq, quantize_packed, write_safetensors
+from colibri.checkpoint import (
+    quantize_awq,
+    quantize_fp8,
+    quantize_gptq,
+    quantize_packed,
+    write_safetensors,
+)
 from colibri.config import FAMILIES
 
 # fp8: the linear layers' weights block-quantized to float8_e4m3fn with float32 scales, as in
 # DeepSeek-V3's checkpoints; int4 and int8: quantized to symmetric integers with a bfloat16
 # scale per group of columns and packed into int32 words (compressed-tensors' pack-quantized
 # W4A16 and W8A16); gptq4 and gptq8: GPTQ's layout (`quantize_gptq`, symmetric, float16
-# scales) with the rest float16; everything else (embeddings, norms, routers, lm_head) bf16.
+# scales), awq4: AutoAWQ's GEMM layout (`quantize_awq`, zero points), with the rest float16;
+# everything else (embeddings, norms, routers, lm_head) bf16.
 _DTYPES = {
     "f32": "F32",
     "bf16": "BF16",
@@ -27,10 +34,11 @@ _DTYPES = {
     "int8": "BF16",
     "gptq4": "F16",
     "gptq8": "F16",
+    "awq4": "F16",
 }
 _TORCH_DTYPES = {k: "bfloat16" for k in _DTYPES} | {
     "f32": "float32",
-    **{k: "float16" for k in ("f16", "gptq4", "gptq8")},
+    **{k: "float16" for k in ("f16", "gptq4", "gptq8", "awq4")},
 }
 _BITS = {"int4": 4, "int8": 8}
 _GPTQ_BITS = {"gptq4": 4, "gptq8": 8}
@@ -130,6 +138,8 @@ def hf_config(s: SynthSpec) -> dict:
         base["quantization_config"] = packed_quantization(_BITS[s.dtype], s.group)
     if s.dtype in _GPTQ_BITS:
         base["quantization_config"] = gptq_quantization(_GPTQ_BITS[s.dtype], s.group)
+    if s.dtype == "awq4":
+        base["quantization_config"] = awq_quantization(s.group)
     moe = {
         "qwen3_moe": dict(
             architectures=["Qwen3MoeForCausalLM"],
@@ -284,6 +294,20 @@ def add_gptq(
         add(f"{base}.{part}", arr, "F16" if part == "scales" else "I32")
 
 
+def awq_quantization(group: int) -> dict:
+    """The quantization_config of an AutoAWQ GEMM checkpoint whose linear layers hold 4-bit
+    weights with a scale and zero point per `group` columns (0: per row)."""
+    return dict(quant_method="awq", bits=4, group_size=group or -1, zero_point=True, version="gemm")
+
+
+def add_awq(add, name: str, w: np.ndarray, group: int) -> None:
+    """add(name, array, dtype) the three tensors of weight `name` AWQ-quantized
+    (`quantize_awq`)."""
+    base = name.removesuffix(".weight")
+    for part, arr in quantize_awq(w, group).items():
+        add(f"{base}.{part}", arr, "F16" if part == "scales" else "I32")
+
+
 def _groups(experts: int) -> int:
     return next(g for g in (8, 4, 2, 1) if experts % g == 0 and experts // g >= 2)
 
@@ -310,6 +334,8 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
             add_packed(writer.add, name, w, _BITS[spec.dtype], spec.group)
         elif spec.dtype in _GPTQ_BITS and fp8_linear(name):
             add_gptq(writer.add, name, w, _GPTQ_BITS[spec.dtype], spec.group)
+        elif spec.dtype == "awq4" and fp8_linear(name):
+            add_awq(writer.add, name, w, spec.group)
         else:
             writer.add(name, w)
     writer.close()

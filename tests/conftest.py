@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory):
     """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised);
     dtype "fp8": the float32 one with its linear layers block-quantized (8 x 8 blocks); "int4",
     "int8": pack-quantized (compressed-tensors, a scale per 8 columns); "gptq4", "gptq8": GPTQ
-    (symmetric, a scale per 8 columns)."""
+    (symmetric, a scale per 8 columns); "awq4": AWQ (zero points, a scale per 8 columns)."""
     built: dict[tuple[str, str], Path] = {}
 
     def get(family: str, dtype: str = "float32") -> Path:
@@ -42,6 +42,8 @@ def checkpoints(tmp_path_factory):
                 built[key] = tiny.to_packed(get(family), out, int(dtype[3:]), group=8)
             elif dtype in ("gptq4", "gptq8"):
                 built[key] = tiny.to_gptq(get(family), out, int(dtype[4:]), group=8)
+            elif dtype == "awq4":
+                built[key] = tiny.to_gptq(get(family), out, 4, group=8, fmt="awq")
             else:
                 built[key] = tiny.build(family, out, dtype=dtype)
         return built[key]

@@ -61,13 +61,17 @@ def test_synth_fp8_then_generate_with_experts_on_disk(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype, method",
-    [("int4", '"quant_method": "compressed-tensors"'), ("gptq4", '"quant_method": "gptq"')],
+    "dtype, method, held",
+    [
+        ("int4", "compressed-tensors", b"routed experts as int4 rows"),
+        ("gptq4", "gptq", b"routed experts as int4 rows"),
+        ("awq4", "awq", b"AWQ int4 weights dequantized to float32"),
+    ],
 )
-def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method):
-    """`colibri synth --dtype int4` writes a compressed-tensors W4A16 checkpoint (`gptq4`, a
-    GPTQ one) that `colibri generate` decodes resident and with its experts read from disk
-    (packed, a quarter of the bytes of bf16): the same text."""
+def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method, held):
+    """`colibri synth --dtype int4` writes a compressed-tensors W4A16 checkpoint (`gptq4` a
+    GPTQ one, `awq4` an AWQ one) that `colibri generate` decodes resident and with its experts
+    read from disk (packed, a quarter of the bytes of bf16): the same text."""
     out = tmp_path / dtype
     synth = [sys.executable, "-m", "colibri.cli", "synth", "--family", "qwen2_moe"]
     synth += ["--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64"]
@@ -75,11 +79,11 @@ def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method):
     r = subprocess.run([*synth, "--out", str(out)], capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr.decode()
     config = (out / "config.json").read_text()
-    assert method in config and '"group_size": 16' in config
+    assert f'"quant_method": "{method}"' in config and '"group_size": 16' in config
     args = ("--prompt", "def add", "--max-tokens", "10")
     resident = _generate(out, *args)
     tiered = _generate(out, *args, "--device-gb", "0.00005", "--ram-gb", "0.00003")
     assert resident.returncode == tiered.returncode == 0, tiered.stderr.decode()
     assert resident.stdout == tiered.stdout and len(resident.stdout) > 1
-    assert b"routed experts as int4 rows" in resident.stderr
+    assert held in resident.stderr
     assert b", 0 on disk" in resident.stderr and b"16 on disk" in tiered.stderr

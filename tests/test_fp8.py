@@ -98,7 +98,7 @@ def test_missing_or_misshapen_scales_name_the_tensors(tmp_path):
 @pytest.mark.parametrize(
     "quant, match",
     [
-        ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "fmt='e5m2'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
     ],

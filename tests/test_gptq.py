@@ -1,6 +1,7 @@
-"""GPTQ checkpoints (Qwen's "-GPTQ-Int4" releases, AutoGPTQ and GPTQModel output): read as
-float32 exactly as the layout GPTQ documents gives them, symmetric 4-bit ones held as int4 rows,
-against transformers on the same weights, with clear errors, on every tier."""
+"""GPTQ checkpoints (Qwen's "-GPTQ-Int4" releases, AutoGPTQ and GPTQModel output) and AutoAWQ's:
+read as float32 exactly as the layouts GPTQ and AWQ document give them, symmetric 4-bit GPTQ
+held as int4 rows, against transformers on the same weights, with clear errors, on every
+tier."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from colibri.checkpoint import (
     INT4_ROWS,
     Checkpoint,
     CheckpointError,
+    quantize_awq,
     quantize_gptq,
     write_safetensors,
 )
 from colibri.config import ConfigError, config_from_dict, load_config
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
-from colibri.synth import SynthSpec, gptq_quantization, hf_config, synthesize
+from colibri.synth import SynthSpec, awq_quantization, gptq_quantization, hf_config, synthesize
 
 
 def _write(tmp_path, weights: dict, quant: dict | None, scale_dtype="F16", where="config.json"):
@@ -169,6 +171,44 @@ def test_any_gptq_weight_reads_as_its_layout_gives_it(
     assert fits or not (sym and bits == 4 and not act_order)
 
 
+def test_awq_words_hold_outputs_in_its_interleaved_order(tmp_path):
+    """AutoAWQ's GEMM layout, from words written out by hand: qweight word [i, m] holds outputs
+    8m + 0, 2, 4, 6, 1, 3, 5, 7 of input i from the lowest four bits up; qzeros likewise."""
+    qweight = np.zeros((16, 1), np.uint32)  # 16 inputs, 8 outputs
+    qweight[0, 0], qweight[1, 0] = 0x76543210, 0xFEDCBA98
+    parts = {
+        "qweight": qweight.view(np.int32),
+        "qzeros": np.array([[0x00000001]], np.uint32).view(np.int32),  # output 0's zero: 1
+        "scales": np.full((1, 8), 0.25, np.float32),
+    }
+    want = np.zeros((8, 16), np.float32)
+    want[:, 0] = np.array([0, 4, 1, 5, 2, 6, 3, 7]) * 0.25
+    want[:, 1] = np.array([8, 12, 9, 13, 10, 14, 11, 15]) * 0.25
+    want[0] -= 0.25  # output 0's zero point
+    ck = _write(tmp_path, {"a.weight": parts}, awq_quantization(0))
+    t = ck.info("a.weight")
+    assert (t.dtype, t.shape) == ("AWQ4", (8, 16))
+    np.testing.assert_array_equal(ck.read("a.weight", (8, 16)), want)
+    np.testing.assert_array_equal(tiny.awq_weight(*parts.values(), 0), want)
+
+
+@pytest.mark.parametrize("group, scale_dtype", [(16, "F16"), (0, "F16"), (32, "BF16")], ids=str)
+def test_an_awq_weight_reads_as_its_layout_gives_it(tmp_path, group, scale_dtype):
+    rng = np.random.default_rng(group)
+    w = (rng.standard_normal((24, 64)) + rng.uniform(-1, 1, (24, 1))).astype(np.float32)
+    parts = quantize_awq(w, group)
+    assert parts["qweight"].shape == (64, 3) and "g_idx" not in parts
+    if scale_dtype == "BF16":
+        parts["scales"] = parts["scales"].astype(ml_dtypes.bfloat16).astype(np.float32)
+    ck = _write(tmp_path, {"a.weight": parts}, awq_quantization(group), scale_dtype)
+    got = ck.read("a.weight", (24, 64))
+    want = tiny.awq_weight(parts["qweight"], parts["qzeros"], parts["scales"], group)
+    np.testing.assert_array_equal(got, want)
+    err = np.abs(got - w).max(axis=1) / np.abs(w).max(axis=1)
+    assert 0 < err.max() < 2.0 / 2**4
+    assert ck.int4_group(ck.info("a.weight")) == 0  # zero points: dequantized at load
+
+
 def test_the_original_format_cannot_hold_a_zero_point_of_zero():
     w = np.abs(np.random.default_rng(0).standard_normal((8, 32))).astype(np.float32)
     with pytest.raises(ValueError, match="zero point of 0"):
@@ -229,8 +269,27 @@ def test_other_gptq_settings_are_refused_by_name(change, match):
         config_from_dict({**raw, "quantization_config": ok})
     with pytest.raises(ConfigError, match=match):
         config_from_dict({**raw, "quantization_config": {**gptq_quantization(4, 128), **change}})
-    with pytest.raises(ConfigError, match="quant_method='awq'"):
-        config_from_dict({**raw, "quantization_config": {"quant_method": "awq", "bits": 4}})
+    with pytest.raises(ConfigError, match="quant_method='bitsandbytes'"):
+        config_from_dict({**raw, "quantization_config": {"quant_method": "bitsandbytes"}})
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"version": "gemv"}, "version='gemv'"),
+        ({"version": "exllama"}, "version='exllama'"),
+        ({"bits": 8}, "bits=8"),
+        ({"zero_point": False}, "zero_point=False"),
+    ],
+    ids=str,
+)
+def test_other_awq_settings_are_refused_by_name(change, match):
+    raw = hf_config(SynthSpec())
+    legacy = {"quant_method": "awq", "w_bit": 4, "q_group_size": 128, "version": "GEMM"}
+    for ok in (awq_quantization(128), legacy):
+        config_from_dict({**raw, "quantization_config": ok})
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({**raw, "quantization_config": {**awq_quantization(128), **change}})
 
 
 def test_synth_gptq4_is_the_gptq_layout_and_matches_transformers(tmp_path):
@@ -276,11 +335,12 @@ def test_gptq_int4_rows_decode_what_dequantized_weights_do(tiered, checkpoints, 
     np.testing.assert_array_equal(dec4[:, :2], dec32[:, :2])
 
 
-def test_asymmetric_gptq_is_dequantized_and_placement_never_changes_it(tmp_path, checkpoints):
-    """Zero points away from the midpoint (sym false, the gptq_v2 layout): float32 at load,
-    and the experts read from disk and staged give bitwise the resident model's logits, which
-    match transformers on the same weights."""
-    d = tiny.to_gptq(checkpoints("qwen2_moe"), tmp_path / "asym", 4, 8, sym=False, fmt="gptq_v2")
+@pytest.mark.parametrize("fmt", ["gptq_v2", "awq"])
+def test_zero_points_are_dequantized_and_placement_never_changes_them(tmp_path, checkpoints, fmt):
+    """Zero points away from the midpoint (GPTQ with sym false in the gptq_v2 layout, AWQ):
+    float32 at load, and the experts read from disk and staged give bitwise the resident
+    model's logits, which match transformers on the same weights."""
+    d = tiny.to_gptq(checkpoints("qwen2_moe"), tmp_path / fmt, 4, 8, sym=False, fmt=fmt)
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
     got = []
     for tiered in (False, True):

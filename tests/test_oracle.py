@@ -21,8 +21,9 @@ PROMPT = "def add(a, b): The quick brown fox, naïve café 🐦"
 # fp8: linear layers block-quantized (DeepSeek-V3's layout), against transformers' dequantized
 # float32 weights (its CPU path); the fp8 weights move logits by ~1-4 from the float32 ones.
 # int4: pack-quantized (compressed-tensors W4A16), against transformers on the weights as
-# compressed-tensors decompresses them. gptq4: GPTQ (Qwen's "-GPTQ-Int4" layout), against
-# transformers on the weights as the GPTQ layout gives them (tiny.gptq_weight).
+# compressed-tensors decompresses them. gptq4: GPTQ (Qwen's "-GPTQ-Int4" layout), awq4: AutoAWQ
+# (zero points), against transformers on the weights as the layouts give them (tiny.gptq_weight,
+# tiny.awq_weight).
 EXTRA = [
     ("qwen3_moe", "bfloat16"),
     ("deepseek_v3", "fp8"),
@@ -30,6 +31,7 @@ EXTRA = [
     ("deepseek_v3", "int4"),
     ("mixtral", "int4"),
     ("qwen2_moe", "gptq4"),
+    ("mixtral", "awq4"),
 ]
 
 

@@ -188,13 +188,14 @@ def to_packed(src: Path, out: Path, bits: int, group: int) -> Path:
 def to_gptq(src: Path, out: Path, bits: int, group: int, sym: bool = True, fmt: str = "gptq"):
     """A copy of checkpoint `src` as GPTQ releases store it: every linear layer's weight
     GPTQ-quantized (`bits`, a float16 scale and a zero point per `group` columns; qweight,
-    qzeros, scales, g_idx), the rest as it was."""
+    qzeros, scales, g_idx), the rest as it was; fmt "awq": as AutoAWQ's GEMM releases store it
+    (4 bits, zero points; qweight, qzeros, scales)."""
     import shutil
 
     from safetensors.numpy import load_file
 
     from colibri.checkpoint import write_safetensors
-    from colibri.synth import add_gptq, fp8_linear, gptq_quantization
+    from colibri.synth import add_awq, add_gptq, awq_quantization, fp8_linear, gptq_quantization
 
     out.mkdir(parents=True, exist_ok=True)
     tensors, kinds = {}, {}
@@ -203,13 +204,16 @@ def to_gptq(src: Path, out: Path, bits: int, group: int, sym: bool = True, fmt: 
         tensors[name], kinds[name] = arr, kind
 
     for name, w in load_file(src / "model.safetensors").items():
-        if fp8_linear(name):
+        if fp8_linear(name) and fmt == "awq":
+            add_awq(add, name, w, group)
+        elif fp8_linear(name):
             add_gptq(add, name, w, bits, group, sym, fmt)
         else:
             tensors[name] = w
     write_safetensors(out / "model.safetensors", tensors, "F32", kinds)
     cfg = saved_config(src)
-    cfg["quantization_config"] = gptq_quantization(bits, group, sym, fmt)
+    awq = awq_quantization(group)
+    cfg["quantization_config"] = awq if fmt == "awq" else gptq_quantization(bits, group, sym, fmt)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in ("generation_config.json", "tokenizer.json"):
         if (src / name).exists():
@@ -235,6 +239,23 @@ def gptq_weight(qweight, qzeros, scales, g_idx, bits: int, fmt: str = "gptq") ->
     g = np.asarray(g_idx).astype(np.int64)
     s = np.asarray(scales, np.float32)
     return ((q - z[g]).astype(np.float32) * s[g]).T.copy()
+
+
+def awq_weight(qweight, qzeros, scales, group: int) -> np.ndarray:
+    """The float32 matrix [O, I] an AutoAWQ GEMM weight stands for, from the layout as AWQ
+    documents it: qweight [I, O / 8] holds output 8 m + [0, 2, 4, 6, 1, 3, 5, 7][k] of input i
+    in bits [4 k, 4 k + 4) of word [i, m]; qzeros [groups, O / 8] likewise each group's zero
+    points; W^T[i, o] = (q[i, o] - zero[i // group, o]) * scales[i // group, o]."""
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+    words = np.asarray(qweight).astype(np.int64) & 0xFFFFFFFF
+    zwords = np.asarray(qzeros).astype(np.int64) & 0xFFFFFFFF
+    q = np.zeros((words.shape[0], words.shape[1] * 8), np.int64)
+    z = np.zeros((zwords.shape[0], zwords.shape[1] * 8), np.int64)
+    for k in range(8):
+        q[:, order[k] :: 8] = (words >> (4 * k)) & 15
+        z[:, order[k] :: 8] = (zwords >> (4 * k)) & 15
+    g = np.arange(q.shape[0]) // (group if group > 0 else q.shape[0])
+    return ((q - z[g]).astype(np.float32) * np.asarray(scales, np.float32)[g]).T.copy()
 
 
 def decompressed(model_dir: Path) -> Path:
@@ -277,9 +298,9 @@ def decompressed(model_dir: Path) -> Path:
 
 
 def gptq_dequantized(model_dir: Path) -> Path:
-    """A float32 copy of a GPTQ checkpoint, each weight as `gptq_weight` gives it (transformers
-    reads GPTQ through GPTQModel's kernels, which this CPU-only machine does not build): the
-    oracle's view of that checkpoint."""
+    """A float32 copy of a GPTQ (AWQ) checkpoint, each weight as `gptq_weight` (`awq_weight`)
+    gives it (transformers reads GPTQ and AWQ through GPTQModel's kernels, which this CPU-only
+    machine does not build): the oracle's view of that checkpoint."""
     from safetensors.numpy import load_file, save_file
 
     out = model_dir.parent / f"{model_dir.name}-dequantized"
@@ -294,7 +315,10 @@ def gptq_dequantized(model_dir: Path) -> Path:
     fmt = quant.get("checkpoint_format", "gptq")
     for name, t in tensors.items():
         base = name.removesuffix(".qweight")
-        if name.endswith(".qweight"):
+        if name.endswith(".qweight") and quant["quant_method"] == "awq":
+            parts = [tensors[f"{base}.{p}"] for p in ("qzeros", "scales")]
+            dense[f"{base}.weight"] = awq_weight(t, *parts, quant["group_size"])
+        elif name.endswith(".qweight"):
             parts = [tensors[f"{base}.{p}"] for p in ("qzeros", "scales", "g_idx")]
             dense[f"{base}.weight"] = gptq_weight(t, *parts, quant["bits"], fmt)
         elif not name.endswith((".qzeros", ".scales", ".g_idx")):
@@ -366,7 +390,7 @@ def hf_model(model_dir: Path):
     quant = saved_config(model_dir).get("quantization_config") or {}
     if quant.get("quant_method") == "compressed-tensors":
         model_dir = decompressed(model_dir)
-    if quant.get("quant_method") == "gptq":
+    if quant.get("quant_method") in ("gptq", "awq"):
         model_dir = gptq_dequantized(model_dir)
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     m.eval()

@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, GPTQ_BITS, INT4_ROWS, PACKED_BITS, Checkpoint
+from colibri.checkpoint import FP8_ROWS, INT4_ROWS, PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -75,7 +75,7 @@ def load_model(
         how += ", routed experts as int4 rows"
     elif packed:
         bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
-        kind = "GPTQ" if any(k in GPTQ_BITS for k in packed) else "pack-quantized"
+        kind = {"PACK": "pack-quantized", "GPTQ": "GPTQ", "AWQ": "AWQ"}[packed[0].rstrip("48")]
         how += f", {kind} {bits} weights dequantized to float32"
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
