@@ -70,6 +70,11 @@ FP8_ROWS = np.dtype("u1")
 # nibble), then its L / g float32 group scales (`GroupScales.pack`). int8, not FP8's uint8:
 # the held dtype names the layout.
 INT4_ROWS = np.dtype("i1")
+# How it holds int4 weights with zero points (GPTQ's asymmetric ones, AWQ's): as uint32 words,
+# each row its L values eight a word (the first in the lowest bits), then its L / g float32
+# group scales s, then as many offsets -z s (z the group's zero point; exact, checked), so
+# that a weight is fma(q, s, -z s) = (q - z) s rounded once (`GroupScales.pack`).
+INT4Z_ROWS = np.dtype("<u4")
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
 # bytes are the `weight_packed` int32 words, or GPTQ's `qweight` words, which hold columns of
 # the matrix rather than rows), and the bits of each value.
@@ -188,9 +193,13 @@ class GroupScales:
 
     def _row_words(self, raw: np.ndarray) -> np.ndarray:
         """The packed words [rows, cols * bits / 32] of whole rows, a view (GPTQ's words
-        transposed: each holds the same values in the same order either way)."""
+        transposed: each holds the same values in the same order either way; AWQ's unpacked
+        and packed again, row by row)."""
         words = raw.view("<u4")
         rows = self.scales.shape[0]
+        if self.layout == "awq":
+            codes = (self._awq_values(raw) + 8).astype(np.uint32).reshape(rows, -1, 8)
+            return (codes << np.arange(0, 32, 4, dtype=np.uint32)).sum(2, np.uint32)
         return words.reshape(-1, rows).T if self.layout == "gptq" else words.reshape(rows, -1)
 
     def _awq_values(self, raw: np.ndarray) -> np.ndarray:
@@ -201,27 +210,53 @@ class GroupScales:
             codes[:, :, row] = (words >> np.uint32(4 * k)) & np.uint32(15)
         return UNPACK4[codes.reshape(self.cols, -1).T, 0]
 
-    def pack(self, raw: np.ndarray) -> np.ndarray:
-        """INT4_ROWS of packed four-bit bytes (flat, whole rows): each row's bytes as stored,
-        then the float32 scales of its groups, in a new flat array. Needs `rows_fit`."""
-        if not self.rows_fit:
+    def pack(self, raw: np.ndarray, held: np.dtype = INT4_ROWS) -> np.ndarray:
+        """Packed four-bit values (flat, whole rows) as INT4_ROWS: each row's values as words,
+        then the float32 scales of its groups, in a new flat array (needs `rows_fit`); or as
+        INT4Z_ROWS: then the groups' offsets -zero x scale too (needs `zrows_fit`)."""
+        zero_points = np.dtype(held) == INT4Z_ROWS
+        if not (self.zrows_fit if zero_points else self.rows_fit):
             raise CheckpointError(
-                "int4 rows need symmetric 4-bit values in consecutive groups of a multiple of 8"
-                f" columns (these: {self.bits}-bit, groups of {self.size or 'g_idx'}"
+                f"int4 rows need 4-bit values in consecutive groups of a multiple of 8 columns"
+                f"{', exact offsets' if zero_points else ' and no zero points'} (these:"
+                f" {self.bits}-bit, groups of {self.size or 'g_idx'}"
                 f"{', with zero points' if self.zeros is not None else ''})"
             )
         words = self._row_words(raw)  # whole words a row: cols % 8 == 0
-        out = np.empty((words.shape[0], words.shape[1] + self.scales.shape[1]), "<u4")
-        out[:, : words.shape[1]] = words
-        out[:, words.shape[1] :] = self.scales.view("<u4")
+        n, g = words.shape[1], self.scales.shape[1]
+        out = np.empty((words.shape[0], n + g * (2 if zero_points else 1)), "<u4")
+        out[:, :n] = words
+        out[:, n : n + g] = self.scales.view("<u4")
+        if zero_points:
+            out[:, n + g :] = self._offsets().view("<u4")
+            return out
         return out.reshape(-1).view(INT4_ROWS)
+
+    def _offsets(self) -> np.ndarray:
+        """Each group's -zero point x scale, float32 [rows, groups]."""
+        zero = np.float32(2 ** (self.bits - 1))
+        return -(self.scales * (zero if self.zeros is None else self.zeros + zero))
 
     @property
     def rows_fit(self) -> bool:
         """Whether these rows can be held as INT4_ROWS (the kernels widen eight values of one
         group at a time)."""
-        fit = self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
-        return fit and self.zeros is None and self.layout != "awq"
+        return self._fits and self.zeros is None
+
+    @property
+    def zrows_fit(self) -> bool:
+        """Whether these rows can be held as INT4Z_ROWS: as for `rows_fit`, with any zero
+        points whose products with the scales are exact in float32 (always, for float16 and
+        bfloat16 scales)."""
+        if not self._fits:
+            return False
+        zero = np.float64(2 ** (self.bits - 1))
+        z = zero if self.zeros is None else self.zeros.astype(np.float64) + zero
+        return bool(np.all(self._offsets().astype(np.float64) == -(self.scales * z)))
+
+    @property
+    def _fits(self) -> bool:
+        return self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
 
 
 Scales = Fp8Scales | GroupScales
@@ -234,14 +269,16 @@ def to_held(
     survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
     weights dequantized with their `scales` to float32, or held as FP8_ROWS with them;
     pack-quantized weights likewise, to float32 or as INT4_ROWS."""
-    if dtype in PACKED_BITS or np.dtype(held) == INT4_ROWS:
+    if dtype in PACKED_BITS or np.dtype(held) in (INT4_ROWS, INT4Z_ROWS):
         ok = dtype in PACKED_BITS and isinstance(scales, GroupScales)
-        if not ok or np.dtype(held) not in (np.float32, INT4_ROWS):
+        if not ok or np.dtype(held) not in (np.float32, INT4_ROWS, INT4Z_ROWS):
             raise CheckpointError(
                 f"a {dtype} tensor cannot be held as {np.dtype(held)} (pack-quantized weights:"
                 " float32 or int4 rows, with their group scales)"
             )
-        return scales.pack(raw) if np.dtype(held) == INT4_ROWS else scales.dequantize(raw)
+        if np.dtype(held) == np.float32:
+            return scales.dequantize(raw)
+        return scales.pack(raw, held).reshape(-1)
     if np.dtype(held) == BF16_BITS:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
@@ -381,7 +418,7 @@ class Checkpoint:
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
         out = to_held(self.read_raw(name), t.dtype, held, self.scales(t))
-        rows = np.dtype(held) in (FP8_ROWS, INT4_ROWS)
+        rows = np.dtype(held) in (FP8_ROWS, INT4_ROWS, INT4Z_ROWS)
         return out.reshape(t.shape[0], -1) if rows else out.reshape(t.shape)
 
     def read_part(
@@ -498,14 +535,21 @@ class Checkpoint:
         zeros = None if not zeros.any() else zeros
         return GroupScales(scales, group, bits, cols, size, zeros, layout)
 
-    def int4_group(self, t: TensorInfo) -> int:
-        """The columns a scale of weight `t` covers when it can be held as INT4_ROWS
-        (`GroupScales.rows_fit`), else 0."""
+    def int4_fit(self, t: TensorInfo) -> tuple[int, bool]:
+        """(the columns a scale of weight `t` covers, whether it has zero points) when it can
+        be held as int4 rows (INT4_ROWS, or INT4Z_ROWS with zero points: `GroupScales`), else
+        (0, False)."""
         if PACKED_BITS.get(t.dtype) != 4:
-            return 0
+            return 0, False
         first_row = t.shape[-1] // 2 if t.dtype not in GPTQ_BITS else t.nbytes  # GPTQ: whole
-        scales = self.scales(t, 0, first_row)
-        return scales.size if scales.rows_fit else 0
+        scales = self.scales(t, 0, first_row)  # a compressed-tensors weight's: no zero points
+        if scales.rows_fit:
+            return scales.size, False
+        return (scales.size, True) if scales.zrows_fit else (0, False)
+
+    def int4_group(self, t: TensorInfo) -> int:
+        """The columns a scale of weight `t` covers when it can be held as int4 rows, else 0."""
+        return self.int4_fit(t)[0]
 
     def _column_groups(self, t: TensorInfo, groups: int) -> tuple[np.ndarray, int]:
         """Each column's group: the weight's g_idx where the checkpoint has one (activation

@@ -14,6 +14,7 @@ from colibri.checkpoint import (
     BF16_BITS,
     FP8_ROWS,
     INT4_ROWS,
+    INT4Z_ROWS,
     Checkpoint,
     CheckpointError,
     TensorInfo,
@@ -101,10 +102,10 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
     float32) when it stores every one block-quantized in float8_e4m3fn with whole column
     blocks of a multiple of 8, unless `COLIBRI_FP8=0`; as int4 rows (INT4_ROWS: about an
-    eighth) when it stores every one pack-quantized (or GPTQ-quantized, symmetric) in four
-    bits with one group width for gate and up and one for down (`expert_groups`), unless
-    `COLIBRI_INT4=0`; else as float32 (other pack-quantized experts are dequantized as they
-    are read)."""
+    eighth) when it stores every one pack-quantized (or GPTQ- or AWQ-quantized) in four bits
+    with one group width for gate and up and one for down (`expert_groups`), unless
+    `COLIBRI_INT4=0`, as INT4Z_ROWS (with each group's offset) if any has zero points; else as
+    float32 (other pack-quantized experts are dequantized as they are read)."""
     parts = [
         t
         for layer in cfg.moe_layer_ids
@@ -117,18 +118,25 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
     if dtypes == {"F8_E4M3"} and fit and holds_fp8():
         return FP8_ROWS
-    int4 = dtypes in ({"PACK4"}, {"GPTQ4"})
-    if int4 and holds_int4() and all(expert_groups(ckpt, parts)):
-        return INT4_ROWS
+    if dtypes in ({"PACK4"}, {"GPTQ4"}, {"AWQ4"}) and holds_int4():
+        fits = {t: ckpt.int4_fit(t) for t in dict.fromkeys(parts)}  # each matrix's scales once
+        if all(expert_groups(ckpt, parts, fits)):
+            return INT4Z_ROWS if any(z for _, z in fits.values()) else INT4_ROWS
     return np.dtype(np.float32)
 
 
-def expert_groups(ckpt: Checkpoint, parts: list[TensorInfo]) -> tuple[int, int]:
-    """The group widths of int4 experts' rows as INT4_ROWS holds them: (gate and up, down),
-    each 0 unless every such matrix among `parts` (gate, up, down, gate, ...) fits the one."""
+def expert_groups(
+    ckpt: Checkpoint, parts: list[TensorInfo], fits: dict | None = None
+) -> tuple[int, int]:
+    """The group widths of int4 experts' rows as INT4_ROWS (INT4Z_ROWS) holds them: (gate and
+    up, down), each 0 unless every such matrix among `parts` (gate, up, down, gate, ...) fits
+    the one (`fits`: their `Checkpoint.int4_fit`s where already found)."""
+    fits = fits or {}
     found = []
     for which in (slice(0, None, 3), slice(1, None, 3), slice(2, None, 3)):
-        widths = {ckpt.int4_group(t) for t in dict.fromkeys(parts[which])}
+        widths = {
+            fits[t][0] if t in fits else ckpt.int4_group(t) for t in dict.fromkeys(parts[which])
+        }
         found.append(widths.pop() if len(widths) == 1 else 0)
     gate, up, down = found
     return (gate if gate == up else 0), down
@@ -139,7 +147,7 @@ def row_blocks(ckpt: Checkpoint, cfg: ModelConfig, held: np.dtype) -> tuple[int,
     weights (gate, up) and of F (down); (0, 0) for float32 and bfloat16."""
     if np.dtype(held) == FP8_ROWS:
         return ckpt.fp8_block[1], ckpt.fp8_block[1]
-    if np.dtype(held) == INT4_ROWS:
+    if np.dtype(held) in (INT4_ROWS, INT4Z_ROWS):
         layer = cfg.moe_layer_ids[0]
         return expert_groups(ckpt, [t for t, _, _ in expert_slab(ckpt, cfg, layer, 0).parts])
     return 0, 0
@@ -171,11 +179,14 @@ def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
 
 def held_cols(n: int, held: np.dtype, block: int) -> int:
     """Elements a matrix row of n weights takes held as `held`: n, for FP8_ROWS n values and
-    n / block float32 scales, for INT4_ROWS n / 2 bytes of values and n / block scales."""
-    if np.dtype(held) not in (FP8_ROWS, INT4_ROWS):
+    n / block float32 scales, for INT4_ROWS n / 2 bytes of values and n / block scales, for
+    INT4Z_ROWS n / 8 words of values and n / block scales and offsets."""
+    if np.dtype(held) not in (FP8_ROWS, INT4_ROWS, INT4Z_ROWS):
         return n
     if block <= 0:
         raise CheckpointError(f"rows of {n} weights held as {np.dtype(held)} need scale blocks")
+    if np.dtype(held) == INT4Z_ROWS:
+        return n // 8 + 2 * (n // block)
     return (n if np.dtype(held) == FP8_ROWS else n // 2) + 4 * (n // block)
 
 
@@ -237,8 +248,8 @@ _QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
 
 class _Matrices:
     """The checkpoint as load_dense reads it: FP8 matrices as FP8 rows where they fit (when
-    `fp8`), int4 ones as int4 rows where they fit (when `int4`), everything else as
-    float32."""
+    `fp8`), int4 ones as int4 rows where they fit (when `int4`; with zero points, INT4Z_ROWS),
+    everything else as float32."""
 
     def __init__(self, ckpt: Checkpoint, fp8: bool, int4: bool):
         self._ckpt, self._fp8, self._int4 = ckpt, fp8, int4
@@ -252,8 +263,10 @@ class _Matrices:
             t = self._ckpt.info(name)
             if self._fp8 and t.dtype == "F8_E4M3" and fp8_rows_fit(self._ckpt, shape[1]):
                 held = FP8_ROWS
-            elif self._int4 and t.shape == tuple(shape) and self._ckpt.int4_group(t):
-                held = INT4_ROWS
+            elif self._int4 and t.shape == tuple(shape):
+                group, zero_points = self._ckpt.int4_fit(t)
+                if group:
+                    held = INT4Z_ROWS if zero_points else INT4_ROWS
         return self._ckpt.read(name, shape, held)
 
 

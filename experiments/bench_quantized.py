@@ -1,4 +1,4 @@
-"""python experiments/bench_quantized.py [--format fp8|int4] [--shapes qwen3_moe,olmoe]
+"""python experiments/bench_quantized.py [--format fp8|int4|awq4] [--shapes qwen3_moe,olmoe]
                                      [--level kernel,engine] [--passes N]
 
 What holding a quantized checkpoint's routed experts in their quantized form buys against the
@@ -9,7 +9,10 @@ benchmark's shapes (experiments/bench_peers.py):
   scales), against COLIBRI_FP8=0;
 - --format int4: pack-quantized int4 (compressed-tensors' W4A16, a bfloat16 scale per 128
   columns), held as int4 rows (each row's four-bit values two a byte and its float32 group
-  scales), against COLIBRI_INT4=0.
+  scales), against COLIBRI_INT4=0;
+- --format awq4: AutoAWQ's int4 with zero points (a float16 scale and a zero point per 128
+  columns), held as int4 rows with zero points (values eight a word, then the group scales
+  and offsets), against COLIBRI_INT4=0.
 The CPU kernel widens and scales the quantized rows exactly as it loads them.
 
 --level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
@@ -23,7 +26,7 @@ conversations at a time, --passes (default 2) x 24 bursts each; tokens must agre
 
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
-experiments/results/fp8.md (int4.md) and .json.
+experiments/results/fp8.md (int4.md, awq4.md) and .json.
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ from colibri import kernels  # noqa: E402
 from colibri.checkpoint import (  # noqa: E402
     FP8_ROWS,
     INT4_ROWS,
+    INT4Z_ROWS,
     Fp8Scales,
     GroupScales,
+    integer_grid,
     quantize_fp8,
     quantize_packed,
 )
@@ -84,6 +89,20 @@ def int4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(rows), np.stack(wide)
 
 
+def awq4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [S, R, C] quantized one by one with zero points, as AWQ's: (int4 rows with
+    zero points, the float32 they stand for)."""
+    rows, wide = [], []
+    for w in np.asarray(a, np.float32):
+        q, zero, scale, _ = integer_grid(w, 4, GROUP, sym=False)
+        u, C = q.astype(np.uint8), w.shape[1]
+        raw = np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1)
+        scales = GroupScales(scale, np.arange(C) // GROUP, 4, C, GROUP, zero - 8)
+        rows.append(scales.pack(raw, INT4Z_ROWS))
+        wide.append(scales.dequantize(raw).reshape(w.shape))
+    return np.stack(rows), np.stack(wide)
+
+
 # Per format: the held rows, the switch that dequantizes at load instead, how random experts
 # are quantized, the synth changes, the scale block widths, and what the report says of it.
 FORMATS = {
@@ -107,6 +126,15 @@ FORMATS = {
         "at the engine level also with only the routed experts as int4 rows "
         "(COLIBRI_INT4=experts: attention dequantized at load).",
         modes={"int4, dense float32": "experts"},
+    ),
+    "awq4": dict(
+        held=INT4Z_ROWS,
+        env="COLIBRI_INT4",
+        pair=awq4_pair,
+        synth=dict(group=GROUP),
+        blocks=(GROUP, GROUP),
+        title="AWQ int4 experts held as int4 rows with zero points or dequantized to float32",
+        note=f"AutoAWQ GEMM int4, a float16 scale and a zero point per {GROUP} columns.",
     ),
 }
 
@@ -154,7 +182,8 @@ def main() -> None:
     for name in args.shapes.split(","):
         cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
         layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
-        quantized = sum(r * c for r, c in expert_shapes(cfg, f["held"], f["blocks"]).values())
+        shapes = expert_shapes(cfg, f["held"], f["blocks"]).values()
+        quantized = sum(r * c for r, c in shapes) * np.dtype(f["held"]).itemsize
         held_bytes = {
             "float32": 4 * sum(r * c for r, c in expert_shapes(cfg, np.float32).values()),
             fmt: quantized,

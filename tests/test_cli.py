@@ -65,7 +65,7 @@ def test_synth_fp8_then_generate_with_experts_on_disk(tmp_path):
     [
         ("int4", "compressed-tensors", b"routed experts as int4 rows"),
         ("gptq4", "gptq", b"routed experts as int4 rows"),
-        ("awq4", "awq", b"AWQ int4 weights dequantized to float32"),
+        ("awq4", "awq", b"routed experts as int4 rows with zero points"),
     ],
 )
 def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method, held):

@@ -7,6 +7,8 @@ of which other rows share the call.
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +19,10 @@ from hypothesis import strategies as st
 from colibri import kernels
 from colibri.checkpoint import (
     INT4_ROWS,
+    INT4Z_ROWS,
     Checkpoint,
     Fp8Scales,
+    quantize_awq,
     quantize_fp8,
     quantize_packed,
     to_f32,
@@ -26,6 +30,7 @@ from colibri.checkpoint import (
 )
 from colibri.model.layers import widen_rows
 from colibri.model.moe import expert_outputs, expert_plan
+from colibri.synth import awq_quantization
 
 D, F = 8, 4
 PLANS = [(False, None), (False, (1, 1)), (False, (2, 1)), (False, (3, 2)), (False, (8, 4))]
@@ -259,21 +264,31 @@ def test_the_native_kernel_refuses_rows_that_are_not_fp8_rows():
         kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()
 
 
-def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path):
-    """Random experts pack-quantized to int4 (a bfloat16 scale per `group` columns) and read
-    back through a checkpoint: (int4 rows [S, R, C / 2 + 4 C / group] as the engine holds them,
-    the float32 [S, R, C] they dequantize to)."""
+def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, awq: bool = False):
+    """Random experts pack-quantized to int4 (a bfloat16 scale per `group` columns; `awq`:
+    AWQ's, with zero points and float16 scales) and read back through a checkpoint: (int4 rows
+    [S, R, C / 2 + 4 C / group] as the engine holds them, INT4Z_ROWS [S, R, C / 8 + 2 C / group]
+    for AWQ, the float32 [S, R, C] they dequantize to)."""
     S, R, C = shape
     tensors, kinds = {}, {}
     for e in range(S):
         w = rng.standard_normal((R, C)).astype(np.float32) * np.float32(2.0 ** rng.integers(-9, 9))
+        if awq:
+            for part, arr in quantize_awq(w + w.std() * rng.uniform(-2, 2, (R, 1)), group).items():
+                tensors[f"e{e}.{part}"] = arr
+                kinds[f"e{e}.{part}"] = "F16" if part == "scales" else "I32"
+            continue
         packed, scale, dims = quantize_packed(w, 4, group)
         for part, arr, kind in (("packed", packed, "I32"), ("scale", scale, "BF16")):
             tensors[f"e{e}.weight_{part}"], kinds[f"e{e}.weight_{part}"] = arr, kind
         tensors[f"e{e}.weight_shape"], kinds[f"e{e}.weight_shape"] = dims, "I64"
     write_safetensors(tmp_path / "model.safetensors", tensors, "F32", kinds)
+    if awq:
+        config = {"quantization_config": awq_quantization(group)}
+        (tmp_path / "config.json").write_text(json.dumps(config))
     ck = Checkpoint(tmp_path)
-    rows = [ck.read(f"e{e}.weight", (R, C), INT4_ROWS) for e in range(S)]
+    held = INT4Z_ROWS if awq else INT4_ROWS
+    rows = [ck.read(f"e{e}.weight", (R, C), held) for e in range(S)]
     wide = [ck.read(f"e{e}.weight", (R, C)) for e in range(S)]
     return np.stack(rows), np.stack(wide)
 
@@ -285,22 +300,29 @@ def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path):
     kf=st.integers(1, 3),
     rows=st.integers(1, 16),
     plan=st.sampled_from([p for native, p in PLANS if not native]),
+    awq=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_int4_rows_compute_bitwise_what_the_dequantized_weights_do(
-    tmp_path_factory, group, kd, kf, rows, plan, seed
+    tmp_path_factory, group, kd, kf, rows, plan, awq, seed
 ):
     """Experts held as int4 rows (each row's four-bit values two a byte, then its group
-    scales) give in the native kernel bitwise the outputs of the dequantized float32 weights
-    (out-of-range ids included); in XLA's loops (`plan`) the same to float32 rounding, and the
-    widened rows are exactly the dequantized weights."""
+    scales; AWQ's with zero points: words of values, scales, offsets) give in the native
+    kernel bitwise the outputs of the dequantized float32 weights (out-of-range ids included);
+    in XLA's loops (`plan`) the same to float32 rounding, and the widened rows are exactly the
+    dequantized weights."""
     rng = np.random.default_rng(seed)
     S, K, dim, ff = 5, 3, group * kd, group * kf
     shapes = {"gate": (S, ff, dim), "up": (S, ff, dim), "down": (S, dim, ff)}
     packed, wide = {}, {}
     for k, shape in shapes.items():
-        packed[k], wide[k] = int4_rows(rng, shape, group, tmp_path_factory.mktemp(k))
-    assert packed["gate"].shape == (S, ff, dim // 2 + 4 * kd) and packed["gate"].dtype == np.int8
+        packed[k], wide[k] = int4_rows(rng, shape, group, tmp_path_factory.mktemp(k), awq)
+    if awq:
+        assert packed["gate"].shape == (S, ff, dim // 8 + 2 * kd)
+        assert packed["gate"].dtype == np.uint32
+    else:
+        assert packed["gate"].shape == (S, ff, dim // 2 + 4 * kd)
+        assert packed["gate"].dtype == np.int8
     np.testing.assert_array_equal(
         np.asarray(widen_rows(jnp.asarray(packed["down"]), ff)), wide["down"]
     )

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from colibri.checkpoint import (
     INT4_ROWS,
+    INT4Z_ROWS,
     Checkpoint,
     CheckpointError,
     quantize_awq,
@@ -45,6 +46,30 @@ def _write(tmp_path, weights: dict, quant: dict | None, scale_dtype="F16", where
         (tmp_path / where).write_text(json.dumps(quant))
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return Checkpoint(tmp_path)
+
+
+def _int4_rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, bool]:
+    """Where weight `name` fits int4 rows (`int4_fit`): its rows as held (INT4_ROWS, or with
+    zero points INT4Z_ROWS) decoded here, value by value, are `want` bitwise. Returns the fit."""
+    group, zero_points = ck.int4_fit(ck.info(name))
+    if not group:
+        return group, zero_points
+    rows, cols = want.shape
+    held = ck.read(name, held=INT4Z_ROWS if zero_points else INT4_ROWS)
+    if zero_points:
+        words, g = held[:, : cols // 8], cols // group
+        q = (words[:, :, None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 15
+        scales = held[:, cols // 8 : cols // 8 + g].copy().view("<f4").astype(np.float64)
+        offsets = held[:, cols // 8 + g :].copy().view("<f4").astype(np.float64)
+        # fma(q, s, -z s): the exact q s - z s, rounded once to float32.
+        wide = q.reshape(rows, cols) * np.repeat(scales, group, 1) + np.repeat(offsets, group, 1)
+        np.testing.assert_array_equal(wide.astype(np.float32), want)
+    else:
+        nibbles = held[:, : cols // 2].view(np.uint8)
+        q = np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols) - 8.0
+        scales = held[:, cols // 2 :].copy().view("<f4")
+        np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, 1), want)
+    return group, zero_points
 
 
 def test_words_hold_input_columns_from_the_lowest_bits(tmp_path):
@@ -106,18 +131,12 @@ def test_a_weight_reads_as_the_gptq_layout_gives_it(
     np.testing.assert_array_equal(got, want)
     err = np.abs(got - w).max(axis=1) / np.abs(w).max(axis=1)
     assert 0 < err.max() < 2.0 / 2**bits  # a step of the row's widest group, or so
-    # Symmetric 4-bit weights in consecutive groups of a multiple of 8 are int4 rows:
-    # the compressed-tensors integers with the words transposed; others stay float32.
-    fits = bits == 4 and sym and not act_order
-    assert ck.int4_group(t) == ((group or 96) if fits else 0)
-    if fits:
-        rows = ck.read("a.weight", held=INT4_ROWS)
-        g = group or 96
-        assert rows.shape == (40, 48 + 4 * (96 // g))
-        nibbles = rows[:, :48].view(np.uint8)
-        q = np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(40, 96).astype(np.float32)
-        scales = rows[:, 48:].copy().view("<f4")
-        np.testing.assert_array_equal((q - 8) * np.repeat(scales, g, axis=1), got)
+    # 4-bit weights in consecutive groups of a multiple of 8 are int4 rows: symmetric ones the
+    # compressed-tensors integers with the words transposed, others with their zero points;
+    # activation order and 8 bits stay float32.
+    fits = bits == 4 and not act_order
+    fit = _int4_rows_widen_to(ck, "a.weight", got)
+    assert fit == (((group or 96), not sym) if fits else (0, False))
     with pytest.raises(CheckpointError, match=r"'a.weight' is read whole .*'a.qweight'"):
         ck.read_part(t, 0, 48)
 
@@ -157,18 +176,13 @@ def test_any_gptq_weight_reads_as_its_layout_gives_it(
         *(parts[k] for k in ("qweight", "qzeros", "scales", "g_idx")), bits, fmt
     )
     np.testing.assert_array_equal(got, want)
-    group = ck.int4_group(ck.info("a.weight"))
-    if group:
-        held = ck.read("a.weight", held=INT4_ROWS)
-        nibbles = held[:, : cols // 2].view(np.uint8)
-        q = np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols) - 8.0
-        scales = held[:, cols // 2 :].copy().view("<f4")
-        np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, 1), got)
+    group, zero_points = _int4_rows_widen_to(ck, "a.weight", got)
     midpoints = 0x88888888 if v2 else 0x77777777  # every 4-bit zero point 8 (stored as 7)
     consecutive = np.array_equal(parts["g_idx"], np.arange(cols) // size)
-    fits = bits == 4 and (parts["qzeros"].view(np.uint32) == midpoints).all() and consecutive
+    fits = bits == 4 and consecutive
     assert group == (size if fits else 0)
-    assert fits or not (sym and bits == 4 and not act_order)
+    assert zero_points == (fits and not (parts["qzeros"].view(np.uint32) == midpoints).all())
+    assert fits or act_order or bits == 8
 
 
 def test_awq_words_hold_outputs_in_its_interleaved_order(tmp_path):
@@ -206,7 +220,7 @@ def test_an_awq_weight_reads_as_its_layout_gives_it(tmp_path, group, scale_dtype
     np.testing.assert_array_equal(got, want)
     err = np.abs(got - w).max(axis=1) / np.abs(w).max(axis=1)
     assert 0 < err.max() < 2.0 / 2**4
-    assert ck.int4_group(ck.info("a.weight")) == 0  # zero points: dequantized at load
+    assert _int4_rows_widen_to(ck, "a.weight", got) == (group or 64, True)
 
 
 def test_the_original_format_cannot_hold_a_zero_point_of_zero():
@@ -320,32 +334,34 @@ def test_synth_gptq4_is_the_gptq_layout_and_matches_transformers(tmp_path):
     model.store.close()
 
 
-@pytest.mark.parametrize("tiered", [False, True])
-def test_gptq_int4_rows_decode_what_dequantized_weights_do(tiered, checkpoints, monkeypatch):
-    """Symmetric GPTQ int4 weights held as int4 rows (routed experts in every tier, the
-    attention's matrices) decode bitwise what they give dequantized at load."""
-    d = checkpoints("deepseek_v3", "gptq4")
-    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", tiered, monkeypatch)
+@pytest.mark.parametrize("dtype, held", [("gptq4", np.int8), ("awq4", np.uint32)])
+def test_int4_rows_decode_what_dequantized_weights_do(dtype, held, checkpoints, monkeypatch):
+    """Symmetric GPTQ int4 weights held as int4 rows, AWQ's (zero points) as int4 rows with
+    their offsets (routed experts read from disk and staged, the attention's matrices) decode
+    bitwise what they give dequantized at load."""
+    d = checkpoints("deepseek_v3", dtype)
+    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", True, monkeypatch)
     (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got
-    assert (h4, h32) == (np.int8, np.float32)
-    assert d4 == (np.int8, np.float32, np.float32)
-    F, D = 32, 64
-    assert (eb4, eb32) == (3 * F * D * 1, 3 * F * D * 4)
+    assert (h4, h32) == (held, np.float32)
+    assert d4 == (held, np.float32, np.float32)
+    F, D, g = 32, 64, 8  # groups of 8: a scale (and an offset) per 8 values
+    per_value = 0.5 + (8 if held == np.uint32 else 4) / g
+    assert (eb4, eb32) == (3 * F * D * per_value, 3 * F * D * 4)
     np.testing.assert_array_equal(pre4[:2], pre32[:2])
     np.testing.assert_array_equal(dec4[:, :2], dec32[:, :2])
 
 
 @pytest.mark.parametrize("fmt", ["gptq_v2", "awq"])
-def test_zero_points_are_dequantized_and_placement_never_changes_them(tmp_path, checkpoints, fmt):
+def test_zero_points_are_held_and_placement_never_changes_them(tmp_path, checkpoints, fmt):
     """Zero points away from the midpoint (GPTQ with sym false in the gptq_v2 layout, AWQ):
-    float32 at load, and the experts read from disk and staged give bitwise the resident
-    model's logits, which match transformers on the same weights."""
+    int4 rows with their offsets, and the experts read from disk and staged give bitwise the
+    resident model's logits, which match transformers on the same weights."""
     d = tiny.to_gptq(checkpoints("qwen2_moe"), tmp_path / fmt, 4, 8, sym=False, fmt=fmt)
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
     got = []
     for tiered in (False, True):
         model, probe = tiny.load_placed(d, tiered)
-        assert model.store.held == np.float32
+        assert model.store.held == np.uint32
         got.append(tiny.prefill_then_decode(model, prompts))
         assert (model.store.disk.bytes_read > 0) == tiered
         if tiered:

@@ -16,7 +16,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
-from colibri.checkpoint import Fp8Scales, GroupScales, quantize_fp8, quantize_packed, to_f32
+from colibri.checkpoint import (
+    INT4Z_ROWS,
+    Fp8Scales,
+    GroupScales,
+    integer_grid,
+    quantize_fp8,
+    quantize_packed,
+    to_f32,
+)
 from colibri.model import layers
 
 _native = jax.jit(kernels.linear)
@@ -111,9 +119,10 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, seed
 ):
-    """Weights held as int4 rows (four-bit values two a byte, then group scales): up to 16
-    rows (the native kernel) bitwise what the dequantized float32 weights give, each row as it
-    is alone; more rows (XLA) the same to float32 rounding."""
+    """Weights held as int4 rows (four-bit values two a byte, then group scales; with zero
+    points, words of values, scales and offsets): up to 16 rows (the native kernel) bitwise
+    what the dequantized float32 weights give, each row as it is alone; more rows (XLA) the
+    same to float32 rounding."""
     rng = np.random.default_rng(seed)
     dim_in = groups * group
     x = rng.standard_normal((rows, dim_in)).astype(np.float32)
@@ -123,6 +132,14 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     raw = packed.view(np.uint8).reshape(-1)
     held, wide = scales.pack(raw).reshape(dim_out, -1), scales.dequantize(raw).reshape(w.shape)
     assert held.dtype == np.int8 and held.shape == (dim_out, dim_in // 2 + 4 * groups)
+    _held_linear_is_widened_linear(x, held, wide)
+    # Zero points (GPTQ's asymmetric grid), held as INT4Z_ROWS.
+    q, zero, scale, _ = integer_grid(w + rng.uniform(-1, 1, (dim_out, 1)), 4, group, sym=False)
+    u = q.astype(np.uint8)
+    raw = np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1)
+    scales = GroupScales(scale, np.arange(dim_in) // group, 4, dim_in, group, zero - 8)
+    held, wide = scales.pack(raw, INT4Z_ROWS), scales.dequantize(raw).reshape(w.shape)
+    assert held.dtype == np.uint32 and held.shape == (dim_out, dim_in // 8 + 2 * groups)
     _held_linear_is_widened_linear(x, held, wide)
 
 

@@ -37,10 +37,12 @@ _TARGETS = {
     "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
     "colibri_moe_experts_fp8": "ColibriMoeExpertsFp8",
     "colibri_moe_experts_int4": "ColibriMoeExpertsInt4",
+    "colibri_moe_experts_int4z": "ColibriMoeExpertsInt4z",
     "colibri_linear": "ColibriLinear",
     "colibri_linear_bf16": "ColibriLinearBf16",
     "colibri_linear_fp8": "ColibriLinearFp8",
     "colibri_linear_int4": "ColibriLinearInt4",
+    "colibri_linear_int4z": "ColibriLinearInt4z",
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
@@ -140,8 +142,8 @@ def usable(*arrays: jax.Array) -> bool:
 
 def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
     """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32,
-    all bfloat16 bits (uint16), all FP8 rows (uint8) or all int4 rows (int8), on CPU, kernels
-    built."""
+    all bfloat16 bits (uint16), all FP8 rows (uint8), all int4 rows (int8) or all int4 rows
+    with zero points (uint32), on CPU, kernels built."""
     return len({w.dtype for w in weights}) == 1 and weights[0].dtype in _HELD and usable(x)
 
 
@@ -151,6 +153,7 @@ _HELD = {
     jnp.dtype(jnp.uint16): "_bf16",
     jnp.dtype(jnp.uint8): "_fp8",
     jnp.dtype(jnp.int8): "_int4",
+    jnp.dtype(jnp.uint32): "_int4z",
 }
 
 
@@ -161,8 +164,9 @@ def moe_experts(
     The weights are float32, bfloat16 bits (uint16), FP8 rows (uint8: each row's
     float8_e4m3fn values, then its float32 block scales; `checkpoint.FP8_ROWS`) or int4 rows
     (int8: each row's four-bit values two a byte, then its float32 group scales;
-    `checkpoint.INT4_ROWS`); results are bitwise those of the same weights widened (and
-    scaled) to float32 beforehand."""
+    `checkpoint.INT4_ROWS`) or int4 rows with zero points (uint32 words: the same values, the
+    scales, then the offsets -zero x scale; `checkpoint.INT4Z_ROWS`); results are bitwise
+    those of the same weights widened (and scaled) to float32 beforehand."""
     _require()
     N, K = ids.shape
     D = x.shape[1]
@@ -176,7 +180,8 @@ def moe_experts(
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., I] @ w.T for w [O, I] float32, bfloat16 bits (uint16), FP8 rows (uint8,
-    [O, I + 4 I / b]) or int4 rows (int8, [O, I / 2 + 4 I / g]): [..., O] float32."""
+    [O, I + 4 I / b]), int4 rows (int8, [O, I / 2 + 4 I / g]) or int4 rows with zero points
+    (uint32, [O, I / 8 + 2 I / g]): [..., O] float32."""
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(

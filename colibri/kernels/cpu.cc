@@ -18,6 +18,10 @@
 // L / g float32 group scales (g a multiple of 8 dividing L), so gate and up are
 // [S, F, D / 2 + 4 D / g]; a weight is its integer times its group's scale (rounded once): the
 // float32 a pack-quantized checkpoint dequantizes to, at an eighth of the bytes.
+// colibri_moe_experts_int4z: int4 rows with zero points (uint32 buffers, whole words a row):
+// each row's L four-bit values as above, then its L / g float32 group scales s, then as many
+// offsets -z s (z the group's zero point, the product exact): a weight is fma(q, s, -z s),
+// (q - z) s rounded once, the float32 GPTQ's and AWQ's asymmetric weights dequantize to.
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -26,7 +30,8 @@
 //
 // colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits;
 // colibri_linear_fp8: w as FP8 rows [O, I + 4 I / b], colibri_linear_int4 as int4 rows
-// [O, I / 2 + 4 I / g], as the experts above.
+// [O, I / 2 + 4 I / g], colibri_linear_int4z as int4 rows with zero points [O, I / 8 + 2 I / g]
+// words, as the experts above.
 //
 // colibri_cut_requested: whether the host asked the decode bursts running in this process to
 // end after their current step (colibri_request_cut), read once per step.
@@ -143,9 +148,24 @@ struct Int4 {
   uint8_t byte;
 };
 
+// A byte of int4 rows with zero points: the same values, each group's scale and then its
+// offset (-zero point x scale) after them.
+struct Int4Z {
+  uint8_t byte;
+};
+
 // Weights held with per-block scales after each row's values (FP8 rows, int4 rows).
 template <typename T>
-constexpr bool kScaled = std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4>;
+constexpr bool kScaled =
+    std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z>;
+
+// Rows that keep an offset per block after their scales (int4 rows with zero points).
+template <typename T>
+constexpr bool kOffsets = std::is_same_v<T, Int4Z>;
+
+// float32s a block of scaled rows keeps after the values: its scale, and for Int4Z its offset.
+inline int64_t block_floats(const void*) { return 1; }
+inline int64_t block_floats(const Int4Z*) { return 2; }
 
 // Bytes of L values of a row: L for FP8 (one a byte), L / 2 for int4, L * sizeof(T) else.
 template <typename T>
@@ -153,10 +173,11 @@ inline int64_t value_bytes(const T*, int64_t L) {
   return L * static_cast<int64_t>(sizeof(T));
 }
 inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
+inline int64_t value_bytes(const Int4Z*, int64_t L) { return L / 2; }
 
-// The eight nibbles of four bytes (0 to 15, the stored values before their offset of 8),
+// The eight nibbles of four bytes (0 to 15, the stored values before their offset),
 // exactly, as float32: each lane shifts the word right to its nibble and masks it.
-inline v8 nibbles8(const Int4* p) {
+inline v8 nibbles8(const void* p) {
   uint32_t word;
   std::memcpy(&word, p, sizeof word);
 #if defined(__AVX2__)
@@ -174,15 +195,30 @@ inline v8 nibbles8(const Int4* p) {
 // Eight weights of a scaled row from column c: widened, times their block's scale (`scale`,
 // and for FP8 the 2^120 its widening leaves out, folded into the scale unless Huge).
 template <bool Huge>
-inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale) {
+inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale, v8) {
   return Huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
 }
 
-// An int4 weight is (q - 8) s rounded once; as n s - 8 s in one fused multiply-add (8 s
-// exact) it is that same rounding of the same exact value, one instruction fewer.
+// An int4 weight is (q - z) s rounded once; as q s - z s in one fused multiply-add (z s
+// exact: 8 s, or for Int4Z the stored offset, checked exact when the rows are made) it is
+// that same rounding of the same exact value, one instruction fewer. (The int4 offset is
+// made here from the scale: an offset vector of its own cost the 16-row calls 1.2-1.4x.)
 template <bool Huge>
-inline v8 scaled8(const Int4* w, int64_t c, v8 scale) {
+inline v8 scaled8(const Int4* w, int64_t c, v8 scale, v8) {
   return fma8(nibbles8(w + c / 2), scale, scale * -8.0f);
+}
+template <bool Huge>
+inline v8 scaled8(const Int4Z* w, int64_t c, v8 scale, v8 offset) {
+  return fma8(nibbles8(w + c / 2), scale, offset);
+}
+
+// A block's offset as scaled8 takes it (the row's values take vb bytes, its nb scales
+// follow them): the stored one for Int4Z, none for the others (int4's is -8 s).
+inline float block_offset(const void*, int64_t, int64_t, int64_t) { return 0.0f; }
+inline float block_offset(const Int4Z* w, int64_t vb, int64_t nb, int64_t k) {
+  float o;
+  std::memcpy(&o, reinterpret_cast<const char*>(w) + vb + 4 * (nb + k), sizeof o);
+  return o;
 }
 
 // What scaled8 takes as a block's scale: an FP8 scale times the 2^120 its widening leaves
@@ -190,8 +226,10 @@ inline v8 scaled8(const Int4* w, int64_t c, v8 scale) {
 // Huge, two exact steps instead); an int4 group's scale as it is.
 inline float folded(const uint8_t*) { return 0x1p120f; }
 inline float folded(const Int4*) { return 1.0f; }
+inline float folded(const Int4Z*) { return 1.0f; }
 inline bool too_big(const uint8_t*, float s) { return !(std::fabs(s) < 256.0f); }
 inline bool too_big(const Int4*, float) { return false; }
+inline bool too_big(const Int4Z*, float) { return false; }
 
 // Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
 // XLA's threads may run with denormals-are-zero set. (Results still flush as the thread
@@ -222,8 +260,10 @@ inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
 // out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
 // eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
 // instead of lane by lane through memory, which cost as much as the products of a short dot.
+// Always inlined: with more kernels in this file GCC stopped inlining the small ones, and the
+// 16-row int4 expert calls took 1.2-1.4x as long (experiments/bench_kernel_revs.py).
 template <int N>
-inline void hsums(const v8* acc, float* out) {
+__attribute__((always_inline)) inline void hsums(const v8* acc, float* out) {
 #if defined(__AVX__)
   constexpr int P = (N + 7) / 8 * 8;
   __m256 a[P];
@@ -324,7 +364,7 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
 // times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up).
 template <int TW, int TR, bool Huge, typename Q>
 inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
-                         const v8* scale, v8 (*acc)[TR]) {
+                         const v8* scale, const v8* offset, v8 (*acc)[TR]) {
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     v8 wv[TW];
     if constexpr (TR > 1) {
@@ -335,7 +375,7 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
           __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
     }
     for (int i = 0; i < TW; ++i) {
-      wv[i] = scaled8<Huge>(w[i], c, scale[i]);
+      wv[i] = scaled8<Huge>(w[i], c, scale[i], offset[i]);
       in_register(wv[i]);
     }
     for (int j = 0; j < TR; ++j) {
@@ -347,30 +387,33 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
 }
 
 // The same over scaled rows: w[i] is a row's L values (value_bytes of them), its L / blk
-// float32 block scales right after them (L a multiple of blk, blk of 8). Each weight is
-// widened and scaled as it is loaded, then the same multiply-adds in the same order: bitwise
-// the dot of the dequantized float32 row.
+// float32 block scales right after them (L a multiple of blk, blk of 8; Int4Z: then as many
+// offsets). Each weight is widened and scaled as it is loaded, then the same multiply-adds in
+// the same order: bitwise the dot of the dequantized float32 row.
 template <int TW, int TR, typename Q>
 inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, float* out,
                         int64_t blk) {
   v8 acc[TW][TR];
   for (int i = 0; i < TW; ++i)
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
-  const int64_t vb = value_bytes(w[0], L);
+  const int64_t vb = value_bytes(w[0], L), nb = L / blk;
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    v8 scale[TW];
+    v8 scale[TW], offset[TW];
     bool huge = false;
     for (int i = 0; i < TW; ++i) {
       float s;
       std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
       huge = huge || too_big(w[i], s);
       scale[i] = v8{} + s;
+      if constexpr (kOffsets<Q>) offset[i] = v8{} + block_offset(w[i], vb, nb, c0 / blk);
     }
+    // Only Int4Z rows keep offsets: the others pass their scales in their place, unused.
+    const v8* off = kOffsets<Q> ? offset : scale;
     if (huge) {
-      scaled_block<TW, TR, true>(w, x, c0, blk, scale, acc);
+      scaled_block<TW, TR, true>(w, x, c0, blk, scale, off, acc);
     } else {
       for (int i = 0; i < TW; ++i) scale[i] = scale[i] * folded(w[i]);
-      scaled_block<TW, TR, false>(w, x, c0, blk, scale, acc);
+      scaled_block<TW, TR, false>(w, x, c0, blk, scale, off, acc);
     }
   }
   hsums<TW * TR>(&acc[0][0], out);
@@ -388,18 +431,26 @@ inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* 
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
 
+template <int TW, int TR>
+inline void dots(const Int4Z* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
 // out[0 .. L) = one scaled row (its values, then L / blk scales) as float32: each value times
 // its block's scale, exactly as `dots` widens it in registers.
 template <typename Q>
 inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
-  const int64_t vb = value_bytes(w, L);
+  const int64_t vb = value_bytes(w, L), nb = L / blk;
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
     float s;
     std::memcpy(&s, reinterpret_cast<const char*>(w) + vb + 4 * (c0 / blk), sizeof s);
     const bool huge = too_big(w, s);
     const v8 scale = v8{} + (huge ? s : s * folded(w));
+    v8 offset = scale;
+    if constexpr (kOffsets<Q>) offset = v8{} + block_offset(w, vb, nb, c0 / blk);
     for (int64_t c = c0; c < c0 + blk; c += 8) {
-      const v8 v = huge ? scaled8<true>(w, c, scale) : scaled8<false>(w, c, scale);
+      const v8 v = huge ? scaled8<true>(w, c, scale, offset) : scaled8<false>(w, c, scale, offset);
       std::memcpy(out + c, &v, sizeof v);
     }
   }
@@ -685,9 +736,9 @@ struct ExpertCall : Gang {
 // of 8 dividing L).
 template <typename Q>
 int64_t scale_width(const Q* w, int64_t L, int64_t held) {
-  const int64_t extra = held - value_bytes(w, L);
-  if (L <= 0 || L % 8 || extra <= 0 || extra % 4) return 0;
-  const int64_t blocks = extra / 4;
+  const int64_t extra = held - value_bytes(w, L), per = 4 * block_floats(w);
+  if (L <= 0 || L % 8 || extra <= 0 || extra % per) return 0;
+  const int64_t blocks = extra / per;
   if (L % blocks) return 0;
   const int64_t b = L / blocks;
   return b % 8 == 0 ? b : 0;
@@ -711,8 +762,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       yd.size() != 3)
     return ffi::Error::InvalidArgument("colibri_moe_experts: wrong ranks");
   const int64_t S = gd[0], F = gd[1], D = xd[1], N = xd[0], K = id[1];
-  const int64_t ldg = gd[2], ldd = dd[2];  // row lengths as held
-  if (ud[0] != S || ud[1] != F || ud[2] != ldg || dd[0] != S || dd[1] != D || id[0] != N ||
+  // Row lengths as held, in T (Int4Z rows come in uint32 words: four T a word).
+  const int64_t unit = sizeof(*gate.typed_data()) / sizeof(T);
+  const int64_t ldg = gd[2] * unit, ldd = dd[2] * unit;
+  if (ud[0] != S || ud[1] != F || ud[2] != gd[2] || dd[0] != S || dd[1] != D || id[0] != N ||
       yd[0] != N || yd[1] != K || yd[2] != D)
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
   int64_t bg = 0, bd = 0;
@@ -722,7 +775,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     bd = scale_width(kind, F, ldd);
     if (bg == 0 || bd == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_moe_experts_fp8/int4: rows are not L values and L / b scales, b of 8");
+          "colibri_moe_experts_fp8/int4: rows are not L values and L / b scales (and offsets), b of 8");
   } else if (ldg != D || ldd != F) {
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
   }
@@ -824,7 +877,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("colibri_linear: wrong ranks");
-  const int64_t M = xd[0], I = xd[1], O = wd[0], ld = wd[1];
+  const int64_t unit = sizeof(*w.typed_data()) / sizeof(T);  // T a buffer element (Int4Z: 4)
+  const int64_t M = xd[0], I = xd[1], O = wd[0], ld = wd[1] * unit;
   if (yd[0] != M || yd[1] != O)
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
   int64_t blk = 0;
@@ -833,7 +887,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
     blk = scale_width(kind, I, ld);
     if (blk == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_linear_fp8/int4: rows are not I values and I / b scales, b of 8");
+          "colibri_linear_fp8/int4: rows are not I values and I / b scales (and offsets), b of 8");
   } else if (ld != I) {
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
   }
@@ -1038,6 +1092,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearInt4, (Linear<ffi::S8, Int4>),
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearInt4z, (Linear<ffi::U32, Int4Z>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1081,6 +1142,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsInt4, (MoeExperts<ffi::S8, Int4>)
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The same over int4 rows with zero points (uint32 buffers: each row's four-bit values, eight
+// a word, then its float32 group scales and offsets): GPTQ's and AWQ's asymmetric experts at
+// about an eighth of the bytes of float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsInt4z, (MoeExperts<ffi::U32, Int4Z>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -37,7 +37,11 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
     values, then its float32 block scales; checkpoint.FP8_ROWS) or int4 rows (int8
     [..., cols / 2 + 4 * blocks]: each row's four-bit values two a byte, then its float32
     group scales; checkpoint.INT4_ROWS) as the float32 [..., cols] they stand for: each value
-    times its block's scale, rounded once, as the checkpoint dequantizes them."""
+    times its block's scale, rounded once, as the checkpoint dequantizes them; or int4 rows
+    with zero points (uint32 [..., cols / 8 + 2 * blocks]: values eight a word, scales s,
+    offsets -z s; checkpoint.INT4Z_ROWS) as (q - z) s, z = -offset / s exactly."""
+    if w.dtype == jnp.uint32:
+        return _widen_zero_point_rows(w, cols)
     if w.dtype == jnp.uint8:
         n, table = cols, jnp.asarray(E4M3)
     elif w.dtype == jnp.int8:
@@ -51,6 +55,18 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
         w[..., n:].reshape(*lead, blocks, 4), jnp.float32
     )  # [..., blocks]
     return (values * scales[..., None]).reshape(*lead, cols)
+
+
+def _widen_zero_point_rows(w: jax.Array, cols: int) -> jax.Array:
+    n = cols // 8
+    lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 2
+    shifts = jnp.arange(0, 32, 4, dtype=jnp.uint32)
+    q = ((w[..., :n, None] >> shifts) & 15).astype(jnp.float32)  # [..., n, 8]
+    q = q.reshape(*lead, blocks, cols // blocks)
+    scales = jax.lax.bitcast_convert_type(w[..., n : n + blocks], jnp.float32)[..., None]
+    offsets = jax.lax.bitcast_convert_type(w[..., n + blocks :], jnp.float32)[..., None]
+    zeros = jnp.where(scales != 0, offsets / scales, 0.0)  # -z exactly (the offset is exact)
+    return ((q + zeros) * scales).reshape(*lead, cols)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
