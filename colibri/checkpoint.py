@@ -198,8 +198,7 @@ class GroupScales:
         words = raw.view("<u4")
         rows = self.scales.shape[0]
         if self.layout == "awq":
-            codes = (self._awq_values(raw) + 8).astype(np.uint32).reshape(rows, -1, 8)
-            return (codes << np.arange(0, 32, 4, dtype=np.uint32)).sum(2, np.uint32)
+            return _awq_row_words(words.reshape(self.cols, rows // 8))
         return words.reshape(-1, rows).T if self.layout == "gptq" else words.reshape(rows, -1)
 
     def _awq_values(self, raw: np.ndarray) -> np.ndarray:
@@ -260,6 +259,25 @@ class GroupScales:
 
 
 Scales = Fp8Scales | GroupScales
+
+
+def _awq_row_words(words: np.ndarray) -> np.ndarray:
+    """AWQ's words [I, O / 8] (word [i, m]: outputs 8 m + AWQ_ORDER[k] of input i in nibble k)
+    as row words [O, I / 8] (word [o, j]: inputs 8 j + t of output o in nibble t), with whole
+    words: each 8 x 8 block of nibbles transposed in three rounds of masked swaps (4, 2 and 1
+    apart), then the rows put in order."""
+    cols, m = words.shape
+    # a[t, m, j]: the word of input 8 j + t, nibble k holding output 8 m + AWQ_ORDER[k].
+    a = np.ascontiguousarray(words.reshape(cols // 8, 8, m).transpose(1, 2, 0))
+    for d, mask in ((4, 0x0000FFFF), (2, 0x00FF00FF), (1, 0x0F0F0F0F)):
+        pairs = a.reshape(8 // (2 * d), 2, d, m, cols // 8)  # [.., t & d == 0 or not, ..]
+        x, y = pairs[:, 0], pairs[:, 1]
+        keep, shift = np.uint32(mask), np.uint32(4 * d)
+        x_new = (x & keep) | ((y << shift) & ~keep)
+        y[...] = ((x >> shift) & keep) | (y & ~keep)
+        x[...] = x_new
+    # a[k, m, j]: the words of output 8 m + AWQ_ORDER[k]; put in order of outputs.
+    return a[np.argsort(AWQ_ORDER)].transpose(1, 0, 2).reshape(8 * m, cols // 8)
 
 
 def to_held(

@@ -1,5 +1,5 @@
 """python experiments/bench_offload.py [--ckpt DIR] [--tokens 32]
-                                    [--dtype bf16|fp8|int4|gptq4] [--ram-gb G]
+                                    [--dtype bf16|fp8|int4|gptq4|awq4] [--ram-gb G]
 
 Decode speed with routed experts resident, cached in RAM, or streamed from disk, and the
 policies between (LRU, LFRU, +pins, +PILOT), on a synthetic qwen3_moe checkpoint at least 4x
@@ -23,6 +23,8 @@ W4A16 releases ship (a scale per 128 columns; experts held as int4 rows, about a
 the bytes of float32; .cache/bench-offload-int4, offload_int4.md): --ram-gb 0.033 for that
 ratio. --dtype gptq4: the same integers in GPTQ's layout (Qwen's "-GPTQ-Int4" releases: each
 matrix's words hold columns, transposed as it is read; offload_gptq4.md), --ram-gb 0.033.
+--dtype awq4: AutoAWQ's layout, with zero points (held as int4 rows with zero points, each
+matrix unpacked and packed again row by row as it is read; offload_awq4.md), --ram-gb 0.035.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from colibri.checkpoint import BF16_BITS, FP8_ROWS, INT4_ROWS, Checkpoint
+from colibri.checkpoint import BF16_BITS, FP8_ROWS, INT4_ROWS, INT4Z_ROWS, Checkpoint
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.experts.budget import GiB, TierConfig
@@ -214,10 +216,10 @@ def plain_decode(model, tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ckpt", default="", help="default .cache/bench-offload[-fp8|-int4|-gptq4]")
+    ap.add_argument("--ckpt", default="", help="default .cache/bench-offload[-DTYPE]")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ram-gb", type=float, default=0.125, help="RAM budget of the disk runs")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "int4", "gptq4"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "int4", "gptq4", "awq4"])
     args = ap.parse_args()
     spec = dataclasses.replace(SPEC, dtype=args.dtype)
     suffix = "" if args.dtype == "bf16" else f"_{args.dtype}"
@@ -228,9 +230,12 @@ def main() -> None:
     disk_bytes = sum(p.stat().st_size for p in files)
     probe = load_model(ckpt_dir, tiers=TierConfig(device_bytes=0, ram_bytes=0), progress=False)
     eb, layers, E = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids), probe.store.E
-    held = {FP8_ROWS: "fp8 rows", INT4_ROWS: "int4 rows", BF16_BITS: "bf16"}.get(
-        probe.store.held, "f32"
-    )
+    held = {
+        FP8_ROWS: "fp8 rows",
+        INT4_ROWS: "int4 rows",
+        INT4Z_ROWS: "int4 rows with zero points",
+        BF16_BITS: "bf16",
+    }.get(probe.store.held, "f32")
     ram_budget = int(args.ram_gb * GiB)
     expert_total = eb * layers * E
     assert expert_total >= 4 * ram_budget, "checkpoint must be >= 4x the RAM budget"

@@ -288,13 +288,7 @@ def decompressed(model_dir: Path) -> Path:
             dense[base] = dequantize(q, scale, None, args, dtype=torch.float32)
         elif not name.endswith((".weight_scale", ".weight_shape")):
             dense[name] = t.float()
-    out.mkdir()
-    save_file(dense, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for name in ("generation_config.json", "tokenizer.json"):
-        if (model_dir / name).exists():
-            (out / name).write_bytes((model_dir / name).read_bytes())
-    return out
+    return _float32_copy(model_dir, out, cfg, lambda path: save_file(dense, path, {"format": "pt"}))
 
 
 def gptq_dequantized(model_dir: Path) -> Path:
@@ -323,8 +317,14 @@ def gptq_dequantized(model_dir: Path) -> Path:
             dense[f"{base}.weight"] = gptq_weight(t, *parts, quant["bits"], fmt)
         elif not name.endswith((".qzeros", ".scales", ".g_idx")):
             dense[name] = t.astype(np.float32)
+    return _float32_copy(model_dir, out, cfg, lambda path: save_file(dense, path, {"format": "pt"}))
+
+
+def _float32_copy(model_dir: Path, out: Path, cfg: dict, save) -> Path:
+    """Folder `out` with the weights `save(path)` writes, config `cfg` and `model_dir`'s
+    generation config and tokenizer."""
     out.mkdir()
-    save_file(dense, out / "model.safetensors", metadata={"format": "pt"})
+    save(out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     for name in ("generation_config.json", "tokenizer.json"):
         if (model_dir / name).exists():
