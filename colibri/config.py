@@ -276,7 +276,7 @@ def _check_gptq(quant: dict, source: str) -> None:
     if quant.get("dynamic"):
         refuse("dynamic (per-module bits and groups)")
     group = quant.get("group_size", 128)
-    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+    if not _group_size(group):
         refuse(f"group_size={group!r}")
 
 
@@ -299,8 +299,13 @@ def _check_awq(quant: dict, source: str) -> None:
     if not quant.get("zero_point", True):
         refuse("zero_point=False")
     group = quant.get("group_size", quant.get("q_group_size", 128))
-    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+    if not _group_size(group):
         refuse(f"group_size={group!r}")
+
+
+def _group_size(group: Any) -> bool:
+    """A GPTQ/AWQ group size: columns a scale covers, or -1 for a whole row."""
+    return isinstance(group, int) and not isinstance(group, bool) and (group == -1 or group > 0)
 
 
 def gptq_format(quant: dict) -> str:

@@ -66,7 +66,7 @@ class SynthSpec:
     kv_heads: int = 0  # 0: heads // 2, at least 1
     dtype: str = "f32"
     fp8_block: int = 128  # dtype fp8: the side of a square block sharing one scale
-    group: int = 128  # dtype int4/int8/gptq4/gptq8: columns sharing one scale (0: a whole row)
+    group: int = 128  # dtype int4/int8/gptq4/gptq8/awq4: columns a scale covers (0: a row)
     seed: int = 0
     shard_mb: float = 512
 
