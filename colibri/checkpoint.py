@@ -268,7 +268,7 @@ def _awq_row_words(words: np.ndarray) -> np.ndarray:
     apart), then the rows put in order."""
     cols, m = words.shape
     # a[t, m, j]: the word of input 8 j + t, nibble k holding output 8 m + AWQ_ORDER[k].
-    a = np.ascontiguousarray(words.reshape(cols // 8, 8, m).transpose(1, 2, 0))
+    a = words.reshape(cols // 8, 8, m).transpose(1, 2, 0).copy()  # ours to swap in place
     for d, mask in ((4, 0x0000FFFF), (2, 0x00FF00FF), (1, 0x0F0F0F0F)):
         pairs = a.reshape(8 // (2 * d), 2, d, m, cols // 8)  # [.., t & d == 0 or not, ..]
         x, y = pairs[:, 0], pairs[:, 1]

@@ -206,6 +206,14 @@ def test_awq_words_hold_outputs_in_its_interleaved_order(tmp_path):
     np.testing.assert_array_equal(tiny.awq_weight(*parts.values(), 0), want)
 
 
+def test_a_single_block_awq_weight_becomes_int4_rows(tmp_path):
+    """8 outputs by 8 inputs, one word: its rows are made in a buffer of their own (the read
+    buffer is not written)."""
+    w = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
+    ck = _write(tmp_path, {"a.weight": quantize_awq(w, 8)}, awq_quantization(8))
+    assert _int4_rows_widen_to(ck, "a.weight", ck.read("a.weight")) == (8, True)
+
+
 @pytest.mark.parametrize("group, scale_dtype", [(16, "F16"), (0, "F16"), (32, "BF16")], ids=str)
 def test_an_awq_weight_reads_as_its_layout_gives_it(tmp_path, group, scale_dtype):
     rng = np.random.default_rng(group)
