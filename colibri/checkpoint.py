@@ -35,6 +35,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import ml_dtypes
@@ -227,12 +228,14 @@ class GroupScales:
         out[:, :n] = words
         out[:, n : n + g] = self.scales.view("<u4")
         if zero_points:
-            out[:, n + g :] = self._offsets().view("<u4")
+            out[:, n + g :] = self._offsets.view("<u4")
             return out
         return out.reshape(-1).view(INT4_ROWS)
 
+    @cached_property
     def _offsets(self) -> np.ndarray:
-        """Each group's -zero point x scale, float32 [rows, groups]."""
+        """Each group's -zero point x scale, float32 [rows, groups] (found once: `zrows_fit`
+        checks them, `pack` stores them)."""
         zero = np.float32(2 ** (self.bits - 1))
         return -(self.scales * (zero if self.zeros is None else self.zeros + zero))
 
@@ -251,7 +254,7 @@ class GroupScales:
             return False
         zero = np.float64(2 ** (self.bits - 1))
         z = zero if self.zeros is None else self.zeros.astype(np.float64) + zero
-        return bool(np.all(self._offsets().astype(np.float64) == -(self.scales * z)))
+        return bool(np.all(self._offsets.astype(np.float64) == -(self.scales * z)))
 
     @property
     def _fits(self) -> bool:

@@ -212,9 +212,8 @@ inline v8 scaled8(const Int4Z* w, int64_t c, v8 scale, v8 offset) {
   return fma8(nibbles8(w + c / 2), scale, offset);
 }
 
-// A block's offset as scaled8 takes it (the row's values take vb bytes, its nb scales
-// follow them): the stored one for Int4Z, none for the others (int4's is -8 s).
-inline float block_offset(const void*, int64_t, int64_t, int64_t) { return 0.0f; }
+// Block k's stored offset in an Int4Z row (its values take vb bytes, its nb scales follow
+// them); only kOffsets rows have one (int4's, -8 s, scaled8 makes from the scale).
 inline float block_offset(const Int4Z* w, int64_t vb, int64_t nb, int64_t k) {
   float o;
   std::memcpy(&o, reinterpret_cast<const char*>(w) + vb + 4 * (nb + k), sizeof o);
