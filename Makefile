@@ -11,6 +11,8 @@ SYNTH   := .cache/synth-demo
 MODEL   ?= $(if $(wildcard $(DEMO)/config.json),$(DEMO),$(SYNTH))
 PROMPT  ?= def fibonacci(n):
 MAXTOK  ?= 48
+# Test workers: one a core, 2 to 8 (tests wait on engine subprocesses half the time).
+JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$((n < 2 ? 2 : n > 8 ? 8 : n)))
 
 .PHONY: demo test test-slow lint format bench clean
 
@@ -43,7 +45,7 @@ demo: $(STAMP) $(if $(wildcard $(DEMO)/config.json),,$(SYNTH)/config.json)
 	$(BIN)/colibri generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens $(MAXTOK)
 
 test: $(TSTAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(JOBS)
 
 test-slow: $(TSTAMP)
 	$(BIN)/pytest -q -m slow

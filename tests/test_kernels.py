@@ -5,13 +5,16 @@ The routed-expert kernel is tested beside XLA's loops in test_expert_loop.py.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -230,20 +233,28 @@ def test_kernels_can_be_turned_off():
 
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    """A fresh cache folder gets one library under its content key and no temporary files."""
+    """Each source gets one library in the cache folder, named by a key of its content: found,
+    not rebuilt, the next time; another revision gets its own; a source that does not compile
+    leaves nothing behind. The engine's library is built this way once (before the suite) and
+    the one loaded is the one found."""
+    lib = kernels._library()
+    assert lib is not None and Path(lib._name) == kernels.build()
     monkeypatch.setenv("COLIBRI_KERNEL_CACHE", str(tmp_path))
-    first = kernels.build()
+    source = tmp_path / "src" / "cpu.cc"
+    source.parent.mkdir()
+    source.write_text('extern "C" int colibri_answer() { return 42; }\n')
+    first = kernels.build(source)
     assert first.parent == tmp_path and first.suffix == ".so"
-    assert kernels.build() == first  # found, not rebuilt
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]
-    # Another version of the source (a benchmark comparing revisions) gets its own library.
-    other = tmp_path / "src" / "cpu.cc"
-    other.parent.mkdir()
-    other.write_text(kernels._SOURCE.read_text() + "\n// another revision\n")
-    second = kernels.build(other)
+    assert ctypes.CDLL(str(first)).colibri_answer() == 42
+    built = first.stat().st_mtime_ns
+    assert kernels.build(source) == first and first.stat().st_mtime_ns == built  # found
+    source.write_text(source.read_text() + "// another revision\n")
+    second = kernels.build(source)
     assert second.parent == tmp_path and second != first
-    assert sorted(p.name for p in tmp_path.glob("*.so")) == sorted([first.name, second.name])
-    assert kernels.build() == first
+    source.write_text("not C++\n")
+    with pytest.raises(RuntimeError, match="failed"):
+        kernels.build(source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name, "src"])
 
 
 @settings(max_examples=12, deadline=None)
