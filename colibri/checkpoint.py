@@ -76,6 +76,13 @@ INT4_ROWS = np.dtype("i1")
 # group scales s, then as many offsets -z s (z the group's zero point; exact, checked), so
 # that a weight is fma(q, s, -z s) = (q - z) s rounded once (`GroupScales.pack`).
 INT4Z_ROWS = np.dtype("<u4")
+# How it holds 8-bit pack-quantized and GPTQ weights: as int32 words, each row its L values
+# as stored (unsigned bytes, four a word, the first in the lowest byte), then its L / g float32
+# group scales s, then as many offsets -z s (z the group's zero point, 128 when symmetric;
+# exact, checked): a weight is fma(q, s, -z s) = (q - z) s rounded once (`GroupScales.pack`).
+INT8_ROWS = np.dtype("<i4")
+# The dtypes colibri holds pack-quantized rows in (`GroupScales.pack`).
+PACKED_ROWS = (INT4_ROWS, INT4Z_ROWS, INT8_ROWS)
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
 # bytes are the `weight_packed` int32 words, or GPTQ's `qweight` words, which hold columns of
 # the matrix rather than rows), and the bits of each value.
@@ -213,12 +220,16 @@ class GroupScales:
     def pack(self, raw: np.ndarray, held: np.dtype = INT4_ROWS) -> np.ndarray:
         """Packed four-bit values (flat, whole rows) as INT4_ROWS: each row's values as words,
         then the float32 scales of its groups, in a new flat array (needs `rows_fit`); or as
-        INT4Z_ROWS: then the groups' offsets -zero x scale too (needs `zrows_fit`)."""
-        zero_points = np.dtype(held) == INT4Z_ROWS
-        if not (self.zrows_fit if zero_points else self.rows_fit):
+        INT4Z_ROWS: then the groups' offsets -zero x scale too (needs `zrows_fit`); 8-bit ones
+        as INT8_ROWS, with offsets likewise (needs `rows8_fit`)."""
+        held = np.dtype(held)
+        zero_points = held in (INT4Z_ROWS, INT8_ROWS)
+        fit = {INT4_ROWS: self.rows_fit, INT4Z_ROWS: self.zrows_fit, INT8_ROWS: self.rows8_fit}
+        if not fit.get(held, False):
+            bits = 8 if held == INT8_ROWS else 4
             raise CheckpointError(
-                f"int4 rows need 4-bit values in consecutive groups of a multiple of 8 columns"
-                f"{', exact offsets' if zero_points else ' and no zero points'} (these:"
+                f"int{bits} rows need {bits}-bit values in consecutive groups of a multiple of 8"
+                f" columns{', exact offsets' if zero_points else ' and no zero points'} (these:"
                 f" {self.bits}-bit, groups of {self.size or 'g_idx'}"
                 f"{', with zero points' if self.zeros is not None else ''})"
             )
@@ -229,8 +240,7 @@ class GroupScales:
         out[:, n : n + g] = self.scales.view("<u4")
         if zero_points:
             out[:, n + g :] = self._offsets.view("<u4")
-            return out
-        return out.reshape(-1).view(INT4_ROWS)
+        return out.reshape(-1).view(held)
 
     @cached_property
     def _offsets(self) -> np.ndarray:
@@ -243,22 +253,39 @@ class GroupScales:
     def rows_fit(self) -> bool:
         """Whether these rows can be held as INT4_ROWS (the kernels widen eight values of one
         group at a time)."""
-        return self._fits and self.zeros is None
+        return self.bits == 4 and self._fits and self.zeros is None
 
     @property
     def zrows_fit(self) -> bool:
         """Whether these rows can be held as INT4Z_ROWS: as for `rows_fit`, with any zero
         points whose products with the scales are exact in float32 (always, for float16 and
         bfloat16 scales)."""
-        if not self._fits:
-            return False
-        zero = np.float64(2 ** (self.bits - 1))
-        z = zero if self.zeros is None else self.zeros.astype(np.float64) + zero
-        return bool(np.all(self._offsets.astype(np.float64) == -(self.scales * z)))
+        return self.bits == 4 and self._fits and self._exact_offsets
+
+    @property
+    def rows8_fit(self) -> bool:
+        """Whether these rows can be held as INT8_ROWS: 8-bit values in consecutive groups of
+        a multiple of 8 columns, each group's offset exact."""
+        return self.bits == 8 and self._fits and self._exact_offsets
+
+    @property
+    def held(self) -> np.dtype | None:
+        """How these rows can be held: INT4_ROWS, INT4Z_ROWS, INT8_ROWS or None (float32)."""
+        if self.rows_fit:
+            return INT4_ROWS
+        if self.zrows_fit:
+            return INT4Z_ROWS
+        return INT8_ROWS if self.rows8_fit else None
 
     @property
     def _fits(self) -> bool:
-        return self.bits == 4 and self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
+        return self.size > 0 and self.size % 8 == 0 and self.cols % 8 == 0
+
+    @property
+    def _exact_offsets(self) -> bool:
+        zero = np.float64(2 ** (self.bits - 1))
+        z = zero if self.zeros is None else self.zeros.astype(np.float64) + zero
+        return bool(np.all(self._offsets.astype(np.float64) == -(self.scales * z)))
 
 
 Scales = Fp8Scales | GroupScales
@@ -289,13 +316,13 @@ def to_held(
     """Raw tensor bytes as colibri holds them, in a fresh array (no view into the read buffer
     survives): widened to float32, or for bfloat16 tensors held as BF16_BITS, their bits; FP8
     weights dequantized with their `scales` to float32, or held as FP8_ROWS with them;
-    pack-quantized weights likewise, to float32 or as INT4_ROWS."""
-    if dtype in PACKED_BITS or np.dtype(held) in (INT4_ROWS, INT4Z_ROWS):
+    pack-quantized weights likewise, to float32 or as their rows (PACKED_ROWS)."""
+    if dtype in PACKED_BITS or np.dtype(held) in PACKED_ROWS:
         ok = dtype in PACKED_BITS and isinstance(scales, GroupScales)
-        if not ok or np.dtype(held) not in (np.float32, INT4_ROWS, INT4Z_ROWS):
+        if not ok or np.dtype(held) not in (np.float32, *PACKED_ROWS):
             raise CheckpointError(
                 f"a {dtype} tensor cannot be held as {np.dtype(held)} (pack-quantized weights:"
-                " float32 or int4 rows, with their group scales)"
+                " float32, int4 or int8 rows, with their group scales)"
             )
         if np.dtype(held) == np.float32:
             return scales.dequantize(raw)
@@ -432,14 +459,15 @@ class Checkpoint:
     ) -> np.ndarray:
         """The tensor as float32, checked against `shape` when given; with held=FP8_ROWS, an
         FP8 matrix as its rows of values and block scales ([rows, cols + 4 cols / b1]), with
-        INT4_ROWS a pack-quantized one as its int4 rows ([rows, cols / 2 + 4 cols / g])."""
+        INT4_ROWS a pack-quantized one as its int4 rows ([rows, cols / 2 + 4 cols / g]), with
+        INT4Z_ROWS or INT8_ROWS as those rows (`GroupScales.pack`)."""
         t = self.info(name)
         if shape is not None and tuple(shape) != t.shape:
             raise CheckpointError(
                 f"{t.path}: tensor {name!r} has shape {list(t.shape)}, expected {list(shape)}"
             )
         out = to_held(self.read_raw(name), t.dtype, held, self.scales(t))
-        rows = np.dtype(held) in (FP8_ROWS, INT4_ROWS, INT4Z_ROWS)
+        rows = np.dtype(held) in (FP8_ROWS, *PACKED_ROWS)
         return out.reshape(t.shape[0], -1) if rows else out.reshape(t.shape)
 
     def read_part(
@@ -556,21 +584,17 @@ class Checkpoint:
         zeros = None if not zeros.any() else zeros
         return GroupScales(scales, group, bits, cols, size, zeros, layout)
 
-    def int4_fit(self, t: TensorInfo) -> tuple[int, bool]:
-        """(the columns a scale of weight `t` covers, whether it has zero points) when it can
-        be held as int4 rows (INT4_ROWS, or INT4Z_ROWS with zero points: `GroupScales`), else
-        (0, False)."""
-        if PACKED_BITS.get(t.dtype) != 4:
-            return 0, False
-        first_row = t.shape[-1] // 2 if t.dtype not in GPTQ_BITS else t.nbytes  # GPTQ: whole
+    def packed_fit(self, t: TensorInfo) -> tuple[int, np.dtype | None]:
+        """(the columns a scale of weight `t` covers, how it is held: INT4_ROWS, INT4Z_ROWS
+        with zero points, INT8_ROWS; `GroupScales.held`) when it can be held as rows of its
+        values, else (0, None)."""
+        bits = PACKED_BITS.get(t.dtype)
+        if bits is None:
+            return 0, None
+        first_row = t.nbytes if t.dtype in GPTQ_BITS else t.shape[-1] * bits // 8  # GPTQ: whole
         scales = self.scales(t, 0, first_row)  # a compressed-tensors weight's: no zero points
-        if scales.rows_fit:
-            return scales.size, False
-        return (scales.size, True) if scales.zrows_fit else (0, False)
-
-    def int4_group(self, t: TensorInfo) -> int:
-        """The columns a scale of weight `t` covers when it can be held as int4 rows, else 0."""
-        return self.int4_fit(t)[0]
+        held = scales.held
+        return (scales.size, held) if held is not None else (0, None)
 
     def _column_groups(self, t: TensorInfo, groups: int) -> tuple[np.ndarray, int]:
         """Each column's group: the weight's g_idx where the checkpoint has one (activation

@@ -13,8 +13,10 @@ from colibri import hugepages
 from colibri.checkpoint import (
     BF16_BITS,
     FP8_ROWS,
-    INT4_ROWS,
     INT4Z_ROWS,
+    INT8_ROWS,
+    PACKED_BITS,
+    PACKED_ROWS,
     Checkpoint,
     CheckpointError,
     TensorInfo,
@@ -104,8 +106,10 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     blocks of a multiple of 8, unless `COLIBRI_FP8=0`; as int4 rows (INT4_ROWS: about an
     eighth) when it stores every one pack-quantized (or GPTQ- or AWQ-quantized) in four bits
     with one group width for gate and up and one for down (`expert_groups`), unless
-    `COLIBRI_INT4=0`, as INT4Z_ROWS (with each group's offset) if any has zero points; else as
-    float32 (other pack-quantized experts are dequantized as they are read)."""
+    `COLIBRI_INT4=0`, as INT4Z_ROWS (with each group's offset) if any has zero points; as
+    int8 rows (INT8_ROWS: about a quarter) when every one is in eight bits likewise, unless
+    `COLIBRI_INT8=0`; else as float32 (other pack-quantized experts are dequantized as they
+    are read, GPTQ's with activation order among them)."""
     parts = [
         t
         for layer in cfg.moe_layer_ids
@@ -118,24 +122,26 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
     if dtypes == {"F8_E4M3"} and fit and holds_fp8():
         return FP8_ROWS
-    if dtypes in ({"PACK4"}, {"GPTQ4"}, {"AWQ4"}) and holds_int4():
-        fits = {t: ckpt.int4_fit(t) for t in dict.fromkeys(parts)}  # each matrix's scales once
-        if all(expert_groups(ckpt, parts, fits)):
-            return INT4Z_ROWS if any(z for _, z in fits.values()) else INT4_ROWS
+    bits = {PACKED_BITS.get(d) for d in dtypes}
+    if len(bits) == 1 and bits <= {4, 8} and holds_packed(bits.pop()):
+        fits = {t: ckpt.packed_fit(t) for t in dict.fromkeys(parts)}  # each matrix's scales once
+        helds = {held for _, held in fits.values()}
+        if None not in helds and all(expert_groups(ckpt, parts, fits)):
+            return max(helds, key=PACKED_ROWS.index)  # int4 rows with offsets hold any int4
     return np.dtype(np.float32)
 
 
 def expert_groups(
     ckpt: Checkpoint, parts: list[TensorInfo], fits: dict | None = None
 ) -> tuple[int, int]:
-    """The group widths of int4 experts' rows as INT4_ROWS (INT4Z_ROWS) holds them: (gate and
-    up, down), each 0 unless every such matrix among `parts` (gate, up, down, gate, ...) fits
-    the one (`fits`: their `Checkpoint.int4_fit`s where already found)."""
+    """The group widths of pack-quantized experts' rows as INT4_ROWS (INT4Z_ROWS, INT8_ROWS)
+    hold them: (gate and up, down), each 0 unless every such matrix among `parts` (gate, up,
+    down, gate, ...) fits the one (`fits`: their `Checkpoint.packed_fit`s where found)."""
     fits = fits or {}
     found = []
     for which in (slice(0, None, 3), slice(1, None, 3), slice(2, None, 3)):
         widths = {
-            fits[t][0] if t in fits else ckpt.int4_group(t) for t in dict.fromkeys(parts[which])
+            (fits[t] if t in fits else ckpt.packed_fit(t))[0] for t in dict.fromkeys(parts[which])
         }
         found.append(widths.pop() if len(widths) == 1 else 0)
     gate, up, down = found
@@ -147,19 +153,20 @@ def row_blocks(ckpt: Checkpoint, cfg: ModelConfig, held: np.dtype) -> tuple[int,
     weights (gate, up) and of F (down); (0, 0) for float32 and bfloat16."""
     if np.dtype(held) == FP8_ROWS:
         return ckpt.fp8_block[1], ckpt.fp8_block[1]
-    if np.dtype(held) in (INT4_ROWS, INT4Z_ROWS):
+    if np.dtype(held) in PACKED_ROWS:
         layer = cfg.moe_layer_ids[0]
         return expert_groups(ckpt, [t for t, _, _ in expert_slab(ckpt, cfg, layer, 0).parts])
     return 0, 0
 
 
-def holds_int4(dense: bool = False) -> bool:
-    """Whether colibri keeps a pack-quantized checkpoint's int4 matrices as int4 rows (their
-    bytes and group scales, about an eighth of the bytes of float32) rather than dequantizing
-    them to float32 at load: the routed experts (`expert_dtype`) unless `COLIBRI_INT4=0`, the
-    other matrices (`load_dense`, `dense`) unless `COLIBRI_INT4` is 0 or `experts` (which
-    trades their memory for the widening they cost steps of many rows)."""
-    mode = os.environ.get("COLIBRI_INT4", "1")
+def holds_packed(bits: int, dense: bool = False) -> bool:
+    """Whether colibri keeps a pack-quantized checkpoint's `bits`-bit matrices (4 or 8) as
+    rows of their values and group scales (int4 rows: about an eighth of the bytes of float32;
+    int8 rows: about a quarter) rather than dequantizing them to float32 at load: the routed
+    experts (`expert_dtype`) unless `COLIBRI_INT4` (`COLIBRI_INT8`) is 0, the other matrices
+    (`load_dense`, `dense`) unless it is 0 or `experts` (which trades their memory for the
+    widening they cost steps of many rows)."""
+    mode = os.environ.get(f"COLIBRI_INT{bits}", "1")
     return mode != "0" and not (dense and mode == "experts")
 
 
@@ -180,13 +187,14 @@ def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
 def held_cols(n: int, held: np.dtype, block: int) -> int:
     """Elements a matrix row of n weights takes held as `held`: n, for FP8_ROWS n values and
     n / block float32 scales, for INT4_ROWS n / 2 bytes of values and n / block scales, for
-    INT4Z_ROWS n / 8 words of values and n / block scales and offsets."""
-    if np.dtype(held) not in (FP8_ROWS, INT4_ROWS, INT4Z_ROWS):
+    INT4Z_ROWS n / 8 words of values and n / block scales and offsets, for INT8_ROWS n / 4
+    words of values and n / block scales and offsets."""
+    if np.dtype(held) not in (FP8_ROWS, *PACKED_ROWS):
         return n
     if block <= 0:
         raise CheckpointError(f"rows of {n} weights held as {np.dtype(held)} need scale blocks")
-    if np.dtype(held) == INT4Z_ROWS:
-        return n // 8 + 2 * (n // block)
+    if np.dtype(held) in (INT4Z_ROWS, INT8_ROWS):
+        return n // (8 if np.dtype(held) == INT4Z_ROWS else 4) + 2 * (n // block)
     return (n if np.dtype(held) == FP8_ROWS else n // 2) + 4 * (n // block)
 
 
@@ -226,8 +234,8 @@ def read_expert(
 def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
     """Every weight except routed experts, as float32 numpy arrays, shape-checked; a
     block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`), a
-    pack-quantized one's int4 matrices as int4 rows where they fit (`holds_int4`)."""
-    ckpt = _Matrices(ckpt, holds_fp8(), holds_int4(dense=True))
+    pack-quantized one's int4 and int8 matrices as their rows where they fit (`holds_packed`)."""
+    ckpt = _Matrices(ckpt, holds_fp8(), {b: holds_packed(b, dense=True) for b in (4, 8)})
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:
@@ -248,11 +256,11 @@ _QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
 
 class _Matrices:
     """The checkpoint as load_dense reads it: FP8 matrices as FP8 rows where they fit (when
-    `fp8`), int4 ones as int4 rows where they fit (when `int4`; with zero points, INT4Z_ROWS),
-    everything else as float32."""
+    `fp8`), pack-quantized ones as their rows where they fit (when `packed[bits]`: INT4_ROWS,
+    INT4Z_ROWS with zero points, INT8_ROWS), everything else as float32."""
 
-    def __init__(self, ckpt: Checkpoint, fp8: bool, int4: bool):
-        self._ckpt, self._fp8, self._int4 = ckpt, fp8, int4
+    def __init__(self, ckpt: Checkpoint, fp8: bool, packed: dict[int, bool]):
+        self._ckpt, self._fp8, self._packed = ckpt, fp8, packed
 
     def __contains__(self, name: str) -> bool:
         return name in self._ckpt
@@ -263,10 +271,9 @@ class _Matrices:
             t = self._ckpt.info(name)
             if self._fp8 and t.dtype == "F8_E4M3" and fp8_rows_fit(self._ckpt, shape[1]):
                 held = FP8_ROWS
-            elif self._int4 and t.shape == tuple(shape):
-                group, zero_points = self._ckpt.int4_fit(t)
-                if group:
-                    held = INT4Z_ROWS if zero_points else INT4_ROWS
+            elif self._packed.get(PACKED_BITS.get(t.dtype)) and t.shape == tuple(shape):
+                group, rows = self._ckpt.packed_fit(t)
+                held = rows if group else held
         return self._ckpt.read(name, shape, held)
 
 

@@ -96,8 +96,9 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
 def expert_call(lib_path: Path, name: str):
     """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
     over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, over FP8 rows
-    (uint8) its fp8 one, `name`_fp8, over int4 rows (int8) `name`_int4 and over int4 rows
-    with zero points (uint32) `name`_int4z, where it has them."""
+    (uint8) its fp8 one, `name`_fp8, over int4 rows (int8) `name`_int4, over int4 rows with
+    zero points (uint32) `name`_int4z and over int8 rows (int32) `name`_int8, where it has
+    them."""
     registered(lib_path, "ColibriMoeExperts", name)
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     variants = {jnp.dtype(jnp.float32): name}
@@ -106,6 +107,7 @@ def expert_call(lib_path: Path, name: str):
         (jnp.uint8, "Fp8", "fp8"),
         (jnp.int8, "Int4", "int4"),
         (jnp.uint32, "Int4z", "int4z"),
+        (jnp.int32, "Int8", "int8"),
     )
     for dtype, symbol, suffix in kinds:
         if hasattr(lib, f"ColibriMoeExperts{symbol}"):

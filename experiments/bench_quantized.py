@@ -1,4 +1,4 @@
-"""python experiments/bench_quantized.py [--format fp8|int4|awq4] [--shapes qwen3_moe,olmoe]
+"""python experiments/bench_quantized.py [--format fp8|int4|awq4|int8] [--shapes qwen3_moe,olmoe]
                                      [--level kernel,engine] [--passes N]
 
 What holding a quantized checkpoint's routed experts in their quantized form buys against the
@@ -12,7 +12,10 @@ benchmark's shapes (experiments/bench_peers.py):
   scales), against COLIBRI_INT4=0;
 - --format awq4: AutoAWQ's int4 with zero points (a float16 scale and a zero point per 128
   columns), held as int4 rows with zero points (values eight a word, then the group scales
-  and offsets), against COLIBRI_INT4=0.
+  and offsets), against COLIBRI_INT4=0;
+- --format int8: pack-quantized int8 (compressed-tensors' W8A16, a bfloat16 scale per 128
+  columns), held as int8 rows (values four a word, then the group scales and offsets),
+  against COLIBRI_INT8=0.
 The CPU kernel widens and scales the quantized rows exactly as it loads them.
 
 --level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
@@ -26,7 +29,7 @@ conversations at a time, --passes (default 2) x 24 bursts each; tokens must agre
 
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
-experiments/results/fp8.md (int4.md, awq4.md) and .json.
+experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from colibri.checkpoint import (  # noqa: E402
     FP8_ROWS,
     INT4_ROWS,
     INT4Z_ROWS,
+    INT8_ROWS,
     Fp8Scales,
     GroupScales,
     integer_grid,
@@ -62,7 +66,7 @@ from colibri.report import markdown_table, write_report  # noqa: E402
 from colibri.weights import expert_shapes  # noqa: E402
 
 BLOCK = 128  # fp8: the side of a block sharing one scale
-GROUP = 128  # int4: the columns sharing one scale
+GROUP = 128  # int4, int8: the columns sharing one scale
 
 
 def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -76,17 +80,23 @@ def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(rows), np.stack(wide)
 
 
-def int4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Experts [S, R, C] pack-quantized one by one: (int4 rows, the float32 they stand for)."""
+def int4_pair(a: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [S, R, C] pack-quantized one by one: (int4 rows, or int8 rows for 8 bits, the
+    float32 they stand for)."""
     rows, wide = [], []
     for w in np.asarray(a, np.float32):
-        packed, scale, _ = quantize_packed(w, 4, GROUP)
+        packed, scale, _ = quantize_packed(w, bits, GROUP)
         C = w.shape[1]
-        scales = GroupScales(scale, np.arange(C) // GROUP, 4, C, GROUP)
+        scales = GroupScales(scale, np.arange(C) // GROUP, bits, C, GROUP)
         raw = packed.view(np.uint8).reshape(-1)
-        rows.append(scales.pack(raw).reshape(w.shape[0], -1))
+        rows.append(scales.pack(raw, scales.held).reshape(w.shape[0], -1))
         wide.append(scales.dequantize(raw).reshape(w.shape))
     return np.stack(rows), np.stack(wide)
+
+
+def int8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [S, R, C] pack-quantized to int8 one by one: (int8 rows, their float32)."""
+    return int4_pair(a, 8)
 
 
 def awq4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +108,7 @@ def awq4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         u, C = q.astype(np.uint8), w.shape[1]
         raw = np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1)
         scales = GroupScales(scale, np.arange(C) // GROUP, 4, C, GROUP, zero - 8)
-        rows.append(scales.pack(raw, INT4Z_ROWS))
+        rows.append(scales.pack(raw, INT4Z_ROWS).reshape(w.shape[0], -1))
         wide.append(scales.dequantize(raw).reshape(w.shape))
     return np.stack(rows), np.stack(wide)
 
@@ -136,6 +146,15 @@ FORMATS = {
         title="AWQ int4 experts held as int4 rows with zero points or dequantized to float32",
         note=f"AutoAWQ GEMM int4, a float16 scale and a zero point per {GROUP} columns.",
     ),
+    "int8": dict(
+        held=INT8_ROWS,
+        env="COLIBRI_INT8",
+        pair=int8_pair,
+        synth=dict(group=GROUP),
+        blocks=(GROUP, GROUP),
+        title="int8 experts held as int8 rows or dequantized to float32",
+        note=f"Pack-quantized int8 (compressed-tensors W8A16), a scale per {GROUP} columns.",
+    ),
 }
 
 
@@ -160,7 +179,7 @@ def kernel_level(ckpt: Path, fmt: str, rows: int, passes: int) -> dict:
 
 def engine(ckpt: Path, fmt: str, switch: str):
     """(runner, first tokens of 16 conversations) with the format's switch (COLIBRI_FP8,
-    COLIBRI_INT4) set to `switch`: "0" dequantizes at load."""
+    COLIBRI_INT4, COLIBRI_INT8) set to `switch`: "0" dequantizes at load."""
     f = FORMATS[fmt]
     runner, first = engine_under(ckpt, {f["env"]: switch})
     assert (runner.model.store.held == f["held"]) == (switch != "0")

@@ -66,12 +66,14 @@ def test_synth_fp8_then_generate_with_experts_on_disk(tmp_path):
         ("int4", "compressed-tensors", b"routed experts as int4 rows"),
         ("gptq4", "gptq", b"routed experts as int4 rows"),
         ("awq4", "awq", b"routed experts as int4 rows with zero points"),
+        ("gptq8", "gptq", b"routed experts as int8 rows"),
     ],
 )
 def test_synth_int4_then_generate_with_experts_on_disk(tmp_path, dtype, method, held):
     """`colibri synth --dtype int4` writes a compressed-tensors W4A16 checkpoint (`gptq4` a
-    GPTQ one, `awq4` an AWQ one) that `colibri generate` decodes resident and with its experts
-    read from disk (packed, a quarter of the bytes of bf16): the same text."""
+    GPTQ one, `awq4` an AWQ one, `gptq8` an 8-bit GPTQ one) that `colibri generate` decodes
+    resident and with its experts read from disk (packed, a quarter of the bytes of bf16 or
+    half): the same text."""
     out = tmp_path / dtype
     synth = [sys.executable, "-m", "colibri.cli", "synth", "--family", "qwen2_moe"]
     synth += ["--layers", "2", "--experts", "8", "--top-k", "2", "--hidden", "64"]

@@ -20,6 +20,7 @@ from colibri import kernels
 from colibri.checkpoint import (
     INT4_ROWS,
     INT4Z_ROWS,
+    INT8_ROWS,
     Checkpoint,
     Fp8Scales,
     quantize_awq,
@@ -264,11 +265,13 @@ def test_the_native_kernel_refuses_rows_that_are_not_fp8_rows():
         kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()
 
 
-def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, awq: bool = False):
-    """Random experts pack-quantized to int4 (a bfloat16 scale per `group` columns; `awq`:
-    AWQ's, with zero points and float16 scales) and read back through a checkpoint: (int4 rows
-    [S, R, C / 2 + 4 C / group] as the engine holds them, INT4Z_ROWS [S, R, C / 8 + 2 C / group]
-    for AWQ, the float32 [S, R, C] they dequantize to)."""
+def packed_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, kind: str = "int4"):
+    """Random experts pack-quantized (`kind` "int4", "int8": a bfloat16 scale per `group`
+    columns; "awq": AWQ's int4, with zero points and float16 scales) and read back through a
+    checkpoint: (their rows as the engine holds them: int4 rows [S, R, C / 2 + 4 C / group],
+    INT4Z_ROWS [S, R, C / 8 + 2 C / group] for AWQ, INT8_ROWS [S, R, C / 4 + 2 C / group]; the
+    float32 [S, R, C] they dequantize to)."""
+    awq = kind == "awq"
     S, R, C = shape
     tensors, kinds = {}, {}
     for e in range(S):
@@ -278,16 +281,16 @@ def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, awq: bool 
                 tensors[f"e{e}.{part}"] = arr
                 kinds[f"e{e}.{part}"] = "F16" if part == "scales" else "I32"
             continue
-        packed, scale, dims = quantize_packed(w, 4, group)
-        for part, arr, kind in (("packed", packed, "I32"), ("scale", scale, "BF16")):
-            tensors[f"e{e}.weight_{part}"], kinds[f"e{e}.weight_{part}"] = arr, kind
+        packed, scale, dims = quantize_packed(w, 8 if kind == "int8" else 4, group)
+        for part, arr, dtype in (("packed", packed, "I32"), ("scale", scale, "BF16")):
+            tensors[f"e{e}.weight_{part}"], kinds[f"e{e}.weight_{part}"] = arr, dtype
         tensors[f"e{e}.weight_shape"], kinds[f"e{e}.weight_shape"] = dims, "I64"
     write_safetensors(tmp_path / "model.safetensors", tensors, "F32", kinds)
     if awq:
         config = {"quantization_config": awq_quantization(group)}
         (tmp_path / "config.json").write_text(json.dumps(config))
     ck = Checkpoint(tmp_path)
-    held = INT4Z_ROWS if awq else INT4_ROWS
+    held = {"int4": INT4_ROWS, "awq": INT4Z_ROWS, "int8": INT8_ROWS}[kind]
     rows = [ck.read(f"e{e}.weight", (R, C), held) for e in range(S)]
     wide = [ck.read(f"e{e}.weight", (R, C)) for e in range(S)]
     return np.stack(rows), np.stack(wide)
@@ -300,26 +303,29 @@ def int4_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, awq: bool 
     kf=st.integers(1, 3),
     rows=st.integers(1, 16),
     plan=st.sampled_from([p for native, p in PLANS if not native]),
-    awq=st.booleans(),
+    kind=st.sampled_from(["int4", "awq", "int8"]),
     seed=st.integers(0, 2**16),
 )
-def test_int4_rows_compute_bitwise_what_the_dequantized_weights_do(
-    tmp_path_factory, group, kd, kf, rows, plan, awq, seed
+def test_packed_rows_compute_bitwise_what_the_dequantized_weights_do(
+    tmp_path_factory, group, kd, kf, rows, plan, kind, seed
 ):
     """Experts held as int4 rows (each row's four-bit values two a byte, then its group
-    scales; AWQ's with zero points: words of values, scales, offsets) give in the native
-    kernel bitwise the outputs of the dequantized float32 weights (out-of-range ids included);
-    in XLA's loops (`plan`) the same to float32 rounding, and the widened rows are exactly the
-    dequantized weights."""
+    scales; AWQ's with zero points: words of values, scales, offsets) or int8 rows (words of
+    byte values, scales, offsets) give in the native kernel bitwise the outputs of the
+    dequantized float32 weights (out-of-range ids included); in XLA's loops (`plan`) the same
+    to float32 rounding, and the widened rows are exactly the dequantized weights."""
     rng = np.random.default_rng(seed)
     S, K, dim, ff = 5, 3, group * kd, group * kf
     shapes = {"gate": (S, ff, dim), "up": (S, ff, dim), "down": (S, dim, ff)}
     packed, wide = {}, {}
     for k, shape in shapes.items():
-        packed[k], wide[k] = int4_rows(rng, shape, group, tmp_path_factory.mktemp(k), awq)
-    if awq:
+        packed[k], wide[k] = packed_rows(rng, shape, group, tmp_path_factory.mktemp(k), kind)
+    if kind == "awq":
         assert packed["gate"].shape == (S, ff, dim // 8 + 2 * kd)
         assert packed["gate"].dtype == np.uint32
+    elif kind == "int8":
+        assert packed["gate"].shape == (S, ff, dim // 4 + 2 * kd)
+        assert packed["gate"].dtype == np.int32
     else:
         assert packed["gate"].shape == (S, ff, dim // 2 + 4 * kd)
         assert packed["gate"].dtype == np.int8
@@ -341,5 +347,19 @@ def test_the_native_kernel_refuses_rows_that_are_not_int4_rows():
     ids = jnp.zeros((2, 1), jnp.int32)
     np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
     bad = jnp.zeros((3, 8, 8 + 16), jnp.int8)  # four scales: groups of 4
+    with pytest.raises(Exception, match="not L values and L / b scales"):
+        kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()
+
+
+def test_the_native_kernel_refuses_rows_that_are_not_int8_rows():
+    """int32 experts go to the int8 target, which checks that each row is L bytes of values
+    and L / g float32 scales and offsets with g a multiple of 8 dividing L."""
+    x = jnp.ones((2, 16), jnp.float32)
+    gate = jnp.zeros((3, 8, 4 + 2 * 2), jnp.int32)  # 16 values in 4 words, 2 groups of 8
+    down = jnp.zeros((3, 16, 2 + 2 * 1), jnp.int32)
+    assert kernels.usable_weights(x, gate, gate, down)
+    ids = jnp.zeros((2, 1), jnp.int32)
+    np.testing.assert_array_equal(kernels.moe_experts(gate, gate, down, x, ids), 0)
+    bad = jnp.zeros((3, 8, 4 + 2 * 4), jnp.int32)  # four groups: of 4
     with pytest.raises(Exception, match="not L values and L / b scales"):
         kernels.moe_experts(bad, bad, down, x, ids).block_until_ready()

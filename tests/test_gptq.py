@@ -1,7 +1,7 @@
 """GPTQ checkpoints (Qwen's "-GPTQ-Int4" releases, AutoGPTQ and GPTQModel output) and AutoAWQ's:
-read as float32 exactly as the layouts GPTQ and AWQ document give them, symmetric 4-bit GPTQ
-held as int4 rows, against transformers on the same weights, with clear errors, on every
-tier."""
+read as float32 exactly as the layouts GPTQ and AWQ document give them, held as int4 rows
+(with zero points where they have them) or int8 rows, against transformers on the same
+weights, with clear errors, on every tier."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from colibri.checkpoint import (
     INT4_ROWS,
     INT4Z_ROWS,
+    INT8_ROWS,
     Checkpoint,
     CheckpointError,
     quantize_awq,
@@ -48,28 +49,31 @@ def _write(tmp_path, weights: dict, quant: dict | None, scale_dtype="F16", where
     return Checkpoint(tmp_path)
 
 
-def _int4_rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, bool]:
-    """Where weight `name` fits int4 rows (`int4_fit`): its rows as held (INT4_ROWS, or with
-    zero points INT4Z_ROWS) decoded here, value by value, are `want` bitwise. Returns the fit."""
-    group, zero_points = ck.int4_fit(ck.info(name))
+def _rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, np.dtype | None]:
+    """Where weight `name` fits rows of its values (`packed_fit`): its rows as held (INT4_ROWS,
+    with zero points INT4Z_ROWS, 8-bit INT8_ROWS) decoded here, value by value, are `want`
+    bitwise. Returns the fit."""
+    group, held = ck.packed_fit(ck.info(name))
     if not group:
-        return group, zero_points
+        return group, held
     rows, cols = want.shape
-    held = ck.read(name, held=INT4Z_ROWS if zero_points else INT4_ROWS)
-    if zero_points:
-        words, g = held[:, : cols // 8], cols // group
-        q = (words[:, :, None] >> np.arange(0, 32, 4, dtype=np.uint32)) & 15
-        scales = held[:, cols // 8 : cols // 8 + g].copy().view("<f4").astype(np.float64)
-        offsets = held[:, cols // 8 + g :].copy().view("<f4").astype(np.float64)
-        # fma(q, s, -z s): the exact q s - z s, rounded once to float32.
-        wide = q.reshape(rows, cols) * np.repeat(scales, group, 1) + np.repeat(offsets, group, 1)
-        np.testing.assert_array_equal(wide.astype(np.float32), want)
-    else:
-        nibbles = held[:, : cols // 2].view(np.uint8)
+    words = ck.read(name, held=held)
+    if held == INT4_ROWS:
+        nibbles = words[:, : cols // 2].view(np.uint8)
         q = np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols) - 8.0
-        scales = held[:, cols // 2 :].copy().view("<f4")
+        scales = words[:, cols // 2 :].copy().view("<f4")
         np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, 1), want)
-    return group, zero_points
+        return group, held
+    bits = 4 if held == INT4Z_ROWS else 8
+    n, g = cols * bits // 32, cols // group
+    words = words.view(np.uint32)
+    q = (words[:, :n, None] >> np.arange(0, 32, bits, dtype=np.uint32)) & (2**bits - 1)
+    scales = words[:, n : n + g].copy().view("<f4").astype(np.float64)
+    offsets = words[:, n + g :].copy().view("<f4").astype(np.float64)
+    # fma(q, s, -z s): the exact q s - z s, rounded once to float32.
+    wide = q.reshape(rows, cols) * np.repeat(scales, group, 1) + np.repeat(offsets, group, 1)
+    np.testing.assert_array_equal(wide.astype(np.float32), want)
+    return group, held
 
 
 def test_words_hold_input_columns_from_the_lowest_bits(tmp_path):
@@ -131,12 +135,12 @@ def test_a_weight_reads_as_the_gptq_layout_gives_it(
     np.testing.assert_array_equal(got, want)
     err = np.abs(got - w).max(axis=1) / np.abs(w).max(axis=1)
     assert 0 < err.max() < 2.0 / 2**bits  # a step of the row's widest group, or so
-    # 4-bit weights in consecutive groups of a multiple of 8 are int4 rows: symmetric ones the
-    # compressed-tensors integers with the words transposed, others with their zero points;
-    # activation order and 8 bits stay float32.
-    fits = bits == 4 and not act_order
-    fit = _int4_rows_widen_to(ck, "a.weight", got)
-    assert fit == (((group or 96), not sym) if fits else (0, False))
+    # Weights in consecutive groups of a multiple of 8 are rows of their values: symmetric
+    # 4-bit ones the compressed-tensors integers with the words transposed, other 4-bit ones
+    # with their zero points, 8-bit ones as int8 rows; activation order stays float32.
+    held = INT8_ROWS if bits == 8 else INT4_ROWS if sym else INT4Z_ROWS
+    fit = _rows_widen_to(ck, "a.weight", got)
+    assert fit == ((group or 96, held) if not act_order else (0, None))
     with pytest.raises(CheckpointError, match=r"'a.weight' is read whole .*'a.qweight'"):
         ck.read_part(t, 0, 48)
 
@@ -158,7 +162,8 @@ def test_any_gptq_weight_reads_as_its_layout_gives_it(
     tmp_path_factory, bits, rows, groups, size, sym, v2, act_order, seed
 ):
     """Any shape, bits, grouping, zero points and layout: the float32 read is the reference's
-    bitwise, and where the weight fits int4 rows, those rows widen to the same numbers."""
+    bitwise, and where the weight fits rows of its values (int4, int4 with zero points, int8),
+    those rows widen to the same numbers."""
     rng = np.random.default_rng(seed)
     cols = groups * size
     w = (rng.standard_normal((rows, cols)) + rng.uniform(-1, 1, (rows, 1))).astype(np.float32)
@@ -176,13 +181,17 @@ def test_any_gptq_weight_reads_as_its_layout_gives_it(
         *(parts[k] for k in ("qweight", "qzeros", "scales", "g_idx")), bits, fmt
     )
     np.testing.assert_array_equal(got, want)
-    group, zero_points = _int4_rows_widen_to(ck, "a.weight", got)
+    group, held = _rows_widen_to(ck, "a.weight", got)
     midpoints = 0x88888888 if v2 else 0x77777777  # every 4-bit zero point 8 (stored as 7)
-    consecutive = np.array_equal(parts["g_idx"], np.arange(cols) // size)
-    fits = bits == 4 and consecutive
+    fits = np.array_equal(parts["g_idx"], np.arange(cols) // size)  # consecutive groups
     assert group == (size if fits else 0)
-    assert zero_points == (fits and not (parts["qzeros"].view(np.uint32) == midpoints).all())
-    assert fits or act_order or bits == 8
+    if not fits:
+        assert held is None and act_order
+    elif bits == 8:
+        assert held == INT8_ROWS
+    else:
+        symmetric = (parts["qzeros"].view(np.uint32) == midpoints).all()
+        assert held == (INT4_ROWS if symmetric else INT4Z_ROWS)
 
 
 def test_awq_words_hold_outputs_in_its_interleaved_order(tmp_path):
@@ -211,7 +220,7 @@ def test_a_single_block_awq_weight_becomes_int4_rows(tmp_path):
     buffer is not written)."""
     w = np.random.default_rng(5).standard_normal((8, 8)).astype(np.float32)
     ck = _write(tmp_path, {"a.weight": quantize_awq(w, 8)}, awq_quantization(8))
-    assert _int4_rows_widen_to(ck, "a.weight", ck.read("a.weight")) == (8, True)
+    assert _rows_widen_to(ck, "a.weight", ck.read("a.weight")) == (8, INT4Z_ROWS)
 
 
 @pytest.mark.parametrize("group, scale_dtype", [(16, "F16"), (0, "F16"), (32, "BF16")], ids=str)
@@ -228,7 +237,7 @@ def test_an_awq_weight_reads_as_its_layout_gives_it(tmp_path, group, scale_dtype
     np.testing.assert_array_equal(got, want)
     err = np.abs(got - w).max(axis=1) / np.abs(w).max(axis=1)
     assert 0 < err.max() < 2.0 / 2**4
-    assert _int4_rows_widen_to(ck, "a.weight", got) == (group or 64, True)
+    assert _rows_widen_to(ck, "a.weight", got) == (group or 64, INT4Z_ROWS)
 
 
 def test_the_original_format_cannot_hold_a_zero_point_of_zero():

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from colibri import kernels
 from colibri.checkpoint import (
     INT4Z_ROWS,
+    INT8_ROWS,
     Fp8Scales,
     GroupScales,
     integer_grid,
@@ -142,7 +143,42 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     raw = np.ascontiguousarray(u[:, 0::2] | (u[:, 1::2] << 4)).reshape(-1)
     scales = GroupScales(scale, np.arange(dim_in) // group, 4, dim_in, group, zero - 8)
     held, wide = scales.pack(raw, INT4Z_ROWS), scales.dequantize(raw).reshape(w.shape)
+    held = held.reshape(dim_out, -1)
     assert held.dtype == np.uint32 and held.shape == (dim_out, dim_in // 8 + 2 * groups)
+    _held_linear_is_widened_linear(x, held, wide)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    groups=st.integers(1, 5),
+    group=st.sampled_from([8, 16, 32]),
+    dim_out=st.integers(1, 70),
+    sym=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_over_int8_rows_is_linear_over_the_dequantized_weights(
+    rows, groups, group, dim_out, sym, seed
+):
+    """Weights held as int8 rows (bytes of values four a word, group scales, offsets):
+    compressed-tensors' symmetric ones (zero point 128) and GPTQ's asymmetric grid, up to 16
+    rows (the native kernel) bitwise what the dequantized float32 weights give, each row as
+    it is alone; more rows (XLA) the same to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    dim_in = groups * group
+    x = rng.standard_normal((rows, dim_in)).astype(np.float32)
+    w = rng.standard_normal((dim_out, dim_in)).astype(np.float32)
+    if sym:
+        packed, scale, _ = quantize_packed(w, 8, group)
+        raw, zeros = packed.view(np.uint8).reshape(-1), None
+    else:
+        q, zero, scale, _ = integer_grid(w + rng.uniform(-1, 1, (dim_out, 1)), 8, group, False)
+        raw, zeros = q.astype(np.uint8).reshape(-1), zero - 128
+    scales = GroupScales(scale, np.arange(dim_in) // group, 8, dim_in, group, zeros)
+    assert scales.held == INT8_ROWS
+    held = scales.pack(raw, INT8_ROWS).reshape(dim_out, -1)
+    wide = scales.dequantize(raw).reshape(w.shape)
+    assert held.dtype == np.int32 and held.shape == (dim_out, dim_in // 4 + 2 * groups)
     _held_linear_is_widened_linear(x, held, wide)
 
 

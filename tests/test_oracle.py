@@ -32,6 +32,7 @@ EXTRA = [
     ("mixtral", "int4"),
     ("qwen2_moe", "gptq4"),
     ("mixtral", "awq4"),
+    ("olmoe", "int8"),
 ]
 
 

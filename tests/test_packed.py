@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import tiny
 
-from colibri.checkpoint import Checkpoint, CheckpointError, quantize_packed, write_safetensors
+from colibri.checkpoint import (
+    INT4_ROWS,
+    Checkpoint,
+    CheckpointError,
+    quantize_packed,
+    write_safetensors,
+)
 from colibri.config import ConfigError, config_from_dict
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
@@ -86,13 +92,9 @@ def test_activation_order_groups_come_from_g_idx(tmp_path):
     want = _reference(packed, scale, shape, 4, 16, g_idx)
     np.testing.assert_array_equal(ck.read("a.weight"), want)
     assert not np.array_equal(want, _reference(packed, scale, shape, 4, 16))
-    assert ck.int4_group(ck.info("a.weight")) == 0  # not int4 rows: dequantized at load
-    assert (
-        _write(tmp_path, {"a.weight": (packed, scale, shape)}).int4_group(
-            Checkpoint(tmp_path).info("a.weight")
-        )
-        == 16
-    )
+    assert ck.packed_fit(ck.info("a.weight")) == (0, None)  # dequantized at load
+    ck = _write(tmp_path, {"a.weight": (packed, scale, shape)})
+    assert ck.packed_fit(ck.info("a.weight")) == (16, INT4_ROWS)
     bad = np.full(64, 4, np.int32)
     ck = _write(tmp_path, {"a.weight": (packed, scale, shape)}, extra={"a.weight_g_idx": bad})
     with pytest.raises(CheckpointError, match=r"'a.weight_g_idx' must give each of the 64"):
@@ -201,11 +203,11 @@ def test_synth_int4_is_compressed_tensors_layout_and_matches_transformers(tmp_pa
     model.store.close()
 
 
-@pytest.mark.parametrize("dtype, held", [("int4", np.int8), ("int8", np.float32)])
+@pytest.mark.parametrize("dtype, held", [("int4", np.int8), ("int8", np.int32)])
 def test_placement_never_changes_packed_logits(checkpoints, dtype, held):
     """Routed experts read from disk (their packed bytes and a few scales) and staged through
-    RAM and the device slots, as int4 rows or dequantized on the way: prefill and decode
-    logits bitwise those of the resident model."""
+    RAM and the device slots, as int4 or int8 rows: prefill and decode logits bitwise those
+    of the resident model."""
     d = checkpoints("qwen2_moe", dtype)
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7, 19, 20, 23]]
     got = []
@@ -220,22 +222,30 @@ def test_placement_never_changes_packed_logits(checkpoints, dtype, held):
     np.testing.assert_array_equal(got[0][1], got[1][1])
 
 
-@pytest.mark.parametrize("tiered", [False, True])
-def test_int4_rows_decode_what_dequantized_weights_do(tiered, checkpoints, monkeypatch):
-    """A pack-quantized checkpoint's int4 matrices are held as int4 rows (bytes of values and
-    group scales: under a quarter of the bytes of float32 here, about an eighth with groups of
-    128): the routed experts in every tier, and the attention's and shared experts' matrices.
-    Wherever the CPU kernels compute (decode, prefill of up to 16 tokens) the logits are
-    bitwise those of the matrices dequantized to float32 at load (COLIBRI_INT4=0); a longer
-    prefill, in XLA's products, the same to float32 rounding."""
-    d = checkpoints("deepseek_v3", "int4")
-    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", tiered, monkeypatch)
+@pytest.mark.parametrize(
+    "dtype, tiered, rows, nbytes",  # bytes a weight held: tests/tiny.py's groups of 8 columns
+    [("int4", False, np.int8, 1), ("int4", True, np.int8, 1), ("int8", True, np.int32, 2)],
+)
+def test_packed_rows_decode_what_dequantized_weights_do(
+    dtype, tiered, rows, nbytes, checkpoints, monkeypatch
+):
+    """A pack-quantized checkpoint's int4 (int8) matrices are held as int4 (int8) rows: bytes
+    of values and group scales, here under a quarter (a half) of the bytes of float32, about
+    an eighth (a quarter) with groups of 128; the routed experts in every tier, and the
+    attention's and shared experts' matrices. Wherever the CPU kernels compute (decode,
+    prefill of up to 16 tokens) the logits are bitwise those of the matrices dequantized to
+    float32 at load (COLIBRI_INT4=0, COLIBRI_INT8=0); a longer prefill, in XLA's products,
+    the same to float32 rounding."""
+    d = checkpoints("deepseek_v3", dtype)
+    got = tiny.held_and_dequantized(d, f"COLIBRI_{dtype.upper()}", tiered, monkeypatch)
     (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got
-    assert (h4, h32) == (np.int8, np.float32)
-    assert d4 == (np.int8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
+    assert (h4, h32) == (rows, np.float32)
+    assert d4 == (rows, np.float32, np.float32)  # attention's matrices too; norms, lm_head
     assert d32 == (np.float32, np.float32, np.float32)  # not quantized in the checkpoint
-    F, D = 32, 64  # tests/tiny.py's deepseek_v3: groups of 8 columns, a scale per 8 values
-    assert (eb4, eb32) == (3 * F * D * 1, 3 * F * D * 4)  # half a byte and half a scale each
+    F, D = 32, 64  # tests/tiny.py's deepseek_v3
+    # int4: half a byte and half a scale a weight; int8: a byte, an eighth of a scale and of
+    # an offset.
+    assert (eb4, eb32) == (3 * F * D * nbytes, 3 * F * D * 4)
     np.testing.assert_array_equal(pre4[:2], pre32[:2])
     np.testing.assert_array_equal(dec4[:, :2], dec32[:, :2])  # each row as it is alone
     np.testing.assert_allclose(pre4[2], pre32[2], rtol=1e-4, atol=1e-4)

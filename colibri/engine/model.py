@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 
 from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, INT4_ROWS, INT4Z_ROWS, PACKED_BITS, Checkpoint
+from colibri.checkpoint import FP8_ROWS, INT4_ROWS, INT4Z_ROWS, INT8_ROWS, PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -75,6 +75,8 @@ def load_model(
         how += ", routed experts as int4 rows"
     elif store.held == INT4Z_ROWS:
         how += ", routed experts as int4 rows with zero points"
+    elif store.held == INT8_ROWS:
+        how += ", routed experts as int8 rows"
     elif packed:
         bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
         kind = {"PACK": "pack-quantized", "GPTQ": "GPTQ", "AWQ": "AWQ"}[packed[0].rstrip("48")]

@@ -1,7 +1,7 @@
 """Native CPU kernels, built on first use with the system C++ compiler and called through XLA FFI.
 
 `moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32,
-bfloat16 bits or FP8 rows, widened exactly as they are loaded) and
+bfloat16 bits, FP8, int4 or int8 rows, widened exactly as they are loaded) and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
 the KV cache (see cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
 `request_cut(True)` raises to end the bursts running in this process after their current step.
@@ -38,11 +38,13 @@ _TARGETS = {
     "colibri_moe_experts_fp8": "ColibriMoeExpertsFp8",
     "colibri_moe_experts_int4": "ColibriMoeExpertsInt4",
     "colibri_moe_experts_int4z": "ColibriMoeExpertsInt4z",
+    "colibri_moe_experts_int8": "ColibriMoeExpertsInt8",
     "colibri_linear": "ColibriLinear",
     "colibri_linear_bf16": "ColibriLinearBf16",
     "colibri_linear_fp8": "ColibriLinearFp8",
     "colibri_linear_int4": "ColibriLinearInt4",
     "colibri_linear_int4z": "ColibriLinearInt4z",
+    "colibri_linear_int8": "ColibriLinearInt8",
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
@@ -142,8 +144,8 @@ def usable(*arrays: jax.Array) -> bool:
 
 def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
     """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32,
-    all bfloat16 bits (uint16), all FP8 rows (uint8), all int4 rows (int8) or all int4 rows
-    with zero points (uint32), on CPU, kernels built."""
+    all bfloat16 bits (uint16), all FP8 rows (uint8), all int4 rows (int8), all int4 rows
+    with zero points (uint32) or all int8 rows (int32), on CPU, kernels built."""
     return len({w.dtype for w in weights}) == 1 and weights[0].dtype in _HELD and usable(x)
 
 
@@ -154,6 +156,7 @@ _HELD = {
     jnp.dtype(jnp.uint8): "_fp8",
     jnp.dtype(jnp.int8): "_int4",
     jnp.dtype(jnp.uint32): "_int4z",
+    jnp.dtype(jnp.int32): "_int8",
 }
 
 
@@ -165,7 +168,8 @@ def moe_experts(
     float8_e4m3fn values, then its float32 block scales; `checkpoint.FP8_ROWS`) or int4 rows
     (int8: each row's four-bit values two a byte, then its float32 group scales;
     `checkpoint.INT4_ROWS`) or int4 rows with zero points (uint32 words: the same values, the
-    scales, then the offsets -zero x scale; `checkpoint.INT4Z_ROWS`); results are bitwise
+    scales, then the offsets -zero x scale; `checkpoint.INT4Z_ROWS`) or int8 rows (int32
+    words: values one a byte, scales, offsets; `checkpoint.INT8_ROWS`); results are bitwise
     those of the same weights widened (and scaled) to float32 beforehand."""
     _require()
     N, K = ids.shape
@@ -180,8 +184,9 @@ def moe_experts(
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., I] @ w.T for w [O, I] float32, bfloat16 bits (uint16), FP8 rows (uint8,
-    [O, I + 4 I / b]), int4 rows (int8, [O, I / 2 + 4 I / g]) or int4 rows with zero points
-    (uint32, [O, I / 8 + 2 I / g]): [..., O] float32."""
+    [O, I + 4 I / b]), int4 rows (int8, [O, I / 2 + 4 I / g]), int4 rows with zero points
+    (uint32, [O, I / 8 + 2 I / g]) or int8 rows (int32, [O, I / 4 + 2 I / g]): [..., O]
+    float32."""
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(

@@ -22,6 +22,9 @@
 // each row's L four-bit values as above, then its L / g float32 group scales s, then as many
 // offsets -z s (z the group's zero point, the product exact): a weight is fma(q, s, -z s),
 // (q - z) s rounded once, the float32 GPTQ's and AWQ's asymmetric weights dequantize to.
+// colibri_moe_experts_int8: int8 rows (int32 buffers, whole words a row): each row's L values
+// as stored, unsigned bytes, then its L / g float32 group scales s, then as many offsets -z s
+// (z the zero point, 128 when symmetric): a weight is fma(q, s, -z s), as for int4z.
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -31,7 +34,7 @@
 // colibri_linear: y [M, O] = x [M, I] . w [O, I]^T; colibri_linear_bf16: w as bfloat16 bits;
 // colibri_linear_fp8: w as FP8 rows [O, I + 4 I / b], colibri_linear_int4 as int4 rows
 // [O, I / 2 + 4 I / g], colibri_linear_int4z as int4 rows with zero points [O, I / 8 + 2 I / g]
-// words, as the experts above.
+// words, colibri_linear_int8 as int8 rows [O, I / 4 + 2 I / g] words, as the experts above.
 //
 // colibri_cut_requested: whether the host asked the decode bursts running in this process to
 // end after their current step (colibri_request_cut), read once per step.
@@ -154,26 +157,37 @@ struct Int4Z {
   uint8_t byte;
 };
 
-// Weights held with per-block scales after each row's values (FP8 rows, int4 rows).
+// A byte of int8 rows: one value, unsigned as stored; each group's scale and then its offset
+// (-zero point x scale) after the row's values.
+struct Int8Z {
+  uint8_t byte;
+};
+
+// Weights held with per-block scales after each row's values (FP8, int4 and int8 rows).
 template <typename T>
 constexpr bool kScaled =
-    std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z>;
+    std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z> ||
+    std::is_same_v<T, Int8Z>;
 
-// Rows that keep an offset per block after their scales (int4 rows with zero points).
+// Rows that keep an offset per block after their scales (int4 rows with zero points, int8).
 template <typename T>
-constexpr bool kOffsets = std::is_same_v<T, Int4Z>;
+constexpr bool kOffsets = std::is_same_v<T, Int4Z> || std::is_same_v<T, Int8Z>;
 
-// float32s a block of scaled rows keeps after the values: its scale, and for Int4Z its offset.
+// float32s a block of scaled rows keeps after the values: its scale, and for Int4Z and Int8Z
+// its offset.
 inline int64_t block_floats(const void*) { return 1; }
 inline int64_t block_floats(const Int4Z*) { return 2; }
+inline int64_t block_floats(const Int8Z*) { return 2; }
 
-// Bytes of L values of a row: L for FP8 (one a byte), L / 2 for int4, L * sizeof(T) else.
+// Bytes of L values of a row: L for FP8 and int8 (one a byte), L / 2 for int4, L * sizeof(T)
+// else.
 template <typename T>
 inline int64_t value_bytes(const T*, int64_t L) {
   return L * static_cast<int64_t>(sizeof(T));
 }
 inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
 inline int64_t value_bytes(const Int4Z*, int64_t L) { return L / 2; }
+inline int64_t value_bytes(const Int8Z*, int64_t L) { return L; }
 
 // The eight nibbles of four bytes (0 to 15, the stored values before their offset),
 // exactly, as float32: each lane shifts the word right to its nibble and masks it.
@@ -188,6 +202,19 @@ inline v8 nibbles8(const void* p) {
 #else
   v8 v;
   for (int i = 0; i < 8; ++i) v[i] = static_cast<float>((word >> (4 * i)) & 15);
+  return v;
+#endif
+}
+
+// Eight unsigned bytes, exactly, as float32.
+inline v8 bytes8(const void* p) {
+#if defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+#else
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(b[i]);
   return v;
 #endif
 }
@@ -211,10 +238,15 @@ template <bool Huge>
 inline v8 scaled8(const Int4Z* w, int64_t c, v8 scale, v8 offset) {
   return fma8(nibbles8(w + c / 2), scale, offset);
 }
+template <bool Huge>
+inline v8 scaled8(const Int8Z* w, int64_t c, v8 scale, v8 offset) {
+  return fma8(bytes8(w + c), scale, offset);
+}
 
-// Block k's stored offset in an Int4Z row (its values take vb bytes, its nb scales follow
-// them); only kOffsets rows have one (int4's, -8 s, scaled8 makes from the scale).
-inline float block_offset(const Int4Z* w, int64_t vb, int64_t nb, int64_t k) {
+// Block k's stored offset in an Int4Z or Int8Z row (its values take vb bytes, its nb scales
+// follow them); only kOffsets rows have one (int4's, -8 s, scaled8 makes from the scale).
+template <typename Q>
+inline float block_offset(const Q* w, int64_t vb, int64_t nb, int64_t k) {
   float o;
   std::memcpy(&o, reinterpret_cast<const char*>(w) + vb + 4 * (nb + k), sizeof o);
   return o;
@@ -226,9 +258,11 @@ inline float block_offset(const Int4Z* w, int64_t vb, int64_t nb, int64_t k) {
 inline float folded(const uint8_t*) { return 0x1p120f; }
 inline float folded(const Int4*) { return 1.0f; }
 inline float folded(const Int4Z*) { return 1.0f; }
+inline float folded(const Int8Z*) { return 1.0f; }
 inline bool too_big(const uint8_t*, float s) { return !(std::fabs(s) < 256.0f); }
 inline bool too_big(const Int4*, float) { return false; }
 inline bool too_big(const Int4Z*, float) { return false; }
+inline bool too_big(const Int8Z*, float) { return false; }
 
 // Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
 // XLA's threads may run with denormals-are-zero set. (Results still flush as the thread
@@ -432,6 +466,12 @@ inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* 
 
 template <int TW, int TR>
 inline void dots(const Int4Z* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+template <int TW, int TR>
+inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float* out,
                  int64_t blk) {
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
@@ -761,7 +801,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       yd.size() != 3)
     return ffi::Error::InvalidArgument("colibri_moe_experts: wrong ranks");
   const int64_t S = gd[0], F = gd[1], D = xd[1], N = xd[0], K = id[1];
-  // Row lengths as held, in T (Int4Z rows come in uint32 words: four T a word).
+  // Row lengths as held, in T (Int4Z and Int8Z rows come in 32-bit words: four T a word).
   const int64_t unit = sizeof(*gate.typed_data()) / sizeof(T);
   const int64_t ldg = gd[2] * unit, ldd = dd[2] * unit;
   if (ud[0] != S || ud[1] != F || ud[2] != gd[2] || dd[0] != S || dd[1] != D || id[0] != N ||
@@ -774,7 +814,8 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     bd = scale_width(kind, F, ldd);
     if (bg == 0 || bd == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_moe_experts_fp8/int4: rows are not L values and L / b scales (and offsets), b of 8");
+          "colibri_moe_experts_fp8/int4/int8: rows are not L values and L / b scales (and "
+          "offsets), b of 8");
   } else if (ldg != D || ldd != F) {
     return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
   }
@@ -886,7 +927,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
     blk = scale_width(kind, I, ld);
     if (blk == 0)
       return ffi::Error::InvalidArgument(
-          "colibri_linear_fp8/int4: rows are not I values and I / b scales (and offsets), b of 8");
+          "colibri_linear_fp8/int4/int8: rows are not I values and I / b scales (and "
+          "offsets), b of 8");
   } else if (ld != I) {
     return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
   }
@@ -1098,6 +1140,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearInt4z, (Linear<ffi::U32, Int4Z>),
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearInt8, (Linear<ffi::S32, Int8Z>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts, (MoeExperts<ffi::F32, float>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1154,6 +1203,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsInt4z, (MoeExperts<ffi::U32, Int4
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The same over int8 rows (int32 buffers: each row's values one a byte, then its float32
+// group scales and offsets): 8-bit pack-quantized and GPTQ experts at about a quarter of the
+// bytes of float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExpertsInt8, (MoeExperts<ffi::S32, Int8Z>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

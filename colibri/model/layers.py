@@ -39,9 +39,12 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
     group scales; checkpoint.INT4_ROWS) as the float32 [..., cols] they stand for: each value
     times its block's scale, rounded once, as the checkpoint dequantizes them; or int4 rows
     with zero points (uint32 [..., cols / 8 + 2 * blocks]: values eight a word, scales s,
-    offsets -z s; checkpoint.INT4Z_ROWS) as (q - z) s, z = -offset / s exactly."""
+    offsets -z s; checkpoint.INT4Z_ROWS) and int8 rows (int32 [..., cols / 4 + 2 * blocks]:
+    values four a word; checkpoint.INT8_ROWS) as (q - z) s, z = -offset / s exactly."""
     if w.dtype == jnp.uint32:
-        return _widen_zero_point_rows(w, cols)
+        return _widen_zero_point_rows(w, cols, 4)
+    if w.dtype == jnp.int32:
+        return _widen_zero_point_rows(jax.lax.bitcast_convert_type(w, jnp.uint32), cols, 8)
     if w.dtype == jnp.uint8:
         n, table = cols, jnp.asarray(E4M3)
     elif w.dtype == jnp.int8:
@@ -57,11 +60,11 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
     return (values * scales[..., None]).reshape(*lead, cols)
 
 
-def _widen_zero_point_rows(w: jax.Array, cols: int) -> jax.Array:
-    n = cols // 8
+def _widen_zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
+    n = cols * bits // 32
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 2
-    shifts = jnp.arange(0, 32, 4, dtype=jnp.uint32)
-    q = ((w[..., :n, None] >> shifts) & 15).astype(jnp.float32)  # [..., n, 8]
+    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
+    q = ((w[..., :n, None] >> shifts) & (2**bits - 1)).astype(jnp.float32)  # [..., n, 32 / bits]
     q = q.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n : n + blocks], jnp.float32)[..., None]
     offsets = jax.lax.bitcast_convert_type(w[..., n + blocks :], jnp.float32)[..., None]

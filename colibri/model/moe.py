@@ -13,10 +13,11 @@ from colibri.model.layers import linear, swiglu, widen_rows
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
-# Float32, bfloat16 held as bit patterns (uint16), or block-quantized FP8 held as rows of
-# values and block scales (uint8, rows longer than D or F; weights.expert_dtype), widened as
-# used: the native kernel gives bitwise what the widened weights give, XLA's loops (which
-# fuse the widening into their products) the same to float32 rounding.
+# Float32, bfloat16 held as bit patterns (uint16), or quantized experts held as rows of values
+# and scales (FP8 uint8, int4 int8, int4 with zero points uint32, int8 int32: rows longer or
+# shorter than D or F; weights.expert_dtype), widened as used: the native kernel gives
+# bitwise what the widened weights give, XLA's loops (which fuse the widening into their
+# products) the same to float32 rounding.
 Experts = dict[str, jax.Array]
 
 
