@@ -1,4 +1,4 @@
-"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4]
+"""python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
 
 A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -13,7 +13,7 @@ experiments/bench_peers.py (made there, or here if missing) choose when --rows c
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
 greedy steps), replayed on random weights of the same shapes held on huge pages as the
 engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held fp8
-(int4), quantized and held as FP8 (int4) rows, as experiments/bench_quantized.py holds them
+(int4, awq4, int8), quantized and held as those rows, as experiments/bench_quantized.py holds them
 (--base must have that kernel). --kernel linear:
 the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
 24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
@@ -282,10 +282,14 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop}
 
 
+# Per --held format: bytes of a weight's value, float32s a block keeps (scale, offset).
+VALUE_BYTES = {"fp8": (1, 1), "int4": (0.5, 1), "awq4": (0.5, 2), "int8": (1, 2)}
+
+
 def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
-    """For `compare`: every version holds each random matrix as the same FP8 (int4) rows, on
-    huge pages; and the bytes a weight takes so (a byte or half of one, and a float32 scale
-    per block)."""
+    """For `compare`: every version holds each random matrix as the same quantized rows (FP8,
+    int4, int4 with zero points, int8: bench_quantized's), on huge pages; and the bytes a
+    weight takes so (its value's, and its share of the block's scale and offset)."""
     from bench_quantized import FORMATS  # bench_quantized imports this module
 
     f = FORMATS[fmt]
@@ -296,7 +300,8 @@ def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
             rows[id(a)] = (a, on_huge_pages(f["pair"](a)[0]))
         return rows[id(a)][1]
 
-    return dict.fromkeys(calls, hold), (1 if fmt == "fp8" else 0.5) + 4 / f["blocks"][0]
+    value, floats = VALUE_BYTES[fmt]
+    return dict.fromkeys(calls, hold), value + 4 * floats / f["blocks"][0]
 
 
 def main() -> None:
@@ -308,10 +313,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument(
         "--held",
-        choices=("float32", "fp8", "int4"),
+        choices=("float32", *VALUE_BYTES),
         default="float32",
-        help="experts: the weights as float32, or quantized as FP8 or int4 rows "
-        "(bench_quantized.py)",
+        help="experts: the weights as float32, or quantized as FP8, int4, AWQ's int4 or int8 "
+        "rows (bench_quantized.py)",
     )
     args = ap.parse_args()
     if not kernels.available():
