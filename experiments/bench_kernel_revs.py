@@ -12,8 +12,9 @@ alone gives.
 experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
 greedy steps), replayed on random weights of the same shapes held on huge pages as the
-engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held fp8
-(int4, awq4, int8), quantized and held as those rows, as experiments/bench_quantized.py holds them
+engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held bf16,
+as bfloat16 bits; with --held fp8 (int4, awq4, int8), quantized and held as those rows, as
+experiments/bench_quantized.py holds them
 (--base must have that kernel). --kernel linear:
 the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
 24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
@@ -283,25 +284,32 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
 
 
 # Per --held format: bytes of a weight's value, float32s a block keeps (scale, offset).
-VALUE_BYTES = {"fp8": (1, 1), "int4": (0.5, 1), "awq4": (0.5, 2), "int8": (1, 2)}
+VALUE_BYTES = {"bf16": (2, 0), "fp8": (1, 1), "int4": (0.5, 1), "awq4": (0.5, 2), "int8": (1, 2)}
+
+
+def bf16_bits(a: np.ndarray) -> np.ndarray:
+    """Each weight's bfloat16 bits (the float32's top half), as the engine holds bf16 weights."""
+    return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
 def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
-    """For `compare`: every version holds each random matrix as the same quantized rows (FP8,
-    int4, int4 with zero points, int8: bench_quantized's), on huge pages; and the bytes a
-    weight takes so (its value's, and its share of the block's scale and offset)."""
+    """For `compare`: every version holds each random matrix as the same bfloat16 bits or
+    quantized rows (FP8, int4, int4 with zero points, int8: bench_quantized's), on huge pages;
+    and the bytes a weight takes so (its value's, and its share of the block's scale and
+    offset)."""
     from bench_quantized import FORMATS  # bench_quantized imports this module
 
-    f = FORMATS[fmt]
+    f = FORMATS.get(fmt)
+    held = bf16_bits if f is None else lambda a: f["pair"](a)[0]
     rows: dict[int, tuple] = {}
 
     def hold(a):
         if id(a) not in rows:
-            rows[id(a)] = (a, on_huge_pages(f["pair"](a)[0]))
+            rows[id(a)] = (a, on_huge_pages(held(a)))
         return rows[id(a)][1]
 
     value, floats = VALUE_BYTES[fmt]
-    return dict.fromkeys(calls, hold), value + 4 * floats / f["blocks"][0]
+    return dict.fromkeys(calls, hold), value + (4 * floats / f["blocks"][0] if f else 0)
 
 
 def main() -> None:
@@ -315,8 +323,8 @@ def main() -> None:
         "--held",
         choices=("float32", *VALUE_BYTES),
         default="float32",
-        help="experts: the weights as float32, or quantized as FP8, int4, AWQ's int4 or int8 "
-        "rows (bench_quantized.py)",
+        help="experts: the weights as float32, as bfloat16 bits, or quantized as FP8, int4, "
+        "AWQ's int4 or int8 rows (bench_quantized.py)",
     )
     args = ap.parse_args()
     if not kernels.available():
