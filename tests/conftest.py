@@ -18,7 +18,7 @@ FAMILIES = list(tiny.FAMILY_CONFIGS)
 
 def pytest_configure(config):
     """Build the native CPU kernels once, before any engine subprocess would (first build:
-    about 10 s), so that no engine's start-up waits on the compiler."""
+    about 25 s here), so that no engine's start-up waits on the compiler."""
     from colibri import kernels
 
     kernels.build()
