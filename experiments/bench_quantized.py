@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,7 @@ def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(rows), np.stack(wide)
 
 
-def int4_pair(a: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def packed_pair(a: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """Experts [S, R, C] pack-quantized one by one: (int4 rows, or int8 rows for 8 bits, the
     float32 they stand for)."""
     rows, wide = [], []
@@ -92,11 +93,6 @@ def int4_pair(a: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
         rows.append(scales.pack(raw, scales.held).reshape(w.shape[0], -1))
         wide.append(scales.dequantize(raw).reshape(w.shape))
     return np.stack(rows), np.stack(wide)
-
-
-def int8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Experts [S, R, C] pack-quantized to int8 one by one: (int8 rows, their float32)."""
-    return int4_pair(a, 8)
 
 
 def awq4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +124,7 @@ FORMATS = {
     "int4": dict(
         held=INT4_ROWS,
         env="COLIBRI_INT4",
-        pair=int4_pair,
+        pair=packed_pair,
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),
         title="int4 experts held as int4 rows or dequantized to float32",
@@ -149,7 +145,7 @@ FORMATS = {
     "int8": dict(
         held=INT8_ROWS,
         env="COLIBRI_INT8",
-        pair=int8_pair,
+        pair=partial(packed_pair, bits=8),
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),
         title="int8 experts held as int8 rows or dequantized to float32",
