@@ -1,4 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
+    [--prompt 256]
 
 A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -15,7 +16,8 @@ greedy steps), replayed on random weights of the same shapes held on huge pages 
 engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held bf16,
 as bfloat16 bits; with --held fp8 (int4, awq4, int8), quantized and held as those rows, as
 experiments/bench_quantized.py holds them
-(--base must have that kernel). --kernel linear:
+(--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
+routes, one step a pass). --kernel linear:
 the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
 24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
 24 steps after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
@@ -23,8 +25,8 @@ versions' outputs must agree bitwise (the kernels' results never depend on how w
 out). Reported: ms a step for each version (median of passes), GB/s of the weights (keys and
 values) read (for the experts: the distinct ones) and GFLOP/s, and the median over passes of
 new / base time.
-Writes experiments/results/kernel_revs.md and kernel_revs.json (experts), or
-kernel_revs_linear.md / kernel_revs_attend.md and .json.
+Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
+kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json.
 """
 
 from __future__ import annotations
@@ -187,6 +189,20 @@ def on_huge_pages(a: jax.Array) -> jax.Array:
     return out
 
 
+def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
+    """[1, layers, tokens, top_k]: the routes of one prefill of `tokens` (at most one prefill
+    chunk) as one step: what the expert calls of a prompt meet."""
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import PREFILL_CHUNK, Runner
+
+    if not 0 < tokens <= PREFILL_CHUNK:
+        raise SystemExit(f"--prompt takes 1 to {PREFILL_CHUNK} tokens (one prefill chunk)")
+    model = load_model(ckpt, progress=False)
+    runner = Runner(model, slots=1, capacity=tokens + 8)
+    _, routes = runner.prefill(0, prompt_ids(model.cfg.vocab_size, tokens))
+    return np.asarray(routes)[None]
+
+
 def compare(
     calls: dict,
     cfg,
@@ -326,7 +342,16 @@ def main() -> None:
         help="experts: the weights as float32, as bfloat16 bits, or quantized as FP8, int4, "
         "AWQ's int4 or int8 rows (bench_quantized.py)",
     )
+    ap.add_argument(
+        "--prompt",
+        type=int,
+        default=0,
+        help="experts: the calls of a prefill of this many tokens (one step a pass) instead of "
+        "--rows conversations decoding",
+    )
     args = ap.parse_args()
+    if args.prompt and args.kernel != "experts":
+        ap.error("--prompt is for --kernel experts")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     from colibri.config import load_config
@@ -342,9 +367,10 @@ def main() -> None:
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
         cfg = load_config(ckpt)
-        for rows in (int(r) for r in args.rows.split(",")):
+        sizes = [args.prompt] if args.prompt else [int(r) for r in args.rows.split(",")]
+        for rows in sizes:
             if args.kernel == "experts":
-                routes = record_routes(ckpt, rows)
+                routes = (record_prompt_routes if args.prompt else record_routes)(ckpt, rows)
                 if args.held != "float32":
                     holds = quantized_holds(calls, args.held)
                     res = compare(calls, cfg, routes, args.passes, *holds)
@@ -374,14 +400,17 @@ def main() -> None:
     table = pd.DataFrame(rows_out)
     cmd = (
         f"python experiments/bench_kernel_revs.py --base {args.base} --kernel {args.kernel} "
-        f"--passes {args.passes} --rows {args.rows}"
+        f"--passes {args.passes} "
+        + (f"--prompt {args.prompt}" if args.prompt else f"--rows {args.rows}")
         + (f" --held {args.held}" if args.held != "float32" else "")
     )
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True
     ).stdout.strip()
     what = {
-        "experts": f"Expert calls of {STEPS} greedy steps",
+        "experts": f"Expert calls of a {args.prompt}-token prefill (rows: its tokens)"
+        if args.prompt
+        else f"Expert calls of {STEPS} greedy steps",
         "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps",
         "attend": f"Decode attention of every layer, {STEPS} steps after a 128-token prompt,",
     }[args.kernel]
@@ -396,6 +425,7 @@ def main() -> None:
         "",
     ]
     stem = "kernel_revs" if args.kernel == "experts" else f"kernel_revs_{args.kernel}"
+    stem += "_prompt" if args.prompt else ""
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.md").write_text("\n".join(md))
     (RESULTS / f"{stem}.json").write_text(json.dumps({"command": cmd, "runs": raw}, indent=1))
