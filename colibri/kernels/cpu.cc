@@ -54,6 +54,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -284,6 +285,24 @@ inline void in_register(v8& v) {
 #endif
 }
 
+// acc[i][j] += wv_i * x[j][c .. c + 8) for the TW weight vectors of a tile, passed as
+// values: held in an array, GCC kept them in memory and stored every one to the stack at each
+// step (three stores per twelve multiply-adds). With the weights in L2, one thread's tiles of
+// four inputs went from ~50 to ~85 GFLOP/s (16 inputs: ~60 to ~76); the engine's calls, whose
+// weights stream from DRAM, gain less (bench_kernel_revs.py: prefill expert calls 0.94-0.96x
+// the time with `scratch` below, decode 0.94-1.0x).
+template <int TR, typename... V>
+__attribute__((always_inline)) inline void multiply_add(v8 (*acc)[TR], const float* const* x,
+                                                        int64_t c, V... wv) {
+  (in_register(wv), ...);
+  for (int j = 0; j < TR; ++j) {
+    v8 xv = load8(x[j] + c);
+    in_register(xv);
+    int i = 0;
+    ((acc[i][j] = fma8(wv, xv, acc[i][j]), ++i), ...);
+  }
+}
+
 inline float hsum(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
@@ -355,6 +374,14 @@ inline v8 exp8(v8 x) {
 // silu(g) = g / (1 + e^-g), 8 lanes.
 inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
 
+// One step of `dots`: columns [c, c + 8) of every weight row against every input.
+template <int TR, typename T, size_t... I>
+__attribute__((always_inline)) inline void step(const T* const* w, const float* const* x,
+                                                int64_t c, v8 (*acc)[TR],
+                                                std::index_sequence<I...>) {
+  multiply_add<TR>(acc, x, c, loadw(w[I] + c)...);
+}
+
 // out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
 // `blk`: FP8 rows' block width (unused for float and bfloat16 weights).
 template <int TW, int TR, typename T>
@@ -366,22 +393,13 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
-    v8 wv[TW];
     // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream
     // (4 KiB: 5-10% slower at 6-12 inputs streaming from DRAM on one core).
     if constexpr (TR > 1) {
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
     }
-    for (int i = 0; i < TW; ++i) {
-      wv[i] = loadw(w[i] + c);
-      in_register(wv[i]);
-    }
-    for (int j = 0; j < TR; ++j) {
-      v8 xv = load8(x[j] + c);
-      in_register(xv);
-      for (int i = 0; i < TW; ++i) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
-    }
+    step(w, x, c, acc, std::make_index_sequence<TW>{});
   }
   hsums<TW * TR>(&acc[0][0], out);
   if (c < L)
@@ -393,13 +411,21 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
       }
 }
 
+// One step of `scaled_block`: the same over rows widened and scaled as they are loaded.
+template <bool Huge, int TR, typename Q, size_t... I>
+__attribute__((always_inline)) inline void scaled_step(const Q* const* w, const float* const* x,
+                                                       int64_t c, const v8* scale,
+                                                       const v8* offset, v8 (*acc)[TR],
+                                                       std::index_sequence<I...>) {
+  multiply_add<TR>(acc, x, c, scaled8<Huge>(w[I], c, scale[I], offset[I])...);
+}
+
 // Columns [c0, c0 + blk) of `dots` over scaled rows (FP8 or int4): each weight widened and
 // times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up).
 template <int TW, int TR, bool Huge, typename Q>
 inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
                          const v8* scale, const v8* offset, v8 (*acc)[TR]) {
   for (int64_t c = c0; c < c0 + blk; c += 8) {
-    v8 wv[TW];
     {
       // Once a cache line of values, 2 KiB ahead, as for the other weights, and here for a
       // single input too: one-row expert calls over FP8 and int8 rows read 7-8 GB/s without
@@ -410,15 +436,7 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
         for (int i = 0; i < TW; ++i)
           __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
     }
-    for (int i = 0; i < TW; ++i) {
-      wv[i] = scaled8<Huge>(w[i], c, scale[i], offset[i]);
-      in_register(wv[i]);
-    }
-    for (int j = 0; j < TR; ++j) {
-      v8 xv = load8(x[j] + c);
-      in_register(xv);
-      for (int i = 0; i < TW; ++i) acc[i][j] = fma8(wv[i], xv, acc[i][j]);
-    }
+    scaled_step<Huge>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
   }
 }
 
@@ -616,8 +634,8 @@ struct Problem {
   std::vector<int64_t> assign;
   std::vector<const float*> xrow;  // by sorted assignment: its input row
   std::vector<const float*> hrow;  // and its hidden row in h
-  std::vector<float> h;            // [assignments, F]: the hidden rows
-  std::vector<float> u;            // [assignments, F]: up projections, before the product
+  float* h = nullptr;              // [assignments, F]: the hidden rows
+  float* u = nullptr;              // [assignments, F]: up projections, before the product
   int64_t fchunk, dchunk;          // weight rows per work item in each phase
   int64_t fitems, ditems;          // work items per expert in each phase
 
@@ -628,10 +646,10 @@ struct Problem {
   void hidden(int64_t i, int64_t c) {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
-    float* hq = h.data() + q * F + f0;
+    float* hq = h + q * F + f0;
     const T* G = gate + (s * F + f0) * ldg;
     const T* U = up + (s * F + f0) * ldg;
-    float* uq = u.data() + q * F + f0;
+    float* uq = u + q * F + f0;
     matvecs(
         G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; }, ldg,
         bg);
@@ -773,6 +791,23 @@ struct ExpertCall : Gang {
   }
 };
 
+// At least n floats, not initialised, for the call this thread is making: the buffer is kept
+// from call to call (it grows, never shrinks). A vector made per call was zeroed every time
+// and, from a few MiB (the hidden rows of a prefill), mapped fresh from the kernel: page
+// faults and zeroing were ~9% of the samples of 512-row expert calls. It holds the hidden and
+// up rows: 2 x rows x top-k x F floats (a 256-token prefill of top-8 experts with F = 2048:
+// 32 MiB), on each thread that makes expert calls. No helper touches it once the call has
+// returned (Gang::finish).
+float* scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local int64_t size = 0;
+  if (n > size) {
+    buf.reset(new float[n]);
+    size = n;
+  }
+  return buf.get();
+}
+
 // Scaled rows (FP8 or int4, as `w` says) of L values held as `held` bytes (their values,
 // then L / b float32 scales): the block width b, or 0 when they are not (b must be a multiple
 // of 8 dividing L).
@@ -866,13 +901,13 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   }
   p.slot = std::move(used);
   const int64_t staged = p.first.back();
-  p.h.resize(staged * F);
-  p.u.resize(staged * F);
+  p.h = scratch(2 * staged * F);
+  p.u = p.h + staged * F;
   p.xrow.resize(staged);
   p.hrow.resize(staged);
   for (int64_t q = 0; q < staged; ++q) {
     p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
-    p.hrow[q] = p.h.data() + q * F;
+    p.hrow[q] = p.h + q * F;
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
   // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
