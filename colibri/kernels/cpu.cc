@@ -289,7 +289,7 @@ inline void in_register(v8& v) {
 // values: held in an array, GCC kept them in memory and stored every one to the stack at each
 // step (three stores per twelve multiply-adds). With the weights in L2, one thread's tiles of
 // four inputs went from ~50 to ~85 GFLOP/s (16 inputs: ~60 to ~76); the engine's calls, whose
-// weights stream from DRAM, gain less (bench_kernel_revs.py: prefill expert calls 0.94-0.96x
+// weights stream from DRAM, gain less (bench_kernel_revs.py: prefill expert calls 0.94-0.99x
 // the time with `scratch` below, decode 0.94-1.0x).
 template <int TR, typename... V>
 __attribute__((always_inline)) inline void multiply_add(v8 (*acc)[TR], const float* const* x,
