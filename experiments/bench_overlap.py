@@ -1,0 +1,151 @@
+"""python experiments/bench_overlap.py [--inputs 16] [--rows 768] [--mib 256] [--repeats 5]
+
+Whether a core hides streaming weights from DRAM behind the arithmetic on them, measured with
+colibri's own matrix-vector tiles (colibri/kernels/cpu.cc, compiled into a small driver,
+bench_overlap.cc, with the kernels' flags). This bounds decode with many rows: a row of
+weights met by 16 inputs costs 8 FLOP a byte, so a core computing it from DRAM needs both its
+streaming and its arithmetic at once. Cases, each thread pinned to a core, each core over
+--mib MiB of weights of its own (huge pages) in items of 64 rows of --rows floats:
+
+- one core multiply-adds: twelve independent chains, nothing loaded (the arithmetic ceiling);
+- one core streams: one input (memory only);
+- one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
+- two cores stream; one computes while the other streams (the expert calls' pairing of
+  experts many rows chose with experts few chose, cpu.cc's ExpertCall); two cores compute.
+
+Per case and core: GB/s of weights and GFLOP/s, best of --repeats (cases interleaved). The
+overlap row compares the DRAM case with its two parts: the time streaming and computing would
+take one after the other (no overlap) and the longer of the two (full overlap).
+Writes experiments/results/overlap.md and overlap.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import pandas as pd
+
+from colibri import kernels
+from colibri.report import markdown_table
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+SECONDS = 1.0  # per case and repeat
+
+
+def build(out_dir: Path) -> Path:
+    cxx = kernels._compiler()
+    if cxx is None:
+        raise SystemExit("bench_overlap needs a C++ compiler (g++, c++ or clang++; or set CXX)")
+    exe = out_dir / "bench_overlap"
+    flags = [f for f in kernels._FLAGS if f not in ("-shared", "-fPIC")]
+    cmd = [
+        cxx,
+        *flags,
+        "-pthread",
+        f'-DCPU_CC="{kernels._SOURCE}"',
+        f"-I{jax.ffi.include_dir()}",
+        str(HERE / "bench_overlap.cc"),
+        "-o",
+        str(exe),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return exe
+
+
+def measure(exe: Path, row_floats: int, inputs: int, mib: int, repeats: int) -> pd.DataFrame:
+    args = [str(exe), str(row_floats), str(inputs), str(mib), str(SECONDS), str(repeats)]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        case, core, n, where, gb_s, gflop_s = line.split("\t")
+        rows.append(
+            {
+                "case": case,
+                "core": int(core),
+                "inputs": int(n),
+                "weights from": where,
+                "GB/s": float(gb_s),
+                "GFLOP/s": float(gflop_s),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def overlap(df: pd.DataFrame, inputs: int) -> dict:
+    """One core's DRAM computing against its parts: seconds per GB of weights streaming alone
+    (one input), computing alone (weights in L2) and both as measured."""
+
+    def one(case: str, where: str) -> pd.Series:
+        return df[(df["case"] == case) & (df["weights from"] == where)].iloc[0]
+
+    ceiling = one("one core multiply-adds", "registers")["GFLOP/s"]
+    stream = 1 / one("one core streams", "DRAM")["GB/s"]
+    compute = 1 / one("one core computes", "L2")["GB/s"]
+    both = 1 / one("one core computes", "DRAM")["GB/s"]
+    serial, hidden = stream + compute, max(stream, compute)
+    return {
+        "inputs": inputs,
+        "multiply-add ceiling GFLOP/s": ceiling,
+        "tiles in L2 / ceiling": one("one core computes", "L2")["GFLOP/s"] / ceiling,
+        "s/GB streaming": stream,
+        "s/GB computing": compute,
+        "s/GB both (measured)": both,
+        "s/GB one after the other": serial,
+        "s/GB fully overlapped": hidden,
+        "overlap achieved": (serial - both) / (serial - hidden),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--inputs", type=int, default=16, help="inputs of the computing cases")
+    ap.add_argument("--rows", type=int, default=768, help="floats a weight row")
+    ap.add_argument("--mib", type=int, default=256, help="MiB of weights a core")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = build(Path(tmp))
+        df = measure(exe, args.rows, args.inputs, args.mib, args.repeats)
+    summary = overlap(df, args.inputs)
+    both = df[df["case"].map(df.groupby("case")["core"].nunique()) > 1]  # two cores at once
+    totals = both.groupby("case", sort=False)["GB/s"].sum().rename("GB/s, both cores")
+    table = markdown_table(df, index=False)
+    totals_table = markdown_table(totals.reset_index(), index=False)
+    print(table)
+    print(totals_table)
+    print(
+        f"one core, {args.inputs} inputs from DRAM: {summary['overlap achieved']:.0%} of the "
+        "possible overlap of streaming and arithmetic; the tiles from L2 at "
+        f"{summary['tiles in L2 / ceiling']:.0%} of the multiply-add ceiling"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    text = (
+        "# Streaming weights and computing on them at once\n\n"
+        f"`python experiments/bench_overlap.py --inputs {args.inputs} --rows {args.rows} "
+        f"--mib {args.mib} --repeats {args.repeats}`; {os.cpu_count()} cores, best of "
+        f"{args.repeats} runs of {SECONDS:g} s per case.\n\n"
+        f"{table}\n\n"
+        f"{totals_table}\n\n"
+        f"One core with {args.inputs} inputs from DRAM: {summary['s/GB both (measured)']:.3f} s "
+        f"a GB of weights, against {summary['s/GB one after the other']:.3f} streaming then "
+        f"computing and {summary['s/GB fully overlapped']:.3f} fully overlapped: "
+        f"{summary['overlap achieved']:.0%} of the possible overlap. The tiles with their "
+        f"weights in L2 run at {summary['tiles in L2 / ceiling']:.0%} of the core's "
+        f"multiply-add ceiling ({summary['multiply-add ceiling GFLOP/s']:.1f} GFLOP/s).\n"
+    )
+    (RESULTS / "overlap.md").write_text(text)
+    (RESULTS / "overlap.json").write_text(
+        json.dumps({"cases": df.to_dict(orient="records"), "overlap": summary}, indent=1)
+    )
+    print(f"wrote {RESULTS / 'overlap.md'}")
+
+
+if __name__ == "__main__":
+    main()
