@@ -14,7 +14,7 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
   experts many rows chose with experts few chose, cpu.cc's ExpertCall); two cores compute.
 
 Per case and core: GB/s of weights and GFLOP/s, best of --repeats (cases interleaved). The
-overlap row compares the DRAM case with its two parts: the time streaming and computing would
+summary compares one core's DRAM case with its two parts: the time streaming and computing would
 take one after the other (no overlap) and the longer of the two (full overlap).
 Writes experiments/results/overlap.md and overlap.json.
 """
@@ -40,22 +40,24 @@ SECONDS = 1.0  # per case and repeat
 
 
 def build(out_dir: Path) -> Path:
-    cxx = kernels._compiler()
+    cxx = kernels.compiler()
     if cxx is None:
         raise SystemExit("bench_overlap needs a C++ compiler (g++, c++ or clang++; or set CXX)")
     exe = out_dir / "bench_overlap"
-    flags = [f for f in kernels._FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in kernels.CXX_FLAGS if f not in ("-shared", "-fPIC")]
     cmd = [
         cxx,
         *flags,
         "-pthread",
-        f'-DCPU_CC="{kernels._SOURCE}"',
+        f'-DCPU_CC="{kernels.SOURCE}"',
         f"-I{jax.ffi.include_dir()}",
         str(HERE / "bench_overlap.cc"),
         "-o",
         str(exe),
     ]
-    subprocess.run(cmd, check=True, capture_output=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
     return exe
 
 

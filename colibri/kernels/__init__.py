@@ -31,7 +31,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu.cc")
+SOURCE = Path(__file__).with_name("cpu.cc")  # the kernels, compiled on first use
 _TARGETS = {
     "colibri_moe_experts": "ColibriMoeExperts",
     "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
@@ -48,7 +48,8 @@ _TARGETS = {
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+# How SOURCE is compiled (benchmarks that build a program around it drop the last two).
+CXX_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
@@ -66,7 +67,8 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
+    """The C++ compiler to build with: $CXX, else the first of g++, c++, clang++ found."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
         if name and shutil.which(name):
             return name
@@ -76,21 +78,21 @@ def _compiler() -> str | None:
 def build(source: Path | None = None) -> Path:
     """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
     version of cpu.cc (benchmarks compare revisions; the engine always uses its own)."""
-    source = source or _SOURCE
-    cxx = _compiler()
+    source = source or SOURCE
+    cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
     key = hashlib.sha256()
     for part in (source.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
         key.update(part)
-    key.update(" ".join(_FLAGS).encode())
+    key.update(" ".join(CXX_FLAGS).encode())
     out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
