@@ -30,7 +30,8 @@ struct Weights {
 // `mib` MiB of float32 rows of L floats on huge pages where the kernel gives them (as the
 // engine holds its experts), in items of kItemRows rows.
 Weights make_weights(int64_t L, double mib) {
-  const int64_t item = kItemRows * L * 4, items = std::max<int64_t>(1, int64_t(mib * (1 << 20)) / item);
+  const int64_t item = kItemRows * L * 4;
+  const int64_t items = std::max<int64_t>(1, int64_t(mib * (1 << 20)) / item);
   const size_t huge = 2 << 20, bytes = (items * item + huge - 1) / huge * huge;
   Weights out{static_cast<float*>(std::aligned_alloc(huge, bytes)), items};
   madvise(out.w, bytes, MADV_HUGEPAGE);
@@ -78,7 +79,8 @@ Rate peak(int core, double seconds) {
   int64_t rounds = 0;
   const auto t0 = std::chrono::steady_clock::now();
   double s = 0;
-  for (; s < seconds; s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count())
+  using seconds_f = std::chrono::duration<double>;
+  for (; s < seconds; s = seconds_f(std::chrono::steady_clock::now() - t0).count())
     for (int n = 0; n < 100000; ++n, ++rounds) {
 #define COLIBRI_STEP(a) a = fma8(a, m, b);
       COLIBRI_STEP(a0) COLIBRI_STEP(a1) COLIBRI_STEP(a2) COLIBRI_STEP(a3) COLIBRI_STEP(a4)
@@ -102,7 +104,8 @@ std::vector<Rate> run_case(const std::vector<Part>& parts, int64_t L, double sec
   std::vector<Rate> rates(parts.size());
   std::vector<std::thread> threads;
   for (size_t p = 0; p < parts.size(); ++p)
-    threads.emplace_back([&, p] { rates[p] = work(*parts[p].w, L, parts[p].inputs, parts[p].core, stop); });
+    threads.emplace_back(
+        [&, p] { rates[p] = work(*parts[p].w, L, parts[p].inputs, parts[p].core, stop); });
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   stop = true;
   for (auto& t : threads) t.join();
@@ -133,7 +136,8 @@ int main(int argc, char** argv) {
   };
   if (std::thread::hardware_concurrency() >= 2) {
     cases.push_back({"two cores stream", {{0, 1, &dram0}, {1, 1, &dram1}}, {"DRAM", "DRAM"}});
-    cases.push_back({"one computes, one streams", {{0, r, &dram0}, {1, 1, &dram1}}, {"DRAM", "DRAM"}});
+    cases.push_back(
+        {"one computes, one streams", {{0, r, &dram0}, {1, 1, &dram1}}, {"DRAM", "DRAM"}});
     cases.push_back({"two cores compute", {{0, r, &dram0}, {1, r, &dram1}}, {"DRAM", "DRAM"}});
   }
   Rate best_peak;
