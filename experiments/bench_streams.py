@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import pandas as pd
 
+from colibri import kernels
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -30,9 +30,9 @@ CHUNK_ROWS = 64
 
 
 def build(out_dir: Path) -> Path:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not cxx:
-        raise SystemExit("bench_streams needs a C++ compiler (g++ or c++; or set CXX)")
+    cxx = kernels.compiler()
+    if cxx is None:
+        raise SystemExit("bench_streams needs a C++ compiler (g++, c++ or clang++; or set CXX)")
     exe = out_dir / "bench_streams"
     flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-pthread"]
     subprocess.run([cxx, *flags, str(HERE / "bench_streams.cc"), "-o", str(exe)], check=True)
