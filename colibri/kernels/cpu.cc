@@ -288,7 +288,8 @@ inline void in_register(v8& v) {
 // acc[i][j] += wv_i * x[j][c .. c + 8) for the TW weight vectors of a tile, passed as
 // values: held in an array, GCC kept them in memory and stored every one to the stack at each
 // step (three stores per twelve multiply-adds). With the weights in L2, one thread's tiles of
-// four inputs went from ~50 to ~85 GFLOP/s (16 inputs: ~60 to ~76); the engine's calls, whose
+// four inputs went from ~50 to ~85 GFLOP/s (16 inputs: ~60 to ~76; best of many short calls,
+// sustained rates are lower: experiments/bench_overlap.py); the engine's calls, whose
 // weights stream from DRAM, gain less (bench_kernel_revs.py: prefill expert calls 0.94-0.99x
 // the time with `scratch` below, decode 0.94-1.0x).
 template <int TR, typename... V>
