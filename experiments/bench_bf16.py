@@ -145,14 +145,22 @@ def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:
     gguf = CACHE / f"{name}-bf16.gguf"
     if not gguf.exists():
         export_gguf(ckpt, gguf, dtype="bf16")
-    paths = {"colibri (bf16 held)": ckpt, "llama.cpp bf16": gguf}
-    prompt = prompt_ids(load_config(ckpt).vocab_size, 128)
+    return side_by_side(name, {"colibri (bf16 held)": ckpt, "llama.cpp bf16": gguf}, rounds, tokens)
+
+
+def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 64) -> list[dict]:
+    """Batch-1 greedy decode of `tokens` tokens after a 128-token prompt by each engine on its
+    checkpoint (label -> path; the first a colibri checkpoint, labels starting "colibri" or
+    "llama.cpp"), each run in a process of its own (bench_peers.run_worker), the order flipping
+    every round: each engine's best round, against the first engine's."""
+    first = next(iter(paths))
+    prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
     runs = {k: [] for k in paths}
     for r in range(rounds):
         for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
             kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
             runs[peer].append(run_worker(kind, paths[peer], prompt, tokens))
-    ours = max(runs["colibri (bf16 held)"], key=lambda res: res["decode_tok_s_1"])
+    ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
     rows = []
     for peer, res in runs.items():
         best = max(res, key=lambda x: x["decode_tok_s_1"])

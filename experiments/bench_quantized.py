@@ -1,5 +1,5 @@
 """python experiments/bench_quantized.py [--format fp8|int4|awq4|int8] [--shapes qwen3_moe,olmoe]
-                                     [--level kernel,engine] [--passes N]
+                                     [--level kernel,engine] [--passes N] [--rounds N]
 
 What holding a quantized checkpoint's routed experts in their quantized form buys against the
 same experts dequantized to float32 at load, side by side in one process, on the peers
@@ -30,6 +30,14 @@ conversations at a time, --passes (default 2) x 24 bursts each; tokens must agre
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
 experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json.
+
+--level peers (--format int8; needs the `bench` extra's llama-cpp-python, as
+experiments/bench_peers.py): colibri on the int8 checkpoint against llama.cpp on its own 8-bit
+format, q8_0 (blocks of 32 with a float16 scale, every matrix but the norms), of the float32
+checkpoint the peers benchmark runs: two quantizations of one model, so their greedy tokens
+need not agree. Each in a process of its own, --rounds (default 3) alternating rounds, batch 1,
+64 tokens after a 128-token prompt; best of rounds (experiments/bench_bf16.py's peers level).
+Writes experiments/results/int8_peers.md and .json.
 """
 
 from __future__ import annotations
@@ -45,10 +53,10 @@ import pandas as pd
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
-from bench_bf16 import engine_under, held_rows, shape_checkpoint  # noqa: E402
+from bench_bf16 import engine_under, held_rows, shape_checkpoint, side_by_side  # noqa: E402
 from bench_hugepages import BURST, BURSTS, engine_level  # noqa: E402
 from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
-from bench_peers import SHAPES, ensure_inputs  # noqa: E402
+from bench_peers import CACHE, SHAPES, ensure_inputs  # noqa: E402
 
 from colibri import kernels  # noqa: E402
 from colibri.checkpoint import (  # noqa: E402
@@ -150,6 +158,7 @@ FORMATS = {
         blocks=(GROUP, GROUP),
         title="int8 experts held as int8 rows or dequantized to float32",
         note=f"Pack-quantized int8 (compressed-tensors W8A16), a scale per {GROUP} columns.",
+        llama="q8_0",  # llama.cpp's own format of as many bits, for --level peers
     ),
 }
 
@@ -182,17 +191,62 @@ def engine(ckpt: Path, fmt: str, switch: str):
     return runner, first
 
 
+def peers_level(name: str, fmt: str, rounds: int) -> list[dict]:
+    """colibri on the `fmt` checkpoint and llama.cpp on its own format of as many bits (made
+    from the float32 checkpoint), batch 1, in alternating rounds."""
+    from colibri.gguf import export_gguf
+
+    f, kind = FORMATS[fmt], FORMATS[fmt]["llama"]
+    ckpt = shape_checkpoint(name, fmt, **f["synth"])
+    gguf = CACHE / f"{name}-{kind}.gguf"  # as bench_peers names its exports
+    if not gguf.exists():
+        export_gguf(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"], gguf, kind)
+    return side_by_side(name, {f"colibri ({fmt} held)": ckpt, f"llama.cpp {kind}": gguf}, rounds)
+
+
+def write_peers(args, rows: list[dict]) -> None:
+    fmt, kind = args.format, FORMATS[args.format]["llama"]
+    cmd = (
+        f"python experiments/bench_quantized.py --format {fmt} --shapes {args.shapes} "
+        f"--level peers --rounds {args.rounds}"
+    )
+    md = [
+        f"# colibri on the {fmt} checkpoint and llama.cpp on {kind} of the same model",
+        "",
+        f"Command: `{cmd}`  ",
+        f"{FORMATS[fmt]['note']} colibri holds the routed experts and the attention as {fmt} "
+        "rows (embeddings, routers and lm_head stay bfloat16) and computes in float32; "
+        f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms f32) with an f32 KV "
+        "cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt, each engine in a "
+        "process of its own, alternating rounds; best of rounds. Two quantizations of one "
+        "model: their greedy tokens need not agree.",
+        "",
+        markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
+    ]
+    write_report(RESULTS, f"{fmt}_peers", md, {"command": cmd, "table": rows})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", choices=tuple(FORMATS), default="fp8")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
+    ap.add_argument("--rounds", type=int, default=3, help="--level peers")
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     levels, fmt = args.level.split(","), args.format
     f = FORMATS[fmt]
+    if "peers" in levels:
+        if "llama" not in f:
+            sys.exit(f"--level peers: no llama.cpp format set beside {fmt} (only int8: q8_0)")
+        rows = [r for name in args.shapes.split(",") for r in peers_level(name, fmt, args.rounds)]
+        print(pd.DataFrame(rows).to_string(index=False))
+        write_peers(args, rows)
+        levels.remove("peers")
+        if not levels:
+            return
     out, raw = [], {}
     for name in args.shapes.split(","):
         cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
