@@ -33,7 +33,7 @@ experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json.
 
 --level peers (--format int8; needs the `bench` extra's llama-cpp-python, as
 experiments/bench_peers.py): colibri on the int8 checkpoint against llama.cpp on its own 8-bit
-format, q8_0 (blocks of 32 with a float16 scale, every matrix but the norms), of the float32
+format, q8_0 (blocks of 32 with a float16 scale; norms and routers stay f32), of the float32
 checkpoint the peers benchmark runs: two quantizations of one model, so their greedy tokens
 need not agree. Each in a process of its own, --rounds (default 3) alternating rounds, batch 1,
 64 tokens after a 128-token prompt; best of rounds (experiments/bench_bf16.py's peers level).
@@ -216,10 +216,10 @@ def write_peers(args, rows: list[dict]) -> None:
         f"Command: `{cmd}`  ",
         f"{FORMATS[fmt]['note']} colibri holds the routed experts and the attention as {fmt} "
         "rows (embeddings, routers and lm_head stay bfloat16) and computes in float32; "
-        f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms f32) with an f32 KV "
-        "cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt, each engine in a "
-        "process of its own, alternating rounds; best of rounds. Two quantizations of one "
-        "model: their greedy tokens need not agree.",
+        f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms and routers f32) "
+        "with an f32 KV cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt, "
+        "each engine in a process of its own, alternating rounds; best of rounds. Two "
+        "quantizations of one model: their greedy tokens need not agree.",
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
