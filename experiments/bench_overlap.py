@@ -44,10 +44,9 @@ def build(out_dir: Path) -> Path:
     if cxx is None:
         raise SystemExit("bench_overlap needs a C++ compiler (g++, c++ or clang++; or set CXX)")
     exe = out_dir / "bench_overlap"
-    flags = [f for f in kernels.CXX_FLAGS if f not in ("-shared", "-fPIC")]
     cmd = [
         cxx,
-        *flags,
+        *kernels.CXX_FLAGS,
         "-pthread",
         f'-DCPU_CC="{kernels.SOURCE}"',
         f"-I{jax.ffi.include_dir()}",

@@ -34,7 +34,7 @@ def build(out_dir: Path) -> Path:
     if cxx is None:
         raise SystemExit("bench_streams needs a C++ compiler (g++, c++ or clang++; or set CXX)")
     exe = out_dir / "bench_streams"
-    flags = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-pthread"]
+    flags = [*kernels.CXX_FLAGS, "-pthread"]
     subprocess.run([cxx, *flags, str(HERE / "bench_streams.cc"), "-o", str(exe)], check=True)
     return exe
 

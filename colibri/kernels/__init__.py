@@ -48,8 +48,10 @@ _TARGETS = {
     "colibri_attend": "ColibriAttend",
     "colibri_cut_requested": "ColibriCutRequested",
 }
-# How SOURCE is compiled (benchmarks that build a program around it drop the last two).
-CXX_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+# How SOURCE is compiled (benchmarks that build programs around it use these too), and made a
+# shared library.
+CXX_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
+_LIBRARY_FLAGS = ["-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
@@ -85,14 +87,14 @@ def build(source: Path | None = None) -> Path:
     key = hashlib.sha256()
     for part in (source.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
         key.update(part)
-    key.update(" ".join(CXX_FLAGS).encode())
+    key.update(" ".join([*CXX_FLAGS, *_LIBRARY_FLAGS]).encode())
     out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, *_LIBRARY_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
