@@ -24,7 +24,12 @@ colibri's own linear kernel on one row, over 1 GiB on huge pages): once against 
 probe of the run (before and after the rounds), and once paired, each round's colibri rate
 against a probe run in its own process just before it (the median of the rounds' ratios; the
 machine's bandwidth moves by a quarter within minutes). At 4 and 16 rows the experts touched
-are the distinct experts colibri's routers chose, counted per layer.
+are the distinct experts colibri's routers chose, counted per layer, and the table of several
+conversations counts their keys and values too (a 16-row step's rows attend over 16 contexts:
+7-22% of its bytes here), with the GB/s each batch size moves. A step of 16 rows is as much
+arithmetic as memory traffic (8 FLOP a byte of the experts many rows chose), so that table also
+gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 rows streaming the
+probe's 1 GiB (both cores); and what 16 slots at 6x batch 1 would have to move and compute.
 llama.cpp runs with an f32 KV cache, as colibri keeps.
 Writes experiments/results/peers.md and peers.json.
 """
@@ -266,7 +271,9 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     XLA's matrix-vector product (x @ A, A [K, N]: its fastest layout here) and colibri's own
     linear kernel on one row (its streams a quarter of the matrix apart read faster than one
     sequential pass here). The array is on huge pages, as colibri's experts are
-    (colibri/hugepages.py)."""
+    (colibri/hugepages.py). Also the arithmetic rate of that kernel on 16 rows over the same
+    array (`kernel_16_gflop_s`): what the cores compute when every weight meets 16 inputs as it
+    streams in from DRAM."""
     threads = os.cpu_count() or 1
     a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
     a[:] = 1.0
@@ -297,7 +304,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         xla_gemv(dev, vec).block_until_ready()
         best_xla = max(best_xla, a.nbytes / (time.perf_counter() - t) / 1e9)
     del dev
-    best_kernel = 0.0
+    best_kernel = best_16 = 0.0
     if kernels.available():
         w = jnp.asarray(m)  # [rows, 4096], the same memory again
         kernel_gemv = jax.jit(kernels.linear)
@@ -306,6 +313,12 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
             t = time.perf_counter()
             kernel_gemv(vec, w).block_until_ready()
             best_kernel = max(best_kernel, a.nbytes / (time.perf_counter() - t) / 1e9)
+        rows16 = jnp.ones((16, 4096), jnp.float32)
+        kernel_gemv(rows16, w).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            kernel_gemv(rows16, w).block_until_ready()
+            best_16 = max(best_16, 16 * 2 * a.size / (time.perf_counter() - t) / 1e9)
         del w
     return {
         "sum_gb_s": best_sum,
@@ -313,6 +326,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         "xla_gemv_gb_s": best_xla,
         "kernel_gemv_gb_s": best_kernel,
         "gb_s": max(best_sum, best_gemv, best_xla, best_kernel),
+        "kernel_16_gflop_s": best_16,
     }
 
 
@@ -328,6 +342,26 @@ def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
     params += sum(e * per_expert for e in experts_per_layer)
     params += rows * D + V * D + D  # embedding rows, lm_head, final norm
     return 4.0 * params
+
+
+def step_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
+    """FLOPs of one decode step of `rows` conversations: projections, routers, every routed
+    expert assignment, lm_head, and attention over the mean context (as kv_bytes)."""
+    D, V, L = cfg.hidden, cfg.vocab_size, cfg.num_layers
+    q = cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    m = cfg.moe
+    per_row = L * (D * q + D * kv + q * D + D * m.num_experts + m.top_k * 3 * D * m.moe_ff)
+    per_row += V * D
+    per_row += L * 2 * q * (prompt + (tokens + 1) / 2)  # scores and weighted values
+    return 2.0 * rows * per_row
+
+
+def kv_bytes(cfg, rows: int, prompt: int, tokens: int) -> float:
+    """f32 bytes of keys and values one decode step of `rows` conversations reads, the mean over
+    the benchmark's steps (step i, from 0, attends over prompt + i + 1 positions)."""
+    per_position = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    return rows * per_position * (prompt + (tokens + 1) / 2)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -445,6 +479,7 @@ def main() -> None:
                 runs.setdefault((name, peer), []).append(res)
     bw = {"before": bw, "after": memory_bandwidth()}
     gb_s = max(bw["before"]["gb_s"], bw["after"]["gb_s"])
+    gflop_s = max(bw["before"]["kernel_16_gflop_s"], bw["after"]["kernel_16_gflop_s"])
 
     rows, summary = [], {}
     for name in names:
@@ -453,8 +488,7 @@ def main() -> None:
         k = cfg.moe.top_k
         bytes1 = step_bytes(cfg, [k] * cfg.num_layers, 1)
         roof1 = gb_s * 1e9 / bytes1
-        roof16 = 16 * gb_s * 1e9 / step_bytes(cfg, col["distinct_experts_16"], 16)
-        summary[name] = {"roofline_tok_s_1": roof1, "roofline_tok_s_16": roof16, "peers": {}}
+        summary[name] = {"roofline_tok_s_1": roof1, "peers": {}}
         for peer in peers:
             r = best_of(runs[(name, peer)])
             summary[name]["peers"][peer] = r
@@ -500,6 +534,16 @@ def main() -> None:
     for name in names:
         cfg = load_config(inputs[name]["colibri"])
         col = summary[name]["peers"]["colibri"]
+        # What a step of b rows reads: the weights it touches, and its rows' keys and values
+        # (at 16 rows, 7-22% of the bytes on these shapes; at one row 1-2%).
+        moved = {
+            b: step_bytes(cfg, col[f"distinct_experts_{b}"], b)
+            + kv_bytes(cfg, b, args.prompt, args.tokens)
+            for b in (1, 4, 16)
+        }
+        flops = {b: step_flops(cfg, b, args.prompt, args.tokens) for b in (1, 4, 16)}
+        summary[name]["step_bytes"] = moved
+        summary[name]["step_flops"] = flops
         by_pass = {  # every pass of every round
             b: [x for r in runs[(name, "colibri")] for x in r[f"x_vs_1_by_pass_{b}"]]
             for b in (4, 16)
@@ -517,23 +561,46 @@ def main() -> None:
                     ),
                     "one step a forward": col[f"decode_tok_s_{b}_single"],
                     "distinct experts / layer": float(np.mean(col[f"distinct_experts_{b}"])),
-                    "roofline tok/s": (
-                        summary[name]["roofline_tok_s_1"]
-                        if b == 1
-                        else b * gb_s * 1e9 / step_bytes(cfg, col[f"distinct_experts_{b}"], b)
-                    ),
+                    "MB a step (weights, KV)": moved[b] / 1e6,
+                    "GB/s moved": col[f"decode_tok_s_{b}"] / b * moved[b] / 1e9,
+                    "GFLOP a step": flops[b] / 1e9,
+                    "roofline tok/s, memory": b * gb_s * 1e9 / moved[b],
+                    "tok/s at the 16-row kernel's GFLOP/s": b * gflop_s * 1e9 / flops[b],
                 }
             )
     batch = pd.DataFrame(batch_rows)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(batch.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    write_results(args, host(), bw, gb_s, table, batch, summary)
+    write_results(args, host(), bw, gb_s, gflop_s, table, batch, summary)
 
 
-def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) -> None:
+def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
+    """What the 16-slot target (6x batch 1) asks, per model: the GB/s a 16-row step would move
+    and the GFLOP/s it would compute at 6x the batch-1 rate, against the probes and against
+    what batch 1 moves."""
+    parts = []
+    for name, res in summary.items():
+        one = res["peers"]["colibri"]["decode_tok_s_1"]
+        moved, flops = res["step_bytes"], res["step_flops"]
+        steps = 6 * one / 16  # 16-row steps a second at 6x
+        need, compute = steps * moved[16] / 1e9, steps * flops[16] / 1e9
+        parts.append(
+            f"{name}: {need:.1f} GB/s moved ({need / gb_s:.0%} of the best probe; batch 1 "
+            f"moves {one * moved[1] / 1e9:.1f}, 16 rows now "
+            f"{res['peers']['colibri']['decode_tok_s_16'] / 16 * moved[16] / 1e9:.1f}) while "
+            f"computing {compute:.0f} GFLOP/s ({compute / gflop_s:.0%} of the 16-row kernel's "
+            "rate)"
+        )
+    return "16 slots at 6x the best batch-1 rate would need, " + "; ".join(parts) + "."
+
+
+def write_results(
+    args, hw, bw: dict, gb_s: float, gflop_s: float, table, batch, summary: dict
+) -> None:
     probes = "; ".join(
         f"{when}: numpy sums {b['sum_gb_s']:.1f}, OpenBLAS gemv {b['gemv_gb_s']:.1f}, "
-        f"XLA gemv {b['xla_gemv_gb_s']:.1f}, colibri linear kernel {b['kernel_gemv_gb_s']:.1f}"
+        f"XLA gemv {b['xla_gemv_gb_s']:.1f}, colibri linear kernel {b['kernel_gemv_gb_s']:.1f} "
+        f"(on 16 rows: {b['kernel_16_gflop_s']:.1f} GFLOP/s)"
         for when, b in bw.items()
     )
     machine = (
@@ -572,6 +639,14 @@ def write_results(args, hw, bw: dict, gb_s: float, table, batch, summary: dict) 
         "## colibri with several conversations decoding at once",
         "",
         markdown_table(batch, index=False),
+        "",
+        "Bytes a step: the weights it touches (the distinct experts chosen) and its "
+        "conversations' keys and values (f32, the mean over the steps); GB/s moved: at the "
+        "aggregate rate. Roofline, memory: bytes a step over the best bandwidth probe. The "
+        "last column: FLOPs a step at the rate of colibri's linear kernel on 16 rows streaming "
+        f"1 GiB from DRAM on both cores ({gflop_s:.1f} GFLOP/s, the best probe), a reference "
+        "rather than a roof (the expert calls' shapes can run faster or slower). "
+        f"{six_times(summary, gb_s, gflop_s)}",
         "",
     ]
     (RESULTS / "peers.md").write_text("\n".join(md))

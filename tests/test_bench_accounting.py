@@ -1,0 +1,81 @@
+"""What experiments/bench_peers.py says a decode step reads and computes, against transformers
+running that step: its FLOPs as torch's counter sees them, its keys and values as its cache
+holds them, its weights as its parameters are."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+from colibri.config import load_config
+from colibri.synth import SynthSpec, synthesize
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT, ROWS = 12, 3
+
+
+@functools.cache
+def bench_peers():
+    path = REPO / "experiments/bench_peers.py"
+    spec = importlib.util.spec_from_file_location("bench_peers", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
+def decoded(request, tmp_path_factory):
+    """A checkpoint of the benchmark's families, its config, and one greedy decode step of ROWS
+    conversations after PROMPT tokens in transformers (eager attention and experts: products
+    torch's counter sees), with its FLOPs and its cache after the step."""
+    spec = SynthSpec(
+        family=request.param, layers=2, experts=8, top_k=2, hidden=128, moe_ff=64, vocab=384
+    )
+    ckpt = synthesize(spec, tmp_path_factory.mktemp("bench") / spec.family, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        ckpt, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    ids = torch.randint(0, spec.vocab, (ROWS, PROMPT), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = model(ids, use_cache=True).cache
+        step = ids[:, -1:]
+        with FlopCounterMode(display=False) as counter:
+            model(step, cache=cache, use_cache=True)
+    return load_config(ckpt), model, cache, counter.get_total_flops()
+
+
+def test_step_flops_are_what_torch_counts(decoded):
+    cfg, _, _, counted = decoded
+    assert bench_peers().step_flops(cfg, ROWS, PROMPT, tokens=1) == counted
+
+
+def test_kv_bytes_are_the_cache_a_step_reads(decoded):
+    cfg, _, cache, _ = decoded
+    held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    assert held == bench_peers().kv_bytes(cfg, ROWS, PROMPT, tokens=1)  # PROMPT + 1 positions
+    # Over several steps, the mean context: step i attends over PROMPT + i + 1 positions.
+    per_position = held / (PROMPT + 1)
+    mean = sum(PROMPT + i + 1 for i in range(5)) / 5
+    assert bench_peers().kv_bytes(cfg, ROWS, PROMPT, tokens=5) == pytest.approx(per_position * mean)
+
+
+def test_step_bytes_are_the_weights_one_row_touches(decoded):
+    cfg, model, _, _ = decoded
+    k, touched = cfg.moe.top_k, 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:  # [experts, ...]: top-k of them a layer
+            touched += k * p[0].nbytes
+        elif "embed_tokens" in name:
+            touched += p[0].nbytes  # one row a token
+        else:
+            touched += p.nbytes
+    counted = bench_peers().step_bytes(cfg, [k] * cfg.num_layers, 1)
+    # The q and k norms (a head's width, or OLMoE's full width, a layer) are left out.
+    assert counted <= touched
+    assert counted == pytest.approx(touched, rel=0.01)
