@@ -565,7 +565,9 @@ def main() -> None:
                     "GB/s moved": col[f"decode_tok_s_{b}"] / b * moved[b] / 1e9,
                     "GFLOP a step": flops[b] / 1e9,
                     "roofline tok/s, memory": b * gb_s * 1e9 / moved[b],
-                    "tok/s at the 16-row kernel's GFLOP/s": b * gflop_s * 1e9 / flops[b],
+                    "tok/s at the 16-row kernel's GFLOP/s": (
+                        b * gflop_s * 1e9 / flops[b] if gflop_s else None  # no native kernels
+                    ),
                 }
             )
     batch = pd.DataFrame(batch_rows)
@@ -588,8 +590,8 @@ def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
             f"{name}: {need:.1f} GB/s moved ({need / gb_s:.0%} of the best probe; batch 1 "
             f"moves {one * moved[1] / 1e9:.1f}, 16 rows now "
             f"{res['peers']['colibri']['decode_tok_s_16'] / 16 * moved[16] / 1e9:.1f}) while "
-            f"computing {compute:.0f} GFLOP/s ({compute / gflop_s:.0%} of the 16-row kernel's "
-            "rate)"
+            f"computing {compute:.0f} GFLOP/s"
+            + (f" ({compute / gflop_s:.0%} of the 16-row kernel's rate)" if gflop_s else "")
         )
     return "16 slots at 6x the best batch-1 rate would need, " + "; ".join(parts) + "."
 
