@@ -344,24 +344,30 @@ def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
     return 4.0 * params
 
 
+def mean_context(prompt: int, tokens: int) -> float:
+    """Positions a decode step attends over, the mean over the benchmark's steps (step i, from
+    0, attends over prompt + i + 1)."""
+    return prompt + (tokens + 1) / 2
+
+
 def step_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
     """FLOPs of one decode step of `rows` conversations: projections, routers, every routed
-    expert assignment, lm_head, and attention over the mean context (as kv_bytes)."""
+    expert assignment, lm_head, and attention over the mean context."""
     D, V, L = cfg.hidden, cfg.vocab_size, cfg.num_layers
     q = cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
     m = cfg.moe
     per_row = L * (D * q + D * kv + q * D + D * m.num_experts + m.top_k * 3 * D * m.moe_ff)
     per_row += V * D
-    per_row += L * 2 * q * (prompt + (tokens + 1) / 2)  # scores and weighted values
+    per_row += L * 2 * q * mean_context(prompt, tokens)  # scores and weighted values
     return 2.0 * rows * per_row
 
 
 def kv_bytes(cfg, rows: int, prompt: int, tokens: int) -> float:
-    """f32 bytes of keys and values one decode step of `rows` conversations reads, the mean over
-    the benchmark's steps (step i, from 0, attends over prompt + i + 1 positions)."""
+    """f32 bytes of keys and values one decode step of `rows` conversations reads over the
+    mean context."""
     per_position = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
-    return rows * per_position * (prompt + (tokens + 1) / 2)
+    return rows * per_position * mean_context(prompt, tokens)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -582,14 +588,14 @@ def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
     what batch 1 moves."""
     parts = []
     for name, res in summary.items():
-        one = res["peers"]["colibri"]["decode_tok_s_1"]
-        moved, flops = res["step_bytes"], res["step_flops"]
+        col, moved, flops = res["peers"]["colibri"], res["step_bytes"], res["step_flops"]
+        one = col["decode_tok_s_1"]
         steps = 6 * one / 16  # 16-row steps a second at 6x
         need, compute = steps * moved[16] / 1e9, steps * flops[16] / 1e9
         parts.append(
             f"{name}: {need:.1f} GB/s moved ({need / gb_s:.0%} of the best probe; batch 1 "
             f"moves {one * moved[1] / 1e9:.1f}, 16 rows now "
-            f"{res['peers']['colibri']['decode_tok_s_16'] / 16 * moved[16] / 1e9:.1f}) while "
+            f"{col['decode_tok_s_16'] / 16 * moved[16] / 1e9:.1f}) while "
             f"computing {compute:.0f} GFLOP/s"
             + (f" ({compute / gflop_s:.0%} of the 16-row kernel's rate)" if gflop_s else "")
         )
