@@ -117,6 +117,35 @@ def _chat(args: argparse.Namespace) -> int:
     return chat(args.model, verbose=args.verbose)
 
 
+def engine_main(argv: list[str] | None = None) -> int:
+    """`colibri-engine [cap]`: the stdio engine launched as colibrì's C binary is, so that
+    colibrì's own gateway can run it as its `--engine`: the model from SNAP (or --model), the
+    per-layer expert cap as the one positional argument, every other setting from the same
+    environment as `colibri engine`, and the `upstream` wire profile unless WIRE says otherwise.
+    """
+    import os
+
+    p = argparse.ArgumentParser(prog="colibri-engine", description=engine_main.__doc__)
+    p.add_argument("cap", nargs="?", type=int, help="most device slots per layer (CAP); 0: none")
+    p.add_argument("--model", help="Hugging Face checkpoint folder (default: $SNAP)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
+    args = p.parse_args(argv)
+    env = dict(os.environ)
+    model = args.model or env.get("SNAP", "").strip()
+    if not model:
+        p.error("no model: set SNAP or pass --model")
+    if args.cap is not None:
+        if args.cap < 0:
+            p.error(f"cap {args.cap}: expected 0 (no cap) or more")
+        env["CAP"] = str(args.cap)
+    if not env.get("WIRE", "").strip():
+        env["WIRE"] = "upstream"
+    _logging(args.verbose)
+    from colibri.protocol.serve import run_engine
+
+    return _guarded(lambda: run_engine(model, env))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="colibri", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
@@ -180,14 +209,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _logging(args.verbose)
+    return _guarded(lambda: args.run(args))
+
+
+def _logging(verbose: bool) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
     logging.getLogger("jax").setLevel(logging.WARNING)
+
+
+def _guarded(run) -> int:
+    """run()'s status; a bad setting or checkpoint is one line on stderr and status 2."""
     try:
-        return args.run(args)
+        return run()
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError and bad arguments
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2

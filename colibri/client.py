@@ -51,6 +51,7 @@ from colibri.protocol.codec import (
     Hits,
     HwInfo,
     Perf,
+    Prof,
     Ready,
     Repin,
     Stat,
@@ -89,6 +90,7 @@ _ENGINE_VARS = (
     "PILOT",
     "PROFILE",
     "STATE_DIR",
+    "WIRE",
 )
 _STDERR_LINES = 200  # engine log lines kept for error messages
 
@@ -166,9 +168,9 @@ def heat_grid(emap: Emap) -> np.ndarray:
 
 
 def hits_grid(hits: Hits) -> np.ndarray:
-    """bool [L, E]: experts routed in the HITS window (bits are row-major, MSB first)."""
+    """bool [L, E]: experts routed in the HITS window (bits are row-major, LSB first)."""
     n = hits.rows * hits.cols
-    bits = np.unpackbits(np.frombuffer(hits.bits, np.uint8))[:n]
+    bits = np.unpackbits(np.frombuffer(hits.bits, np.uint8), bitorder="little")[:n]
     return bits.astype(bool).reshape(hits.rows, hits.cols)
 
 
@@ -226,6 +228,7 @@ class Turn:
     gpus: Gpus | None
     hwinfo: HwInfo | None
     repins: tuple[Repin, ...]  # REPIN swaps while in flight
+    prof: Prof | None = None  # the turn's PROF line (colibrì's profiling numbers)
 
     @property
     def ok(self) -> bool:
@@ -362,6 +365,7 @@ class Request:
                 gpus=g.get("Gpus"),
                 hwinfo=g.get("HwInfo"),
                 repins=tuple(self._repins),
+                prof=g.get("Prof"),
             )
         self.events.put(ev)
         self._finished.set()
@@ -465,7 +469,7 @@ class Session:
             return req
         if isinstance(ev, Done | Error):
             return self._finish(ev)
-        if isinstance(ev, Entropy | Gpus | Tiers | Emap):
+        if isinstance(ev, Entropy | Gpus | Tiers | Emap | Prof):
             self._latest(ev)
             if self._owner is not None:
                 self._owner._add(ev)
@@ -683,6 +687,7 @@ def engine_env(
     env = {k: v for k, v in base.items() if k not in _ENGINE_VARS}
     settings = {
         "SERVE_BATCH": "1",
+        "WIRE": "full",
         "KV_SLOTS": slots,
         "CTX": ctx,
         "NGEN": ngen,

@@ -20,6 +20,7 @@ from colibri.protocol.codec import (
     Hits,
     HwInfo,
     Perf,
+    Prof,
     ProtocolError,
     Ready,
     Repin,
@@ -82,6 +83,7 @@ events = st.one_of(
     ),
     st.builds(Repin, signed, signed, signed, signed),
     st.builds(Perf, ids, sec, sec, sec, sec, sec, sec, sec),
+    st.builds(Prof, fixed(3, 0), counts, counts, *[fixed(3, 0)] * 5, counts),
     st.builds(Entropy, st.lists(fixed(4, 0), max_size=8).map(tuple)),
     st.builds(Gpus, st.lists(st.tuples(gb, gb, counts), max_size=4).map(tuple)),
     st.builds(Done, ids, counts, fixed(2, 0), fixed(1, 0, 1000), gb, counts, st.booleans()),
@@ -94,6 +96,7 @@ events = st.one_of(
     ),
 )
 
+utf8 = st.characters(blacklist_categories=("Cs",), blacklist_characters="\0")
 valid_submits = st.builds(
     Submit,
     ids,
@@ -101,9 +104,8 @@ valid_submits = st.builds(
     st.integers(1, 4096),
     st.floats(0.0, 2.0),
     st.floats(0.0, 1.0, exclude_min=True),
-    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1).map(
-        str.encode
-    ),
+    st.text(utf8, min_size=1).map(str.encode),
+    st.one_of(st.just(b""), st.text(utf8, max_size=40).map(str.encode)),
 )
 requests = st.one_of(valid_submits, st.builds(Cancel, ids), st.builds(Stop, ids))
 
@@ -134,7 +136,7 @@ EXACT = [
     (HwInfo(2, 24.0, 20.0, 0, 0.0, "cpu", ""), b"HWINFO 2 24.00 20.00 0 0.00 cpu|\n"),
     (Tiers(10, 20, 30, 1.5, 2.25), b"TIERS 10 20 30 1.50 2.25\n"),
     (Emap(1, 2, bytes([0x85, 0x03])), b"EMAP 1 2 8503\n"),
-    (Hits.from_set(2, 5, {(0, 0), (1, 4)}), b"HITS 2 5 8040\n"),
+    (Hits.from_set(2, 5, {(0, 0), (1, 4)}), b"HITS 2 5 0102\n"),
     (Data(5, b"a\nb"), b"DATA 5 3\na\nb\n"),
     (TopK(3, ((-0.1, b"hi"), (-2.5, b" "))), b"TOPK 3 2 -0.1000 6869 -2.5000 20\n"),
     (TopK(3, ((-0.5, b""),)), b"TOPK 3 1 -0.5000 \n"),
@@ -142,6 +144,10 @@ EXACT = [
     (
         Perf(9, 1.5, 0.25, 0.125, 0.5, 0.3, 0.0, 0.01),
         b"PERF 9 1.500000 0.250000 0.125000 0.500000 0.300000 0.000000 0.010000\n",
+    ),
+    (
+        Prof(2.5, 30, 12, 0.0, 0.125, 1.25, 0.5, 0.0625, 17),
+        b"PROF 2.500 30 12 0.000 0.125 1.250 0.500 0.062 17\n",
     ),
     (Entropy((1.5, 0.25)), b"ENTROPY 1.5000 0.2500\n"),
     (Entropy(()), b"ENTROPY\n"),
@@ -165,6 +171,9 @@ def test_exact_bytes(event, wire):
 def test_requests_exact_bytes():
     submit = Submit(1, 0, 16, 0.7, 0.9, b"hi\nthere")
     assert format_request(submit) == b"SUBMIT 1 0 8 16 0.7 0.9\nhi\nthere\n"
+    # the grammar follows the payload with no separator, as colibrì's gateway writes it
+    grammar = Submit(2, 1, 16, 0.0, 1.0, b"hi", b'{"type":"object"}')
+    assert format_request(grammar) == b'SUBMIT 2 1 2 16 0.0 1.0 17\nhi{"type":"object"}\n'
     assert format_request(Cancel(12)) == b"CANCEL 12\n"
     assert format_request(Stop(12)) == b"STOP 12\n"
 
@@ -218,9 +227,10 @@ def test_hits_bits(rows, cols, data):
         assert h.with_hit(row, col, False).with_hit(row, col) == h
 
 
-def test_hits_bit_order_is_row_major_msb_first():
-    h = Hits.from_set(1, 9, {(0, 7), (0, 8)})
-    assert h.bits == bytes([0x01, 0x80])
+def test_hits_bit_order_is_row_major_lsb_first():
+    """As colibrì's engine writes HITS and its web UI reads them: bit i & 7 of byte i >> 3."""
+    h = Hits.from_set(1, 11, {(0, 7), (0, 8), (0, 10)})
+    assert h.bits == bytes([0x80, 0x05])
 
 
 def test_map_sizes_are_checked():
@@ -363,7 +373,11 @@ REFUSALS = {
     "id zero": (submit(b"0 0 2 16 0.7 0.9"), "BAD_REQUEST", 0),
     "id over u64": (submit(b"18446744073709551616 0 2 16 0.7 0.9"), "BAD_REQUEST", 0),
     "too few fields": (submit(b"5 0 2 16 0.7"), "BAD_REQUEST", 0),
-    "too many fields": (submit(b"5 0 2 16 0.7 0.9 1"), "BAD_REQUEST", 0),
+    "grammar count not a number but payload drained": (
+        submit(b"x 0 2 16 0.7 0.9 3", b"hi{a}"),
+        "BAD_REQUEST",
+        0,
+    ),
     "slot not a number": (submit(b"5 a 2 16 0.7 0.9"), "BAD_REQUEST", 0),
     "slot == kv_slots": (submit(b"5 4 2 16 0.7 0.9"), "BAD_REQUEST", 5),
     "slot negative": (submit(b"5 -1 2 16 0.7 0.9"), "BAD_REQUEST", 5),
@@ -377,13 +391,14 @@ REFUSALS = {
     "NUL in payload": (submit(b"5 0 2 16 0.7 0.9", b"h\0"), "BAD_REQUEST", 5),
     "invalid UTF-8": (submit(b"5 0 2 16 0.7 0.9", b"\xff\xfe"), "BAD_REQUEST", 5),
     "split UTF-8 char": (submit(b"5 0 1 16 0.7 0.9", "é".encode()[:1]), "BAD_REQUEST", 5),
+    "NUL in grammar": (submit(b"5 0 2 16 0.7 0.9 3", b"hia\0b"), "BAD_REQUEST", 5),
+    "grammar not UTF-8": (submit(b"5 0 2 16 0.7 0.9 2", b"hi\xff\xfe"), "BAD_REQUEST", 5),
     "empty payload": (submit(b"5 0 0 16 0.7 0.9", b""), "EMPTY_PROMPT", 5),
     "unknown kind": (b"HELLO 1\n", "BAD_REQUEST", 0),
     "blank line": (b"\n", "BAD_REQUEST", 0),
     "cancel without id": (b"CANCEL\n", "BAD_REQUEST", 0),
     "cancel id zero": (b"CANCEL 0\n", "BAD_REQUEST", 0),
     "stop extra field": (b"STOP 3 4\n", "BAD_REQUEST", 0),
-    "no byte count": (b"SUBMIT 5 0 two 16 0.7 0.9\n", "BAD_REQUEST", 0),
 }
 
 
@@ -408,6 +423,40 @@ def test_unparseable_header_drains_its_payload():
     got = requests_of(wire)
     assert len(got) == 2 and got[0].code == "BAD_REQUEST" and got[0].id == 0
     assert got[1] == Cancel(2)
+
+
+def test_grammar_is_kept_and_the_next_request_read_whole():
+    wire = submit(b"5 0 2 16 0.7 0.9 10", b"hiroot ::= x") + b"STOP 5\n"
+    assert requests_of(wire) == [Submit(5, 0, 16, 0.7, 0.9, b"hi", b"root ::= x"), Stop(5)]
+    zero = submit(b"6 0 2 16 0.7 0.9 0")  # a 0 count is no grammar
+    assert requests_of(zero) == [Submit(6, 0, 16, 0.7, 0.9, b"hi")]
+
+
+def test_oversized_grammar_is_drained_and_refused():
+    stream = io.BytesIO(submit(b"5 0 2 16 0.7 0.9 50", b"hi" + b"g" * 50) + b"CANCEL 5\n")
+    got = read_request(stream, 1, max_grammar=10)
+    assert isinstance(got, FrameError) and (got.code, got.id, got.fatal) == (
+        "BAD_REQUEST",
+        5,
+        False,
+    )
+    assert read_request(stream, 1) == Cancel(5)
+
+
+UNFRAMED = {  # no way to know where the frame ends: the stream cannot be trusted any more
+    "no byte count": (b"SUBMIT 5 0 two 16 0.7 0.9\nhi\n", 5),
+    "grammar count not a number": (b"SUBMIT 5 0 2 16 0.7 0.9 x\nhi\n", 5),
+    "too many fields": (b"SUBMIT 5 0 2 16 0.7 0.9 1 2\nhi\n", 0),
+    "grammar count too small": (submit(b"5 0 2 16 0.7 0.9 3", b"hiroot"), 5),
+    "grammar count too large": (submit(b"5 0 2 16 0.7 0.9 9", b"hiroot") + b"CANCEL 5\n", 5),
+}
+
+
+@pytest.mark.parametrize(("wire", "rid"), UNFRAMED.values(), ids=UNFRAMED.keys())
+def test_a_frame_of_unknown_length_is_fatal_bad_frame(wire, rid):
+    got = first(wire)
+    assert isinstance(got, FrameError)
+    assert (got.code, got.id, got.fatal) == ("BAD_FRAME", rid, True)
 
 
 def test_wrong_byte_after_payload_is_fatal_bad_frame():

@@ -38,6 +38,7 @@ from colibri.protocol.codec import (
     Hits,
     HwInfo,
     Perf,
+    Prof,
     Ready,
     Repin,
     Stat,
@@ -69,7 +70,7 @@ PROMPTS = [
     "to any person",
     "The lazy dog",
 ]
-TURN_BLOCK = [HwInfo, Perf, Entropy, Gpus, Tiers, Emap, Hits, Done]
+TURN_BLOCK = [HwInfo, Perf, Entropy, Gpus, Tiers, Emap, Hits, Prof, Done]
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +130,12 @@ def test_round_trip_topk_hits_and_turn_block(engine, ref):
         assert len(lps) == 5 and lps == sorted(lps, reverse=True) and lps[0] <= 0
         assert topk.entries[0][1] == data.payload  # greedy: the chosen token is the best
 
-    assert [type(ev) for ev in evs[-8:]] == TURN_BLOCK
-    hw, perf, ent, gpus, tiers, emap, hits, done = evs[-8:]
+    assert [type(ev) for ev in evs[-len(TURN_BLOCK) :]] == TURN_BLOCK
+    hw, perf, ent, gpus, tiers, emap, hits, prof, done = evs[-len(TURN_BLOCK) :]
     n_data = sum(isinstance(ev, Data) for ev in evs)
     assert done == Done(1, n_data, done.tok_s, done.hit_pct, done.rss_gb, n_prompt, n_data == 20)
+    assert (prof.prompt_tokens, prof.completion_tokens) == (n_prompt, n_data)
+    assert abs(prof.wall_s - perf.dt) < 2e-3 and prof.forwards >= n_data
     assert done.tok_s > 0 and 0 <= done.hit_pct <= 100
     assert perf.id == 1 and perf.dt > 0 and min(perf.t_edisk, perf.t_emm, perf.t_head) >= 0
     assert len(ent.values) == emap.rows

@@ -48,6 +48,7 @@ class GenRequest:
     max_tokens: int
     temperature: float = 0.0
     top_p: float = 1.0
+    grammar: str = ""  # a grammar or JSON schema the answer is expected to follow (kept, unused)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class TurnReport:
     tiers: tuple[int, int, int, float, float]
     emap: bytes
     hits: np.ndarray  # bool [rows, cols]: experts routed since the previous HITS
+    forwards: int = 0  # model forward passes over the window (prefills and decode steps, any slot)
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,7 @@ class _Run:
     t_accept: float
     timers0: dict[str, float]
     lookups0: tuple[int, int]  # (lookups, hits) at acceptance: DONE's hit_pct is this turn's
+    forwards0: int  # the scheduler's forward count at acceptance
     routes: list[np.ndarray] = field(default_factory=list)  # [n_moe, T, K] per forward
     emitted: int = 0
     chosen: int = 0  # tokens chosen, emitted or about to be (reports follow the next launch)
@@ -208,6 +211,7 @@ class Scheduler:
         self.waiting: deque[GenRequest] = deque()
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
         self.steps = 0  # decode steps so far
+        self.forwards = 0  # model forward passes so far: prefills and decode steps
         self.inflight: _Forward | None = None  # the decode forward running between steps
         self._periods: deque[float] = deque(maxlen=8)  # seconds per decode step, lately
         self._landed = 0.0  # when the last forward landed
@@ -338,6 +342,7 @@ class Scheduler:
         slot = self.slots[req.slot]
         del slot.history[reused:]
         logits, routes = self.runner.prefill(req.slot, list(req.prompt[reused:]), start=reused)
+        self.forwards += 1
         slot.history.extend(req.prompt[reused:])
         run.routes.append(routes)
         run.t_first = time.perf_counter()
@@ -353,6 +358,7 @@ class Scheduler:
             t_accept=time.perf_counter(),
             timers0=self.runner.timers.snapshot(),
             lookups0=(self.runner.stats.lookups, self.runner.stats.hits),
+            forwards0=self.forwards,
         )
 
     # ------------------------------------------------------------------ decode
@@ -432,6 +438,7 @@ class Scheduler:
             if not any(live):
                 break  # the rest of a burst whose requests all ended: no decode step
             self.steps += 1
+            self.forwards += 1
             for i, run in enumerate(runs):
                 if not live[i] or active.get(run.req.id) is not run:  # (failed meanwhile)
                     continue
@@ -584,6 +591,7 @@ class Scheduler:
             tiers=stats.tier_counts(),
             emap=stats.emap(),
             hits=stats.take_hits(),
+            forwards=self.forwards - run.forwards0,
         )
         return [Finished(run.req.id, report)]
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 MAX_SLOTS = 16
+WIRES = ("full", "upstream")  # WIRE profiles: which line kinds the mux engine writes
 
 
 class SettingsError(ValueError):
@@ -28,6 +29,7 @@ class EngineSettings:
     seed: int = 0  # SEED: sampling seed, combined with each request id
     burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
+    wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
@@ -43,6 +45,7 @@ class EngineSettings:
             seed=r.int("SEED", 0, lo=0),
             burst=r.int("BURST", 6, lo=1, hi=6),
             burst_ms=r.int("BURST_MS", 5, lo=0, hi=10_000),
+            wire=r.choice("WIRE", WIRES),
         )
 
 
@@ -64,6 +67,15 @@ class _Reader:
         if value not in (None, "0", "1"):
             raise self._fail(name, "0 or 1")
         return value == "1"
+
+    def choice(self, name: str, options: tuple[str, ...]) -> str:
+        """One of options; the first when unset."""
+        value = self._raw(name)
+        if value is None:
+            return options[0]
+        if value not in options:
+            raise self._fail(name, " or ".join(options))
+        return value
 
     def opt_int(self, name: str, lo: int, hi: int | None = None) -> int | None:
         value = self._raw(name)

@@ -12,13 +12,15 @@ integers                  decimal (``str(int)``)
 ``STAT``/``DONE``         tok_s ``%.2f``, hit_pct ``%.1f``, rss_gb ``%.2f``; length_limited 0/1
 GB values                 ``%.2f`` (HWINFO, TIERS, GPUS)
 ``PERF`` seconds          ``%.6f``
+``PROF`` seconds          ``%.3f`` (as colibrì's engine writes them)
 ``ENTROPY`` bits          ``%.4f``
 ``TOPK`` logprob          ``%.4f``; token bytes as lowercase hex
 ``SUBMIT`` sampling       temperature, top_p as ``repr(float)`` (shortest exact round trip)
 ========================  =========================================================
 
 ``HITS`` bit order: the ``rows*cols`` experts are numbered row-major, ``i = row*cols + col``;
-bit ``i`` lives in byte ``i // 8`` under mask ``0x80 >> (i % 8)`` (most significant bit first).
+bit ``i`` lives in byte ``i // 8`` under mask ``1 << (i % 8)`` (least significant bit first, as
+colibrì's engine writes it and its web UI reads it).
 The bitmap is ``ceil(rows*cols / 8)`` bytes, written as lowercase hex; padding bits are 0.
 ``EMAP`` holds one byte per expert in the same row-major order: ``(tier << 6) | heat``.
 """
@@ -34,6 +36,7 @@ from typing import ClassVar, Protocol
 READY_LINE = b"\x01\x01READY\x01\x01"
 MAX_HEADER = 4096  # request header cap: longer lines are drained, never buffered
 MAX_PAYLOAD = 64 << 20  # SUBMIT payload cap: larger payloads are drained and refused
+MAX_GRAMMAR = 1 << 20  # SUBMIT grammar cap (colibrì's own): larger ones are drained and refused
 MAX_EVENT_LINE = 1 << 20  # engine line cap: an EMAP of 512k experts still fits
 MAX_DATA = 1 << 20  # DATA payload cap (one token's bytes)
 U64_MAX = (1 << 64) - 1
@@ -297,9 +300,9 @@ class Hits:
 
 
 def _bit(rows: int, cols: int, row: int, col: int) -> tuple[int, int]:
-    """(byte index, mask) of expert (row, col): row-major, most significant bit first."""
+    """(byte index, mask) of expert (row, col): row-major, least significant bit first."""
     i = _cell(rows, cols, row, col)
-    return i // 8, 0x80 >> (i % 8)
+    return i // 8, 1 << (i % 8)
 
 
 @dataclass(frozen=True)
@@ -372,6 +375,37 @@ class Perf:
     def from_fields(cls, w: list[bytes]) -> Perf:
         _arity(w, 8)
         return cls(_uint(w[0]), *(_float(f) for f in w[1:]))
+
+
+@dataclass(frozen=True)
+class Prof:
+    """A turn's phase timings, the line colibrì's gateway keeps for its profiling page:
+    ``PROF <wall_s> <prompt_tokens> <completion_tokens> <edisk_s> <ewait_s> <emm_s> <attn_s>
+    <head_s> <forwards>``. It carries no id: it comes right before the DONE it belongs to.
+    """
+
+    wall_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    edisk_s: float
+    ewait_s: float
+    emm_s: float
+    attn_s: float
+    head_s: float
+    forwards: int  # model forward passes over the turn's window (every slot's)
+    KIND: ClassVar[bytes] = b"PROF"
+    MAXSPLIT: ClassVar[int] = -1
+
+    def to_fields(self) -> list[str]:
+        times = (self.edisk_s, self.ewait_s, self.emm_s, self.attn_s, self.head_s)
+        counts = [str(self.prompt_tokens), str(self.completion_tokens)]
+        return [_f(self.wall_s, 3), *counts, *(_f(t, 3) for t in times), str(self.forwards)]
+
+    @classmethod
+    def from_fields(cls, w: list[bytes]) -> Prof:
+        _arity(w, 9)
+        times = (_float(f) for f in w[3:8])
+        return cls(_float(w[0]), _int(w[1]), _int(w[2]), *times, forwards=_int(w[8]))
 
 
 @dataclass(frozen=True)
@@ -506,6 +540,7 @@ Event = (
     | TopK
     | Repin
     | Perf
+    | Prof
     | Entropy
     | Gpus
     | Done
@@ -522,6 +557,7 @@ _LINE_KINDS = (
     TopK,
     Repin,
     Perf,
+    Prof,
     Entropy,
     Gpus,
     Done,
@@ -600,7 +636,13 @@ def _read_data(stream: ByteStream, words: list[bytes], max_data: int) -> Data | 
 
 @dataclass(frozen=True)
 class Submit:
-    """``SUBMIT <id> <slot> <bytes> <max_tokens> <temperature> <top_p>\\n<payload>\\n``."""
+    """``SUBMIT <id> <slot> <bytes> <max_tokens> <temperature> <top_p> [<grammar_bytes>]``, then
+    the payload, the grammar (``grammar_bytes`` of them, straight after the payload, as colibrì's
+    gateway writes it) and one newline.
+
+    The grammar (GBNF or a JSON schema, from ``response_format``) is kept on the request; colibrì
+    uses it only to steer draft speculation, and it changes no token here.
+    """
 
     id: int
     slot: int
@@ -608,6 +650,7 @@ class Submit:
     temperature: float
     top_p: float
     payload: bytes  # the rendered prompt, UTF-8
+    grammar: bytes = b""  # UTF-8 without NUL; empty: none
 
 
 @dataclass(frozen=True)
@@ -647,17 +690,25 @@ def format_request(req: Request) -> bytes:
     if isinstance(req, Submit):
         nums = [req.id, req.slot, len(req.payload), req.max_tokens]
         fields = [*map(str, nums), repr(float(req.temperature)), repr(float(req.top_p))]
-        return _line(b"SUBMIT", fields) + req.payload + b"\n"
+        grammar = [str(len(req.grammar))] if req.grammar else []
+        return _line(b"SUBMIT", fields + grammar) + req.payload + req.grammar + b"\n"
     return _line(req.KIND, [str(req.id)])
 
 
 def read_request(
-    stream: ByteStream, kv_slots: int, *, max_payload: int = MAX_PAYLOAD
+    stream: ByteStream,
+    kv_slots: int,
+    *,
+    max_payload: int = MAX_PAYLOAD,
+    max_grammar: int = MAX_GRAMMAR,
 ) -> Request | FrameError | None:
     """The next server request, a ``FrameError`` to answer, or None at EOF.
 
-    Each call consumes at least one byte or returns None, so a reader loop always ends on a
-    finite stream; a payload cut short by EOF is a fatal BAD_FRAME.
+    A refused SUBMIT whose byte counts are readable has its frame drained first, so the next
+    request is read from its first byte (BAD_REQUEST, not fatal). One whose counts are not
+    readable, or whose frame does not end in a newline where the counts say, leaves no way to
+    find the next request: BAD_FRAME, fatal. Each call consumes at least one byte or returns
+    None, so a reader loop always ends on a finite stream.
     """
     got = _read_line(stream, MAX_HEADER)
     if got is None:
@@ -668,7 +719,7 @@ def read_request(
     kind, _, rest = line.partition(b" ")
     words = _words(rest)
     if kind == b"SUBMIT":
-        return _read_submit(stream, words, kv_slots, max_payload)
+        return _read_submit(stream, words, kv_slots, max_payload, max_grammar)
     if kind in (b"CANCEL", b"STOP"):
         return _id_request(Cancel if kind == b"CANCEL" else Stop, words)
     return _bad(0, f"unknown request kind {kind[:40]!r}")
@@ -688,32 +739,46 @@ def _id_request(cls: type[Cancel] | type[Stop], words: list[bytes]) -> Request |
 
 
 def _read_submit(
-    stream: ByteStream, words: list[bytes], kv_slots: int, max_payload: int
+    stream: ByteStream, words: list[bytes], kv_slots: int, max_payload: int, max_grammar: int
 ) -> Submit | FrameError:
-    n = _byte_count(words)
-    if n is None:
-        return _bad(0, "SUBMIT header without a readable byte count")
     head = _submit_header(words)
     rid = head.id if head is not None else 0
-    frame = _read_frame(stream, n, max_payload)
+    sizes = _frame_sizes(words)
+    if sizes is None:
+        return FrameError("BAD_FRAME", rid, True, "SUBMIT header without readable byte counts")
+    n, g = sizes
+    keep = n <= max_payload and g <= max_grammar
+    frame = _read_frame(stream, n + g, keep)
     if frame.fault is not None:
         return FrameError("BAD_FRAME", rid, True, frame.fault)
     if head is None:
         return _bad(0, "unparseable SUBMIT header")
     if frame.payload is None:
-        return _bad(rid, f"payload of {n} bytes exceeds {max_payload}")
-    return _validate(replace(head, payload=frame.payload), kv_slots)
+        return _bad(
+            rid, f"payload of {n} bytes over {max_payload}, or grammar of {g} over {max_grammar}"
+        )
+    req = replace(head, payload=frame.payload[:n], grammar=frame.payload[n:])
+    return _validate(req, kv_slots)
 
 
-def _byte_count(words: list[bytes]) -> int | None:
-    """The SUBMIT byte count if it alone is readable: enough to drain the payload."""
-    return int(words[2]) if len(words) > 2 and _UINT.fullmatch(words[2]) else None
+def _frame_sizes(words: list[bytes]) -> tuple[int, int] | None:
+    """(payload bytes, grammar bytes) if the header says them readably: enough to drain the
+    frame even when other fields are malformed. A header of more than 7 fields says neither."""
+    if len(words) < 3 or len(words) > 7 or not _UINT.fullmatch(words[2]):
+        return None
+    if len(words) < 7:
+        return int(words[2]), 0
+    if not _UINT.fullmatch(words[6]):
+        return None
+    return int(words[2]), int(words[6])
 
 
 def _submit_header(words: list[bytes]) -> Submit | None:
     """The SUBMIT header's values with an empty payload, or None if any field is malformed."""
+    if len(words) not in (6, 7):
+        return None
     try:
-        rid, slot, _, max_tokens, temperature, top_p = _arity(words, 6)
+        rid, slot, _, max_tokens, temperature, top_p = words[:6]
         nums = (_u64(rid), _int(slot), _int(max_tokens), _float(temperature), _float(top_p))
     except ValueError:
         return None
@@ -733,6 +798,8 @@ def _submit_checks(req: Submit, kv_slots: int) -> Iterator[tuple[bool, str, str]
     yield req.max_tokens >= 1, "BAD_REQUEST", f"max_tokens {req.max_tokens} < 1"
     yield b"\0" not in req.payload, "BAD_REQUEST", "payload contains a NUL byte"
     yield _is_utf8(req.payload), "BAD_REQUEST", "payload is not valid UTF-8"
+    yield b"\0" not in req.grammar, "BAD_REQUEST", "grammar contains a NUL byte"
+    yield _is_utf8(req.grammar), "BAD_REQUEST", "grammar is not valid UTF-8"
     yield len(req.payload) > 0, "EMPTY_PROMPT", "payload is empty"
 
 
@@ -760,9 +827,9 @@ class _Frame:
     fault: str | None  # a fatal framing problem
 
 
-def _read_frame(stream: ByteStream, n: int, max_payload: int) -> _Frame:
-    """Read (or, over the cap, drain) n payload bytes and check the newline after them."""
-    if n > max_payload:
+def _read_frame(stream: ByteStream, n: int, keep: bool) -> _Frame:
+    """Read (or, when not kept, drain) n frame bytes and check the newline after them."""
+    if not keep:
         payload, complete = None, _skip(stream, n)
     else:
         payload = _read_exact(stream, n)
@@ -771,7 +838,7 @@ def _read_frame(stream: ByteStream, n: int, max_payload: int) -> _Frame:
         return _Frame(None, "payload cut short by end of input")
     end = stream.read(1)
     if end != b"\n":
-        return _Frame(None, f"expected b'\\n' after the {n}-byte payload, got {end!r}")
+        return _Frame(None, f"expected b'\\n' after the {n}-byte frame, got {end!r}")
     return _Frame(payload, None)
 
 

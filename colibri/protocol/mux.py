@@ -1,5 +1,9 @@
 """The mux protocol loop: requests from stdin, continuously batched turns, protocol lines out.
 
+The wire profile (`WIRE`) says which line kinds go out: `full` writes every kind, `upstream` only
+the ten that colibrì's own gateway parses (it fails on any other), so it can drive this engine
+unchanged. Both read every request form.
+
 One thread reads and parses frames (`Inbox`); the main thread alternates between handling every
 frame that has arrived (submit, cancel, stop: they take effect between steps) and one scheduler
 step (admission with serial prefill, then one decode forward over all active slots), and is the
@@ -43,6 +47,7 @@ from colibri.protocol.codec import (
     Hits,
     HwInfo,
     Perf,
+    Prof,
     Ready,
     Repin,
     Stat,
@@ -57,13 +62,20 @@ from colibri.tokenizer import Tokenizer
 log = logging.getLogger("colibri")
 
 IDLE_POLL_S = 0.1  # how often an idle loop looks at the SIGTERM flag
+UPSTREAM_KINDS = (Ready, Stat, HwInfo, Tiers, Emap, Hits, Data, Prof, Error, Done)
+WIRE_KINDS: dict[str, tuple[type, ...] | None] = {"full": None, "upstream": UPSTREAM_KINDS}
 
 
 def serve(
-    sched: Scheduler, tokenizer: Tokenizer, kv_slots: int, stdin: ByteStream, out: LineWriter
+    sched: Scheduler,
+    tokenizer: Tokenizer,
+    kv_slots: int,
+    stdin: ByteStream,
+    out: LineWriter,
+    wire: str = "full",
 ) -> int:
     """Run the mux protocol until input ends and every request is done; the exit status."""
-    loop = _Loop(sched, tokenizer, out)
+    loop = _Loop(sched, tokenizer, out, WIRE_KINDS[wire])
     loop.send(*handshake(sched.runner.stats))
     inbox: Inbox[codec.Request | FrameError] = Inbox(
         lambda: codec.read_request(stdin, kv_slots), last=_loses_framing, wake=kernels.request_cut
@@ -100,7 +112,7 @@ def hwinfo_line() -> HwInfo:
 
 
 def turn_block(rid: int, r: TurnReport) -> list[codec.Event]:
-    """HWINFO PERF ENTROPY GPUS TIERS EMAP HITS, then DONE: the end of one request."""
+    """HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF, then DONE: the end of one request."""
     ph = r.phases
     phases = [ph.get(k, 0.0) for k in ("t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head")]
     rows, cols = r.hits.shape
@@ -113,6 +125,13 @@ def turn_block(rid: int, r: TurnReport) -> list[codec.Event]:
         Tiers(*r.tiers),
         Emap(rows, cols, r.emap),
         hits_line(r.hits),
+        Prof(
+            r.dt,
+            r.prompt_tokens,
+            r.emitted,
+            *(ph.get(k, 0.0) for k in ("t_edisk", "t_ewait", "t_emm", "t_attn", "t_head")),
+            forwards=r.forwards,
+        ),
         Done(
             rid,
             r.emitted,
@@ -126,9 +145,9 @@ def turn_block(rid: int, r: TurnReport) -> list[codec.Event]:
 
 
 def hits_line(hits: np.ndarray) -> Hits:
-    """HITS from bool [rows, cols]; packbits is row-major, most significant bit first."""
+    """HITS from bool [rows, cols]: row-major, least significant bit first."""
     rows, cols = hits.shape
-    return Hits(rows, cols, np.packbits(hits.reshape(-1)).tobytes())
+    return Hits(rows, cols, np.packbits(hits.reshape(-1), bitorder="little").tobytes())
 
 
 def lines(ev: Event) -> list[codec.Event]:
@@ -153,15 +172,23 @@ def _loses_framing(item: codec.Request | FrameError) -> bool:
 
 
 class _Loop:
-    """The main thread's state: whether input is still read, and the one stdout writer."""
+    """The main thread's state: whether input is still read, and the one stdout writer (which
+    writes only the line kinds of its wire profile; None: all)."""
 
-    def __init__(self, sched: Scheduler, tokenizer: Tokenizer, out: LineWriter):
-        self.sched, self.tokenizer, self.out = sched, tokenizer, out
+    def __init__(
+        self,
+        sched: Scheduler,
+        tokenizer: Tokenizer,
+        out: LineWriter,
+        kinds: tuple[type, ...] | None = None,
+    ):
+        self.sched, self.tokenizer, self.out, self.kinds = sched, tokenizer, out, kinds
         self.reading = True
 
     def send(self, *events: codec.Event) -> None:
         for ev in events:
-            self.out.send(format_event(ev))
+            if self.kinds is None or isinstance(ev, self.kinds):
+                self.out.send(format_event(ev))
 
     def emit(self, events: list[Event]) -> None:
         for ev in events:
@@ -191,5 +218,6 @@ class _Loop:
         except Exception:
             log.exception("request %d: tokenizing the prompt failed", s.id)
             return [Failed(s.id, INTERNAL)]
-        req = GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p)
+        grammar = s.grammar.decode("utf-8")  # (validated by the reader)
+        req = GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p, grammar)
         return self.sched.submit(req)

@@ -54,7 +54,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
     restored = sched.restore()
     log.info(
         "engine: %s protocol, %d slots x %d positions%s",
-        "mux" if settings.serve_batch else "legacy",
+        f"mux ({settings.wire} wire)" if settings.serve_batch else "legacy",
         settings.kv_slots,
         ctx,
         f", {restored} cached positions restored" if restored else "",
@@ -62,7 +62,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
     stdin = sys.stdin.buffer
     try:
         if settings.serve_batch:
-            status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out)
+            status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out, settings.wire)
         else:
             status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
     except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the engine too (`colibri chat`)
