@@ -557,6 +557,24 @@ def load_atlas(path: str | Path = ATLAS) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def upstream_view(atlas: dict) -> dict:
+    """The atlas with `experts` keyed ``"layer:expert"``, as colibrì's web UI reads it: each
+    expert's `affinity` as {category: p}, `entropy` (bits of that distribution), and `label`
+    (``specialist`` when spec >= SPECIALIST_SPEC, else ``generalist``), beside its own fields.
+    The layer is the atlas's (the MoE layer's index)."""
+    experts = {}
+    for x in atlas["experts"]:
+        p = np.asarray(x["affinity"], np.float64)
+        bits = float(-(p[p > 0] * np.log2(p[p > 0])).sum())
+        experts[f"{x['layer']}:{x['expert']}"] = {
+            **x,
+            "affinity": dict(zip(atlas["categories"], x["affinity"], strict=True)),
+            "entropy": round(bits, 3),
+            "label": "specialist" if x["spec"] >= SPECIALIST_SPEC else "generalist",
+        }
+    return {**atlas, "experts": experts}
+
+
 def experts_frame(atlas: dict):
     """pandas DataFrame, one row per expert: layer, expert, total, spec, top, lift,
     reliability, replicated, x, y, z, and one affinity column per category."""

@@ -129,7 +129,7 @@ def test_static_site_refuses_every_way_out(tmp_path):
     (root / "out").symlink_to(outside)
     (root / "leak.txt").symlink_to(outside / "key.txt")
     (root / "assets" / "alias.js").symlink_to(root / "assets" / "app.js")  # inside: fine
-    site = StaticSite(root, {"/experts.json": tmp_path / "missing.json"})
+    site = StaticSite(root)
     real = root.resolve()
     assert site.lookup("/") == real / "index.html"
     assert site.lookup("/assets/app.js") == real / "assets" / "app.js"
@@ -175,6 +175,16 @@ def test_templates_hf_forms_and_fallback(tmp_path):
 
 # ---------------------------------------------------------------------------- fixtures
 
+# An atlas in colibri's own schema (data/experts.json's), two experts of layer 1.
+MINI_ATLAS = {
+    "categories": ["python", "german"],
+    "experts": [
+        {"layer": 1, "expert": 0, "affinity": [0.5, 0.5], "spec": 0.0, "top": "python"},
+        {"layer": 1, "expert": 3, "affinity": [0.125, 0.875], "spec": 0.46, "top": "german"},
+    ],
+    "version": 1,
+}
+
 
 @pytest.fixture(scope="module")
 def model_dir(checkpoints, tmp_path_factory):
@@ -195,7 +205,7 @@ def site(tmp_path_factory):
     (base / "secret.txt").write_text("TOP-SECRET")
     (dist / "leak.txt").symlink_to(base / "secret.txt")
     (dist / "up").symlink_to(base)
-    (base / "experts.json").write_text('{"atlas": true}')
+    (base / "experts.json").write_text(json.dumps(MINI_ATLAS))
     return base
 
 
@@ -400,7 +410,8 @@ def test_static_site_and_path_traversal(gateway, site):
     index = (site / "dist" / "index.html").read_bytes()
     assert raw_get(gateway.port, "/") == (200, index)
     assert raw_get(gateway.port, "/some/client/route") == (200, index)  # SPA fallback
-    assert raw_get(gateway.port, "/experts.json") == (200, b'{"atlas": true}')
+    status, atlas = raw_get(gateway.port, "/experts.json")
+    assert status == 200 and set(json.loads(atlas)["experts"]) == {"1:0", "1:3"}  # keyed
     assert raw_get(gateway.port, "/missing.css")[0] == 404
     for target in [
         "/..%2f..%2f..%2f..%2fetc/passwd",
@@ -471,12 +482,148 @@ def test_experts_endpoint_reports_the_latest_maps(gateway, ref):
     cfg = ref.model.cfg
     rows, cols = len(cfg.moe_layer_ids), cfg.moe.num_experts
     assert (s["rows"], s["cols"]) == (rows, cols) and s["seq"] > 0
-    assert len(s["map"]) == rows and all(len(row) == cols for row in s["map"])
-    assert all(0 <= b < 256 and b >> 6 <= 2 for row in s["map"] for b in row)
-    assert all(h in (0, 1) for row in s["hits"] for h in row) and len(s["hits"]) == rows
+    grid = s["map_grid"]
+    assert len(grid) == rows and all(len(row) == cols for row in grid)
+    assert all(0 <= b < 256 and b >> 6 <= 2 for row in grid for b in row)
+    assert all(h in (0, 1) for row in s["hits_grid"] for h in row) and len(s["hits_grid"]) == rows
     assert len(s["entropy"]) == rows and isinstance(s["gpus"], list)
     assert isinstance(s["repin"], list) and s["tiers"]["vram"] + s["tiers"]["ram"] >= 0
-    assert sum(b & 63 for row in s["map"] for b in row) > 0  # heat after traffic
+    assert sum(b & 63 for row in grid for b in row) > 0  # heat after traffic
+
+
+# ---------------------------------------------------------------------------- colibrì's shapes
+# What colibrì's web UI (its `web/src`) reads from its own gateway, read here the way it does.
+
+
+def ui_map_byte(hexmap: str, i: int) -> int:
+    """Brain.tsx: parseInt(map.substr(i * 2, 2), 16)."""
+    return int(hexmap[i * 2 : i * 2 + 2], 16)
+
+
+def ui_hit(hexhits: str, i: int) -> bool:
+    """Brain.tsx: parseInt(hits.substr((i >> 3) * 2, 2), 16) & (1 << (i & 7))."""
+    return bool(int(hexhits[(i >> 3) * 2 : (i >> 3) * 2 + 2], 16) & (1 << (i & 7)))
+
+
+def test_experts_as_colibris_ui_reads_them(gateway):
+    url, headers = gateway.url + "/experts", gateway.headers
+    gateway.post("/v1/completions", {"prompt": PROMPTS[4], "max_tokens": 6, "temperature": 0})
+    s = httpx.get(url, headers=headers).json()
+    rows, cols = s["rows"], s["cols"]
+    assert isinstance(s["map"], str) and len(s["map"]) == 2 * rows * cols
+    assert isinstance(s["hits"], str) and len(s["hits"]) == 2 * ((rows * cols + 7) // 8)
+    for i in range(rows * cols):
+        r, c = divmod(i, cols)
+        assert ui_map_byte(s["map"], i) == s["map_grid"][r][c]
+        assert ui_hit(s["hits"], i) == bool(s["hits_grid"][r][c])
+    # ?since=<seq>: 304 while nothing changed, the map again once something did
+    assert httpx.get(url, params={"since": s["seq"]}, headers=headers).status_code == 304
+    gateway.post("/v1/completions", {"prompt": PROMPTS[5], "max_tokens": 6, "temperature": 0})
+    again = httpx.get(url, params={"since": s["seq"]}, headers=headers)
+    assert again.status_code == 200 and again.json()["seq"] > s["seq"]
+    bad = httpx.get(url, params={"since": "later"}, headers=headers)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+
+
+def test_health_profile_and_models_as_colibris_ui_reads_them(gateway, client):
+    msgs = [{"role": "user", "content": PROMPTS[6]}]
+    done = client.chat.completions.create(model="m", messages=msgs, max_tokens=5, temperature=0)
+    h = httpx.get(gateway.url + "/health", headers=gateway.headers).json()
+    assert h["status"] == "ok" and h["kv_slots"] == 16
+    sched = h["scheduler"]
+    assert sched["capacity"] == 16 and sched["active"] >= 0 and sched["queued"] >= 0
+    assert sched["completed"] >= 1 and sched["admitted"] >= sched["completed"]
+    assert sched["rejected"] + sched["timed_out"] + sched["cancelled"] >= 0  # App.tsx's sum
+    assert set(h["tiers"]) == {"vram", "ram", "disk", "vram_gb", "ram_gb"}
+    hw = h["hwinfo"]
+    assert set(hw) == {
+        "cores",
+        "ram_total_gb",
+        "ram_avail_gb",
+        "gpus",
+        "vram_total_gb",
+        "cpu",
+        "gpu",
+    }
+    assert hw["cores"] >= 1 and hw["ram_total_gb"] > 0
+    public = gateway.health().json()  # without the key: liveness only
+    assert public["status"] == "ok" and "scheduler" not in public and "hwinfo" not in public
+
+    p = httpx.get(gateway.url + "/profile", headers=gateway.headers).json()
+    assert p["seq"] >= 1 and p["turns"]
+    keys = {"wall_s", "prompt_tokens", "completion_tokens", "expert_disk_s", "expert_wait_s"}
+    keys |= {"expert_matmul_s", "attention_s", "lm_head_s", "forwards"}
+    assert all(set(t) == keys for t in p["turns"])
+    mine = [t for t in p["turns"] if t["prompt_tokens"] == done.usage.prompt_tokens]
+    assert any(t["completion_tokens"] == done.usage.completion_tokens for t in mine)
+    assert httpx.get(gateway.url + "/profile").status_code == 401  # the key is needed
+
+    card = httpx.get(gateway.url + "/v1/models/tiny-chat", headers=gateway.headers)
+    assert card.status_code == 200 and card.json()["id"] == "tiny-chat"
+    assert client.models.retrieve("tiny-chat").id == "tiny-chat"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-5")
+
+
+def test_every_response_carries_a_request_id(gateway):
+    for r in (
+        gateway.health(),
+        httpx.get(gateway.url + "/v1/models"),  # a 401
+        gateway.post("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+        httpx.get(gateway.url + "/"),
+    ):
+        assert r.headers["x-request-id"].startswith("req_"), r.url
+    mine = gateway.post(
+        "/v1/completions", {"prompt": "hi", "max_tokens": 1}, headers={"x-request-id": "abc-1"}
+    )
+    assert mine.headers["x-request-id"] == "abc-1"
+    body = {"prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST", gateway.url + "/v1/completions", json=body, headers=gateway.headers
+    ) as r:
+        assert r.headers["x-request-id"].startswith("req_")
+        assert "[DONE]" in r.read().decode()
+
+
+def test_a_chat_request_as_colibris_ui_sends_it(gateway, ref):
+    body = {  # api.ts streamChat's body
+        "model": "tiny-chat",
+        "messages": [{"role": "user", "content": PROMPTS[7]}],
+        "temperature": 0,
+        "max_completion_tokens": 6,
+        "enable_thinking": False,
+        "cache_slot": 1,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    want, _ = expect(ref, render(body["messages"]), 6)
+    with httpx.stream(
+        "POST", gateway.url + "/v1/chat/completions", json=body, headers=gateway.headers
+    ) as r:
+        assert r.status_code == 200
+        frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    events = [json.loads(f) for f in frames[:-1]]
+    text = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+    assert text == want and events[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_the_atlas_in_colibris_keyed_form():
+    from colibri.atlas import ATLAS, load_atlas, upstream_view
+
+    atlas = load_atlas(ATLAS)
+    view = upstream_view(atlas)
+    assert len(view["experts"]) == atlas["layers"] * atlas["experts_per_layer"]
+    for x in atlas["experts"]:
+        v = view["experts"][f"{x['layer']}:{x['expert']}"]
+        assert list(v["affinity"]) == atlas["categories"]
+        assert abs(sum(v["affinity"].values()) - 1) < 1e-4
+        assert max(v["affinity"], key=v["affinity"].get) == v["top"] == x["top"]
+        assert v["label"] == ("specialist" if x["spec"] >= 0.25 else "generalist")
+        assert 0 <= v["entropy"] <= 3.46  # log2(11 categories)
+    mini = upstream_view(MINI_ATLAS)["experts"]
+    assert set(mini) == {"1:0", "1:3"} and mini["1:3"]["entropy"] == 0.544
+    assert mini["1:3"]["label"] == "specialist" and mini["1:0"]["entropy"] == 1.0
 
 
 # ---------------------------------------------------------------------------- own processes

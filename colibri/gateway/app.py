@@ -9,6 +9,10 @@ Streams end with one chunk whose `choices` is empty, carrying `usage` and the `c
 (`{stats, perf, topk, entropy, gpus, repin}`, numbers from the engine's DONE), then
 `data: [DONE]`; a non-streaming body carries the same `colibri` field. A client can name its
 conversation with the `X-Colibri-Conversation` header (or `user`) to keep its KV slot.
+
+The telemetry routes (`/health`, `/experts`, `/profile`, `/experts.json`) answer in the shapes
+colibrì's own gateway gives, so that its web UI runs over this gateway; what this project's own
+page needs besides comes under other names. Every response carries `x-request-id`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -28,7 +33,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from colibri.gateway.engine_client import EngineClient, EngineGone, Turn
+from colibri.atlas import upstream_view
+from colibri.gateway.engine_client import (
+    EngineClient,
+    EngineGone,
+    Turn,
+    hwinfo_json,
+    tiers_json,
+)
 from colibri.gateway.replies import Reply
 from colibri.gateway.schema import (
     ApiError,
@@ -44,6 +56,8 @@ from colibri.gateway.templates import ChatTemplateError, load_chat_template
 from colibri.protocol.codec import Error
 
 CONVERSATION_HEADER = "x-colibri-conversation"  # names a conversation explicitly (slot affinity)
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID = 128  # a client's own x-request-id is echoed up to this length
 T = TypeVar("T")
 
 
@@ -68,6 +82,7 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
     gw = Gateway(engine, settings)
     app = FastAPI(title="colibri gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    app.add_middleware(RequestId)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(ClientGone, _on_client_gone)
@@ -100,14 +115,23 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         gw.authorize(request)
-        card = {"id": gw.model_id, "object": "model", "created": gw.created, "owned_by": "colibri"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [gw.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict:
+        gw.authorize(request)
+        if model_id != gw.model_id:
+            msg = f"the model {model_id!r} does not exist"
+            raise ApiError(404, msg, code="model_not_found", param="model")
+        return gw.model_card()
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """Liveness for anyone; the scheduler, tiers and host only with the key (if one is set)."""
         ok = engine.alive
         body: dict[str, Any] = {
             "status": "ok" if ok else "unavailable",
+            "kv_slots": settings.kv_slots,
             "slots": settings.kv_slots,
             "busy": gw.pool.busy,
             "waiting": gw.pool.waiting,
@@ -115,12 +139,34 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
         }
         if not ok:
             body["reason"] = engine.gone or "engine not ready"
+        if gw.authorized(request):
+            body["scheduler"] = gw.scheduler_json()
+            extras = {"tiers": tiers_json(engine.state.tiers)}
+            extras["hwinfo"] = hwinfo_json(engine.state.hwinfo)
+            body.update({k: v for k, v in extras.items() if v is not None})
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/experts")
-    async def experts(request: Request) -> dict:
+    async def experts(request: Request, since: str | None = None) -> Response:
+        """The expert map; 304 when `since` names the current `seq` (nothing new)."""
         gw.authorize(request)
-        return engine.state.to_json()
+        if since is not None:
+            if not since.isdigit():
+                raise ApiError(400, f"since={since!r}: expected a sequence number", param="since")
+            if int(since) == engine.state.seq:
+                return Response(status_code=304)
+        return JSONResponse(engine.state.to_json())
+
+    @app.get("/profile")
+    async def profile(request: Request) -> dict:
+        gw.authorize(request)
+        return engine.state.profile_json()
+
+    @app.get("/experts.json")
+    async def atlas(request: Request) -> Response:
+        if gw.atlas is None:
+            return PlainTextResponse("Not Found", status_code=404)
+        return Response(gw.atlas, media_type="application/json")
 
     @app.api_route("/{path:path}", methods=["GET", "HEAD"], include_in_schema=False)
     async def site(request: Request) -> Response:
@@ -144,18 +190,45 @@ class Gateway:
         self.created = int(time.time())
         self.pool = SlotPool(settings.kv_slots, settings.max_waiting)
         self.template = load_chat_template(settings.model_dir)
-        named = {"/experts.json": settings.experts_json} if settings.experts_json else {}
-        self.site = StaticSite(settings.web_root, named)
+        self.site = StaticSite(settings.web_root)
+        self.atlas = atlas_bytes(settings.experts_json)
 
-    def authorize(self, request: Request) -> None:
-        """401 unless the request carries the key (when one is set); constant-time compare."""
+    def model_card(self) -> dict:
+        return {
+            "id": self.model_id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "colibri",
+        }
+
+    def scheduler_json(self) -> dict:
+        """The queue as colibrì's gateway reports it (this queue has no time limit)."""
+        pool = self.pool
+        return {
+            "active": pool.busy,
+            "queued": pool.waiting,
+            "capacity": len(pool.slots),
+            "max_queue": pool.max_waiting,
+            "admitted": pool.admitted,
+            "completed": pool.completed,
+            "rejected": pool.rejected,
+            "timed_out": 0,
+            "cancelled": self.engine.cancelled,
+        }
+
+    def authorized(self, request: Request) -> bool:
+        """Whether the request carries the key, or none is set; constant-time compare."""
         key = self.settings.api_key
         if key is None:
-            return
+            return True
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
+        return scheme.lower() == "bearer" and hmac.compare_digest(
             given.strip().encode(), key.encode()
-        ):
+        )
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request is authorized."""
+        if not self.authorized(request):
             raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> object:
@@ -329,6 +402,45 @@ class CompletionShape(Shape):
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+class RequestId:
+    """ASGI middleware: every HTTP response carries `x-request-id`, the client's own when it
+    sent a short printable one, else a new `req_<hex>`."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(REQUEST_ID_HEADER.encode(), b"")
+        ok = 0 < len(given) <= MAX_REQUEST_ID and given.isascii() and given.decode().isprintable()
+        rid = given if ok else f"req_{uuid.uuid4().hex}".encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), rid)]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def atlas_bytes(path: Path | None) -> bytes | None:
+    """What `/experts.json` serves: the file, with colibrì's keyed view of the experts when it
+    is colibri's own atlas (`colibri.atlas.upstream_view`); None when there is no file."""
+    if path is None or not path.is_file():
+        return None
+    data = path.read_bytes()
+    try:
+        atlas = json.loads(data)
+    except ValueError:
+        return data
+    if isinstance(atlas, dict) and isinstance(atlas.get("experts"), list):
+        return json.dumps(upstream_view(atlas), ensure_ascii=False).encode()
+    return data
 
 
 def chat_affinity(messages: list[dict], named: str | None) -> Affinity:

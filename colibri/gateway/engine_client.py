@@ -2,9 +2,10 @@
 
 One reader thread parses the engine's stdout with the codec and hands every event to the event
 loop, which routes it: per-request lines (ACCEPT, DATA, TOPK, PERF, DONE, ERROR) to that
-request's `Turn`; the id-less lines of a per-turn block (ENTROPY, GPUS between `PERF <id>` and
-`DONE <id>`) to the turn that block closes; global telemetry (EMAP, HITS, TIERS, GPUS, ENTROPY,
-REPIN, HWINFO) to the shared `ExpertState` behind `/experts`. One writer thread sends SUBMIT,
+request's `Turn`; the id-less lines of a per-turn block (ENTROPY, GPUS, PROF between `PERF <id>`
+and `DONE <id>`) to the turn that block closes; global telemetry (EMAP, HITS, TIERS, GPUS,
+ENTROPY, REPIN, HWINFO, PROF) to the shared `ExpertState` behind `/experts`, `/profile` and
+`/health`. One writer thread sends SUBMIT,
 CANCEL and STOP in the order the loop queued them, so a CANCEL never overtakes its SUBMIT.
 """
 
@@ -36,6 +37,7 @@ from colibri.protocol.codec import (
     Hits,
     HwInfo,
     Perf,
+    Prof,
     Ready,
     Repin,
     Stop,
@@ -47,6 +49,7 @@ from colibri.protocol.codec import (
 log = logging.getLogger("colibri.gateway")
 
 REPIN_KEEP = 64  # recent REPIN events /experts shows
+PROFILE_KEEP = 120  # recent turns' PROF lines /profile shows
 UNLIMITED = 1 << 30  # max_tokens when the client sets none: the context is the limit
 
 
@@ -77,6 +80,7 @@ class Turn:
         self.accept: Accept | None = None
         self.topk: list[TopK] = []
         self.perf: Perf | None = None
+        self.prof: Prof | None = None
         self.entropy: Entropy | None = None
         self.gpus: Gpus | None = None
         self.repins: list[Repin] = []
@@ -103,6 +107,8 @@ class Turn:
             self.topk.append(ev)
         elif isinstance(ev, Perf):
             self.perf = ev
+        elif isinstance(ev, Prof):
+            self.prof = ev
         elif isinstance(ev, Entropy):
             self.entropy = ev
         elif isinstance(ev, Gpus):
@@ -127,7 +133,7 @@ def _resolve(fut: asyncio.Future, value: object) -> None:
 
 @dataclass
 class ExpertState:
-    """The latest global telemetry: what `GET /experts` returns."""
+    """The latest global telemetry: what `GET /experts`, `/profile` and `/health` report."""
 
     rows: int = 0
     cols: int = 0
@@ -139,6 +145,8 @@ class ExpertState:
     tiers: Tiers | None = None
     hwinfo: HwInfo | None = None
     repins: deque[Repin] = field(default_factory=lambda: deque(maxlen=REPIN_KEEP))
+    profile: deque[Prof] = field(default_factory=lambda: deque(maxlen=PROFILE_KEEP))
+    profile_seq: int = 0  # PROF lines seen
 
     def update(self, ev: codec.Event) -> None:
         if isinstance(ev, Emap):
@@ -157,9 +165,14 @@ class ExpertState:
             self.hwinfo = ev
         elif isinstance(ev, Repin):
             self.repins.append(ev)
+        elif isinstance(ev, Prof):
+            self.profile.append(ev)
+            self.profile_seq += 1
 
     def to_json(self) -> dict:
-        """`{rows, cols, map, hits, seq, gpus, entropy, repin, tiers}`; map, hits: [rows][cols]."""
+        """`{rows, cols, map, hits, seq, ...}` with `map` and `hits` as the hex strings colibrì's
+        web UI reads (the EMAP bytes; the HITS bitmap, bit `i & 7` of byte `i >> 3`), and the
+        same as [rows][cols] lists in `map_grid` and `hits_grid`."""
         rows, cols = self.rows, self.cols
         emap = self.emap if len(self.emap) == rows * cols else bytes(rows * cols)
         if len(self.hits) != (rows * cols + 7) // 8:
@@ -169,16 +182,48 @@ class ExpertState:
         return {
             "rows": rows,
             "cols": cols,
-            "map": [list(emap[r * cols : (r + 1) * cols]) for r in range(rows)],
-            "hits": [
-                [int(hits.hit(r, c)) if hits else 0 for c in range(cols)] for r in range(rows)
-            ],
+            "map": emap.hex(),
+            "hits": hits.bits.hex(),
+            "map_grid": [list(emap[r * cols : (r + 1) * cols]) for r in range(rows)],
+            "hits_grid": [[int(hits.hit(r, c)) for c in range(cols)] for r in range(rows)],
             "seq": self.seq,
             "gpus": [gpu_json(d) for d in self.gpus],
             "entropy": list(self.entropy),
             "repin": [repin_json(r) for r in self.repins],
             "tiers": tiers_json(self.tiers),
         }
+
+    def profile_json(self) -> dict:
+        """`{seq, turns}`: the recent turns' PROF timings, oldest first, as colibrì names them."""
+        return {"seq": self.profile_seq, "turns": [prof_json(p) for p in self.profile]}
+
+
+def prof_json(p: Prof) -> dict:
+    return {
+        "wall_s": p.wall_s,
+        "prompt_tokens": p.prompt_tokens,
+        "completion_tokens": p.completion_tokens,
+        "expert_disk_s": p.edisk_s,
+        "expert_wait_s": p.ewait_s,
+        "expert_matmul_s": p.emm_s,
+        "attention_s": p.attn_s,
+        "lm_head_s": p.head_s,
+        "forwards": p.forwards,
+    }
+
+
+def hwinfo_json(h: HwInfo | None) -> dict | None:
+    if h is None:
+        return None
+    return {
+        "cores": h.cores,
+        "ram_total_gb": h.ram_total_gb,
+        "ram_avail_gb": h.ram_avail_gb,
+        "gpus": h.ngpu,
+        "vram_total_gb": h.vram_total_gb,
+        "cpu": h.cpu_name,
+        "gpu": h.gpu_name,
+    }
 
 
 def gpu_json(d: tuple[float, float, int]) -> dict:
@@ -222,7 +267,7 @@ class EngineClient:
     ) -> EngineClient:
         """The mux engine on model_dir with kv_slots slots and TOPK lines; the rest from env."""
         env = {**os.environ, **(extra_env or {})}
-        env.update(SERVE_BATCH="1", KV_SLOTS=str(kv_slots), SERVE_TOPK="1")
+        env.update(SERVE_BATCH="1", WIRE="full", KV_SLOTS=str(kv_slots), SERVE_TOPK="1")
         return cls(engine_command(model_dir), env)
 
     # ------------------------------------------------------------------ lifecycle
@@ -336,7 +381,7 @@ class EngineClient:
         rid = getattr(ev, "id", None)
         if isinstance(ev, Perf):
             self._block_of = ev.id  # HWINFO PERF ENTROPY GPUS TIERS EMAP HITS DONE, contiguous
-        elif isinstance(ev, Entropy | Gpus):
+        elif isinstance(ev, Entropy | Gpus | Prof):
             rid = self._block_of
         turn = self._turns.get(rid) if rid else None
         if isinstance(ev, Error) and ev.code == "CANCELLED":

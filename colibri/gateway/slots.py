@@ -44,6 +44,9 @@ class SlotPool:
         self.max_waiting = max_waiting
         self._waiters: deque[asyncio.Future[int]] = deque()
         self._tick = 0
+        self.admitted = 0  # requests given a slot
+        self.completed = 0  # slots given back
+        self.rejected = 0  # requests refused with a full queue
 
     @property
     def busy(self) -> int:
@@ -58,12 +61,17 @@ class SlotPool:
         slot = None if self.waiting else self._pick(affinity, prompt)
         if slot is None:
             if self.waiting >= self.max_waiting:
+                self.rejected += 1
                 raise QueueFull(f"{len(self.slots)} slots busy, {self.waiting} requests waiting")
             slot = await self._wait()
         return self._take(slot, affinity, prompt)
 
     def release(self, index: int) -> None:
         """The engine ended the slot's request: hand the slot to the first waiter, or free it."""
+        self.completed += 1
+        self._hand_on(index)
+
+    def _hand_on(self, index: int) -> None:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
@@ -91,13 +99,14 @@ class SlotPool:
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():  # handed a slot, but its client left
-                self.release(waiter.result())
+                self._hand_on(waiter.result())
             elif waiter in self._waiters:  # a release may already have skipped it
                 self._waiters.remove(waiter)
             raise
 
     def _take(self, index: int, affinity: Affinity, prompt: str) -> int:
         self._tick += 1
+        self.admitted += 1
         s = self.slots[index]
         s.busy, s.key, s.prompt, s.used = True, affinity.keep, prompt, self._tick
         return index

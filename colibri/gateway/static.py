@@ -1,4 +1,4 @@
-"""Static files from one folder plus a few named files, with no way out of them.
+"""Static files from one folder, with no way out of it.
 
 A URL path is refused outright when a segment is empty, `.` or `..`, or holds a backslash, a
 colon or a NUL (the path arrives percent-decoded, so `%2e%2e` and `%2f` are caught here too).
@@ -18,14 +18,10 @@ _BAD_CHARS = ("\\", ":", "\0")
 class StaticSite:
     """`lookup(url_path)`: the file to serve, or None for 404."""
 
-    def __init__(self, root: Path | None, named: dict[str, Path] | None = None):
+    def __init__(self, root: Path | None):
         self.root = root.resolve() if root is not None and root.is_dir() else None
-        self.named = dict(named or {})  # exact URL path -> file, e.g. /experts.json
 
     def lookup(self, url_path: str) -> Path | None:
-        if url_path in self.named:
-            f = self.named[url_path]
-            return f if f.is_file() else None
         parts = _segments(url_path)
         if parts is None or self.root is None:
             return None
