@@ -608,6 +608,25 @@ def test_a_chat_request_as_colibris_ui_sends_it(gateway, ref):
     assert text == want and events[-1]["usage"]["completion_tokens"] >= 1
 
 
+def test_response_format_reaches_the_engine_and_changes_no_token(gateway, client, ref):
+    msgs = [{"role": "user", "content": PROMPTS[8]}]
+    want, _ = expect(ref, render(msgs), 6)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}}
+    formats = [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        {"type": "gbnf", "grammar": 'root ::= "{" "}"'},
+    ]
+    for fmt in formats:  # sent as SUBMIT's grammar field, which the engine keeps, unused
+        r = client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=6, temperature=0, response_format=fmt
+        )
+        assert r.choices[0].message.content == want, fmt
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {}}, {"type": "gbnf"}):
+        r = gateway.post("/v1/chat/completions", {"messages": msgs, "response_format": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
 def test_the_atlas_in_colibris_keyed_form():
     from colibri.atlas import ATLAS, load_atlas, upstream_view
 

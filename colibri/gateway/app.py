@@ -75,6 +75,7 @@ class Job:
     top_p: float
     stops: list[str]
     affinity: Affinity
+    grammar: str = ""  # from response_format, sent as SUBMIT's 7th field
 
 
 def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
@@ -97,9 +98,8 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from None
         named = request.headers.get(CONVERSATION_HEADER) or body.user
-        job = Job(
-            prompt, body.limit(), *body.sampling(), body.stops(), chat_affinity(messages, named)
-        )
+        affinity = chat_affinity(messages, named)
+        job = Job(prompt, body.limit(), *body.sampling(), body.stops(), affinity, body.grammar())
         return await gw.answer(request, job, ChatShape(gw.model_id), body.stream)
 
     @app.post("/v1/completions")
@@ -107,8 +107,9 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
         gw.authorize(request)
         body: CompletionRequest = parse(CompletionRequest, await gw.read_json(request))
         named = request.headers.get(CONVERSATION_HEADER) or body.user
+        affinity = Affinity(named, named)
         job = Job(
-            body.text(), body.max_tokens, *body.sampling(), body.stops(), Affinity(named, named)
+            body.text(), body.max_tokens, *body.sampling(), body.stops(), affinity, body.grammar()
         )
         return await gw.answer(request, job, CompletionShape(gw.model_id), body.stream)
 
@@ -274,7 +275,8 @@ class Gateway:
             slot = await self.pool.acquire(job.affinity, job.prompt)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", code="queue_full") from None
-        turn = self.engine.submit(slot, job.prompt, job.max_tokens, job.temperature, job.top_p)
+        sampling = (job.temperature, job.top_p)
+        turn = self.engine.submit(slot, job.prompt, job.max_tokens, *sampling, job.grammar)
         turn.ended.add_done_callback(lambda _: self.pool.release(slot))
         try:
             first = await asyncio.shield(turn.started)

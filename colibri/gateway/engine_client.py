@@ -315,7 +315,13 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
 
     def submit(
-        self, slot: int, prompt: str, max_tokens: int | None, temperature: float, top_p: float
+        self,
+        slot: int,
+        prompt: str,
+        max_tokens: int | None,
+        temperature: float,
+        top_p: float,
+        grammar: str = "",
     ) -> Turn:
         """Send one SUBMIT; the returned turn receives its events."""
         turn = Turn(self, next(self._ids), slot)
@@ -324,7 +330,8 @@ class EngineClient:
             return turn
         self._turns[turn.id] = turn
         n = max_tokens or UNLIMITED
-        self.send(Submit(turn.id, slot, n, temperature, top_p, prompt.encode("utf-8")))
+        payload, g = prompt.encode("utf-8"), grammar.encode("utf-8")
+        self.send(Submit(turn.id, slot, n, temperature, top_p, payload, g))
         return turn
 
     def send(self, req: codec.Request) -> None:

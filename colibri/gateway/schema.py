@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOPS = 16
+MAX_GRAMMAR = 1 << 20  # response_format grammar or schema cap, bytes (the engine's)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -51,6 +52,7 @@ class _Body(BaseModel):
     stream: bool = False
     n: int = Field(1, ge=1, le=1)
     user: str | None = None
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -61,6 +63,45 @@ class _Body(BaseModel):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def grammar(self) -> str:
+        """The SUBMIT grammar for `response_format` ("" for none or text): a json_schema's
+        schema as JSON, `{"type": "object"}` for json_object, a `gbnf` grammar as given. The
+        engine keeps it on the request; it does not constrain decoding (yet)."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return ""
+        if kind == "json_object":
+            grammar = '{"type": "object"}'
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError(
+                    400,
+                    "response_format.json_schema.schema must be an object",
+                    param="response_format",
+                )
+            grammar = json.dumps(schema, ensure_ascii=False)
+        elif kind == "gbnf":
+            grammar = fmt.get("grammar")
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise ApiError(
+                    400, "response_format.grammar must be a GBNF string", param="response_format"
+                )
+        else:
+            raise ApiError(
+                400,
+                f"response_format.type {kind!r}: expected text, json_object, json_schema or gbnf",
+                param="response_format",
+            )
+        if "\0" in grammar or len(grammar.encode()) > MAX_GRAMMAR:
+            raise ApiError(
+                400,
+                f"response_format: a NUL byte, or over {MAX_GRAMMAR} bytes",
+                param="response_format",
+            )
+        return grammar
 
     def sampling(self) -> tuple[float, float]:
         """(temperature, top_p) with OpenAI's defaults."""
