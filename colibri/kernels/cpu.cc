@@ -45,6 +45,8 @@
 // A row's output therefore depends only on its input and the expert's weights, never on how
 // many other rows chose the same expert or which slot holds it: batched, chunked and staged
 // results are bitwise those of the row alone.
+//
+// The design, and the measurements behind the choices below: docs/kernels.md.
 
 #include <algorithm>
 #include <atomic>
@@ -230,7 +232,7 @@ inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale, v8) {
 // An int4 weight is (q - z) s rounded once; as q s - z s in one fused multiply-add (z s
 // exact: 8 s, or for Int4Z the stored offset, checked exact when the rows are made) it is
 // that same rounding of the same exact value, one instruction fewer. (The int4 offset is
-// made here from the scale: an offset vector of its own cost the 16-row calls 1.2-1.4x.)
+// made here from the scale: an offset vector of its own was slower.)
 template <bool Huge>
 inline v8 scaled8(const Int4* w, int64_t c, v8 scale, v8) {
   return fma8(nibbles8(w + c / 2), scale, scale * -8.0f);
@@ -277,8 +279,7 @@ struct KeepSubnormals {
 };
 
 // Pin a loaded vector in a register. Without it GCC folds the loads into the FMAs and repeats
-// them for every pair of the tile (12 loads instead of 6 for 8 FMAs in a 2x4 tile): ~40% of
-// the arithmetic rate once the weights are in cache.
+// them for every pair of the tile (12 loads instead of 6 for 8 FMAs in a 2x4 tile).
 inline void in_register(v8& v) {
 #if defined(__x86_64__)
   asm("" : "+x"(v));
@@ -287,11 +288,7 @@ inline void in_register(v8& v) {
 
 // acc[i][j] += wv_i * x[j][c .. c + 8) for the TW weight vectors of a tile, passed as
 // values: held in an array, GCC kept them in memory and stored every one to the stack at each
-// step (three stores per twelve multiply-adds). With the weights in L2, one thread's tiles of
-// four inputs went from ~50 to ~85 GFLOP/s (16 inputs: ~60 to ~76; best of many short calls,
-// sustained rates are lower: experiments/bench_overlap.py); the engine's calls, whose
-// weights stream from DRAM, gain less (bench_kernel_revs.py: prefill expert calls 0.94-0.99x
-// the time with `scratch` below, decode 0.94-1.0x).
+// step (three stores per twelve multiply-adds).
 template <int TR, typename... V>
 __attribute__((always_inline)) inline void multiply_add(v8 (*acc)[TR], const float* const* x,
                                                         int64_t c, V... wv) {
@@ -313,8 +310,8 @@ inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
 // out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
 // eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
 // instead of lane by lane through memory, which cost as much as the products of a short dot.
-// Always inlined: with more kernels in this file GCC stopped inlining the small ones, and the
-// 16-row int4 expert calls took 1.2-1.4x as long (experiments/bench_kernel_revs.py).
+// Always inlined: with more kernels in this file GCC stopped inlining the small ones, which
+// slowed the 16-row calls.
 template <int N>
 __attribute__((always_inline)) inline void hsums(const v8* acc, float* out) {
 #if defined(__AVX__)
@@ -394,8 +391,7 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
-    // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream
-    // (4 KiB: 5-10% slower at 6-12 inputs streaming from DRAM on one core).
+    // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream.
     if constexpr (TR > 1) {
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
@@ -429,9 +425,8 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     {
       // Once a cache line of values, 2 KiB ahead, as for the other weights, and here for a
-      // single input too: one-row expert calls over FP8 and int8 rows read 7-8 GB/s without
-      // it and ran 1.4-1.8x faster with it (int4 rows the same either way); float32 and
-      // bfloat16 rows, which stream at 17-21 GB/s alone, ran 1.03-1.13x slower with it.
+      // single input too: one-row calls over FP8 and int8 rows are much slower without it
+      // (float32 and bfloat16 rows, which stream fast alone, are slower with it).
       const int64_t at = value_bytes(w[0], c);
       if (at % 64 == 0)
         for (int i = 0; i < TW; ++i)
@@ -519,9 +514,8 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
-// quarter (or half, ...) of the matrix apart, not neighbours: streams that far apart are
-// prefetched in parallel; rows of 2-3 KiB stream 1.5-1.8x faster than from TW adjacent rows
-// (experiments/bench_streams.py).
+// quarter (or a third) of the matrix apart, not neighbours: streams that far apart are
+// prefetched in parallel, and short rows stream faster than from TW adjacent rows.
 template <int TW, int TR, typename T, typename Emit>
 inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit, int64_t blk) {
@@ -553,8 +547,7 @@ inline void tile(const T* const* w, const int64_t* rows, const float* const* x, 
 
 // Every input (more than four) against rows w[0..TW): in tiles of four and three inputs
 // (five: three and two), never of one or two where three can be had: a pass over the rows
-// then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3 instead of 4 + 4 + 1: the
-// peers shapes' 16-row expert calls took 0.99x the time, bench_kernel_revs.py).
+// then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3, not 4 + 4 + 1).
 template <int TW, typename T, typename Emit>
 inline void all_inputs(const T* const* w, const int64_t* rows, const float* const* x,
                        int64_t r, int64_t L, Emit& emit, int64_t blk) {
@@ -570,11 +563,10 @@ inline void all_inputs(const T* const* w, const int64_t* rows, const float* cons
 }
 
 // Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
-// every input, four (or three) at a time, while it is in L1. A pass over the matrix for every
-// four inputs instead re-read the weights from L2 and ran ~30% slower at 8-16 inputs (olmoe
-// shape).
+// every input, four (or three) at a time, while it is in L1 (a pass over the matrix for every
+// four inputs would re-read the weights from L2).
 // Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
-// AVX registers: 12% faster per 16-row layer than two rows by four.
+// AVX registers.
 // `ld`: elements from one row of W to the next (default L); `blk`: FP8 rows' block width.
 template <typename T, typename Emit>
 void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
@@ -600,10 +592,8 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
         widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
       }
       // The next three rows into L2 while the tiles compute on these: widen_row reads its
-      // rows once, before any arithmetic, and waited on DRAM for every one of them (16-row
-      // expert calls over int8 rows 0.70-0.76x the time with it, FP8 0.78-0.81x, int4
-      // 0.92-0.94x, AWQ's 0.89-0.97x; bench_kernel_revs.py --held). Two rows ahead: 1.03-1.04x
-      // the time of one; float32 rows, whose tiles prefetch as they go, 1.03-1.09x with it.
+      // rows once, before any arithmetic, and would otherwise wait on DRAM for each of them.
+      // (Float32 rows need no such step: their tiles prefetch as they go.)
       if (row + 1 < gap)
         for (int i = 0; i < 3; ++i) {
           const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
@@ -763,9 +753,7 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 // phase are in expert order, most rows first; the first thread to arrive takes them from the
 // front, the second from the back (and so on, alternating), until the two ends meet. While
 // one thread computes on the weights of experts many rows chose, the other streams those of
-// experts few rows chose, so that arithmetic and memory traffic overlap: the 16-row expert
-// calls of the peers benchmark's shapes took 0.96x the time of one shared queue of items
-// (with the 2 KiB prefetch of dots; experiments/bench_kernel_revs.py).
+// experts few rows chose, so that arithmetic and memory traffic overlap.
 template <typename T>
 struct ExpertCall : Gang {
   Problem<T> p;
@@ -805,11 +793,10 @@ struct ExpertCall : Gang {
 
 // At least n floats, not initialised, for the call this thread is making: the buffer is kept
 // from call to call (it grows, never shrinks). A vector made per call was zeroed every time
-// and, from a few MiB (the hidden rows of a prefill), mapped fresh from the kernel: page
-// faults and zeroing were ~9% of the samples of 512-row expert calls. It holds the hidden and
-// up rows: 2 x rows x top-k x F floats (a 256-token prefill of top-8 experts with F = 2048:
-// 32 MiB), on each thread that makes expert calls. No helper touches it once the call has
-// returned (Gang::finish).
+// and, from a few MiB (the hidden rows of a prefill), mapped fresh from the kernel. It holds
+// the hidden and up rows: 2 x rows x top-k x F floats (a 256-token prefill of top-8 experts
+// with F = 2048: 32 MiB), on each thread that makes expert calls. No helper touches it once
+// the call has returned (Gang::finish).
 float* scratch(int64_t n) {
   thread_local std::unique_ptr<float[]> buf;
   thread_local int64_t size = 0;
@@ -840,7 +827,7 @@ int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
 }
 
 // The expert call over weights of element type T (float, uint16_t: bfloat16 bits, uint8_t:
-// FP8 rows, Int4: int4 rows).
+// FP8 rows, Int4: int4 rows, Int4Z: int4 rows with zero points, Int8Z: int8 rows).
 template <ffi::DataType WT, typename T>
 ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT> up,
                       ffi::Buffer<WT> down, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
@@ -921,8 +908,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
     p.hrow[q] = p.h + q * F;
   }
-  // Slices of 512 KiB (gate and up) and 256 KiB (down): with halves of these the peers
-  // shapes' expert calls took 2-3% longer at one row and 0-2% at 16 (bench_kernel_revs.py).
+  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower.
   const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
   p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, 512 << 10);
   p.dchunk = chunk_rows(value_bytes(kind, F), D, 256 << 10);
@@ -938,10 +924,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
 
 // y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
 // each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
-// w is float32, or bfloat16 bits (T = uint16_t), widened as it is loaded.
 // w is float32, bfloat16 bits (T = uint16_t), FP8 rows (T = uint8_t: each row's I values,
-// then its I / blk float32 block scales, ld bytes in all) or int4 rows (T = Int4: I / 2 bytes
-// of values, then I / blk scales).
+// then its I / blk float32 block scales, ld bytes in all), int4 rows (T = Int4: I / 2 bytes
+// of values, then I / blk scales) or int4 (Int4Z) or int8 (Int8Z) rows with offsets, widened
+// as it is loaded.
 template <typename T>
 struct LinearCall : Gang {
   const T* w;
@@ -1051,7 +1037,7 @@ struct AttendCall : Gang {
 
   // out[0 .. 8 * NV) = sum over t < n of p[t] * v[t * ld + ...], one FMA chain per lane.
   // Not inlined: inside drain() GCC keeps acc in memory and stores all NV sums at every
-  // position, ~25% of the time of this loop.
+  // position.
   template <int NV>
   __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld,
                                                     int64_t n, float* out) {
