@@ -14,7 +14,7 @@ MAXTOK  ?= 48
 # Test workers: one a core, 2 to 8 (tests wait on engine subprocesses half the time).
 JOBS    ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$((n < 2 ? 2 : n > 8 ? 8 : n)))
 
-.PHONY: demo test test-slow lint format bench clean
+.PHONY: demo test test-slow lint format bench clean browser
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
@@ -44,7 +44,15 @@ bench: $(BSTAMP)
 demo: $(STAMP) $(if $(wildcard $(DEMO)/config.json),,$(SYNTH)/config.json)
 	$(BIN)/colibri generate --model $(MODEL) --prompt "$(PROMPT)" --max-tokens $(MAXTOK)
 
-test: $(TSTAMP)
+# The page test drives the system Chromium (Playwright, no browser download): installed here
+# with apt-get when missing and run as root; otherwise that test is skipped.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	echo "no chromium: the page test is skipped"
+
+test: $(TSTAMP) browser
 	$(BIN)/pytest -q -n $(JOBS)
 
 test-slow: $(TSTAMP)

@@ -9,8 +9,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from colibri.protocol.codec import READY_LINE, Stat
-
-END_LINE = b"\x01\x01END\x01\x01\n"  # legacy.END_LINE, restated: the client imports no JAX
+from colibri.protocol.legacy import END_LINE
 
 HELP = "/reset clears the conversation, /more continues a cut answer, /quit (or EOF) ends"
 

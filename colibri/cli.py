@@ -100,7 +100,7 @@ def _synth(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace) -> int:
     import os
 
-    from colibri.protocol.serve import run_engine
+    from colibri.serve.main import run_engine
 
     return run_engine(args.model, os.environ)
 
@@ -141,7 +141,7 @@ def engine_main(argv: list[str] | None = None) -> int:
     if not env.get("WIRE", "").strip():
         env["WIRE"] = "upstream"
     _logging(args.verbose)
-    from colibri.protocol.serve import run_engine
+    from colibri.serve.main import run_engine
 
     return _guarded(lambda: run_engine(model, env))
 

@@ -8,10 +8,10 @@ live widgets in `colibri.widgets` redraw. Unknown line kinds are ignored (the pr
 forward-compatibility rule).
 
 How lines are attributed (the engine's one stdout writer emits a turn's block contiguously,
-``HWINFO PERF ENTROPY GPUS TIERS EMAP HITS DONE``, so nothing interleaves inside it):
+``HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF DONE``, so nothing interleaves inside it):
 
 - DATA, TOPK, ACCEPT, PERF, DONE and ERROR carry the request id.
-- ENTROPY, GPUS, TIERS and EMAP after a PERF belong to that PERF's request until its DONE; the
+- ENTROPY, GPUS, TIERS, EMAP and PROF after a PERF belong to that PERF's request until its DONE; the
   HWINFO just before the PERF does too.
 - HITS (every few decode steps, and in each turn block) and REPIN describe the whole engine: they
   go to every request in flight when they arrive.
@@ -192,8 +192,8 @@ def perf_parts(perf: Perf) -> dict[str, float]:
 
     Disk wait is `t_ewait` (the compute thread waiting for expert bytes; `t_edisk` counts reader
     threads and overlaps compute, so it is not a slice of dt). Attention excludes `t_kvb`, which
-    DESIGN.md counts inside `t_attn`. Other is what the timers do not cover (sampling, host work,
-    other slots' prefill), never negative.
+    `t_attn` includes (docs/design.md). Other is what the timers do not cover (sampling, host
+    work, other slots' prefill), never negative.
     """
     parts = {
         "disk wait": perf.t_ewait,
@@ -682,7 +682,7 @@ def engine_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The engine's environment: `base` (default os.environ) without engine settings, plus
-    these settings under their variable names (DESIGN.md sections 4 and 5)."""
+    these settings under their variable names (docs/protocol.md)."""
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items() if k not in _ENGINE_VARS}
     settings = {

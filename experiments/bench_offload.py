@@ -24,7 +24,8 @@ the bytes of float32; .cache/bench-offload-int4, offload_int4.md): --ram-gb 0.03
 ratio. --dtype gptq4: the same integers in GPTQ's layout (Qwen's "-GPTQ-Int4" releases: each
 matrix's words hold columns, transposed as it is read; offload_gptq4.md), --ram-gb 0.033.
 --dtype awq4: AutoAWQ's layout, with zero points (held as int4 rows with zero points, each
-matrix unpacked and packed again row by row as it is read; offload_awq4.md), --ram-gb 0.035.
+matrix's 8 x 8 blocks of nibbles transposed in whole words as it is read; offload_awq4.md),
+--ram-gb 0.035.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ import sys
 import pytest
 from engine_util import Legacy, Reference
 
-from colibri import chat
 from colibri.protocol import legacy
 from colibri.protocol.codec import READY_LINE, Stat
 
@@ -102,7 +101,3 @@ def test_chat_client(model_dir, ref):
     full = _bytes(ref, ref.ids(ref.tokenizer.encode("The quick brown\n"), 2 * NGEN))
     first = _bytes(ref, ref.ids(ref.tokenizer.encode("The quick brown\n"), NGEN))
     assert r.stdout == first + b"\n" + full[len(first) :] + b"\n" + first + b"\n"
-
-
-def test_chat_restates_the_end_sentinel():
-    assert chat.END_LINE == legacy.END_LINE

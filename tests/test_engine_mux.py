@@ -24,9 +24,8 @@ from hypothesis import strategies as st
 from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Accepted, Failed, HitsTick, Token, common_prefix
 from colibri.engine.settings import EngineSettings, SettingsError
-from colibri.engine.telemetry import RepinEvent
 from colibri.experts.budget import TierConfig
-from colibri.protocol import mux
+from colibri.experts.stats import RepinEvent
 from colibri.protocol.codec import (
     Accept,
     Data,
@@ -47,7 +46,8 @@ from colibri.protocol.codec import (
     Unknown,
     UTF8Assembler,
 )
-from colibri.protocol.stdio import Inbox
+from colibri.serve import mux
+from colibri.serve.stdio import Inbox
 
 CTX = 128
 SHARED = dict(KV_SLOTS="16", CTX=str(CTX), SERVE_TOPK="1")

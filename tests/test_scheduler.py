@@ -25,7 +25,7 @@ from colibri.engine.scheduler import (
     Token,
     entropy_bits,
 )
-from colibri.engine.telemetry import RepinEvent
+from colibri.experts.stats import RepinEvent
 
 CAP = 128  # as in the engine tests, so compiled programs are shared through the cache
 PROMPTS = [

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from colibri.checkpoint import Checkpoint
 from colibri.config import load_config
-from colibri.engine.telemetry import TIER_DEVICE, ExpertStats, Timers
+from colibri.engine.telemetry import Timers
 from colibri.experts.budget import TierConfig
 from colibri.experts.ram import RamCache
+from colibri.experts.stats import TIER_DEVICE, ExpertStats
 from colibri.experts.store import ExpertStore
 from colibri.synth import SynthSpec, synthesize
 from colibri.weights import expert_dtype, expert_stacks, load_experts

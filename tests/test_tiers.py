@@ -11,8 +11,8 @@ import tiny
 from colibri import kernels
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner, _decode_burst
-from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM
 from colibri.experts.budget import TierConfig
+from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM
 from colibri.experts.usage import read_usage, write_usage
 
 PROMPTS = [

@@ -23,7 +23,7 @@ import numpy as np
 from colibri.engine.kvstore import KVStore
 from colibri.engine.runner import InFlight, Row, Runner
 from colibri.engine.sampling import log_softmax, sample
-from colibri.engine.telemetry import RepinEvent
+from colibri.experts.stats import RepinEvent
 
 log = logging.getLogger("colibri")
 

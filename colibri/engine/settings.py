@@ -1,4 +1,4 @@
-"""Engine settings from the environment (DESIGN.md section 5), validated where they are built."""
+"""Engine settings from the environment (docs/protocol.md), validated where they are built."""
 
 from __future__ import annotations
 

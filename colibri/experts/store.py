@@ -15,11 +15,11 @@ import numpy as np
 from colibri import hugepages
 from colibri.checkpoint import Checkpoint
 from colibri.config import ModelConfig
-from colibri.engine.telemetry import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
 from colibri.experts.budget import Plan, TierConfig, plan
 from colibri.experts.disk import DiskReader
 from colibri.experts.ram import RamCache, Weights
 from colibri.experts.slots import LayerSlots
+from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
 from colibri.experts.usage import read_usage, write_usage
 from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts, row_blocks
 

@@ -387,7 +387,7 @@ class EngineClient:
             return
         rid = getattr(ev, "id", None)
         if isinstance(ev, Perf):
-            self._block_of = ev.id  # HWINFO PERF ENTROPY GPUS TIERS EMAP HITS DONE, contiguous
+            self._block_of = ev.id  # HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF DONE
         elif isinstance(ev, Entropy | Gpus | Prof):
             rid = self._block_of
         turn = self._turns.get(rid) if rid else None

@@ -2,7 +2,7 @@
 
 Pure: no threads, no engine, no I/O beyond the binary streams handed in (``readline(n)`` and
 ``read(n)``). The engine formats with it, the client parses with it; the contract is
-``/work/shared/spec/serve_protocol.md`` plus DESIGN.md section 5.
+``docs/protocol.md``.
 
 Fields are separated by exactly one space, as the engine's ``printf`` writes them, so an empty
 field (the hex of an empty token, a 0x0 map) survives a round trip. Number formats:

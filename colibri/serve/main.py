@@ -14,8 +14,8 @@ from colibri.engine.factory import default_ctx, make_runner, state_dir
 from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.settings import EngineSettings
-from colibri.protocol import legacy, mux
-from colibri.protocol.stdio import LineWriter, claim_stdout
+from colibri.serve import legacy, mux
+from colibri.serve.stdio import LineWriter, claim_stdout
 from colibri.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri")

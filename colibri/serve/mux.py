@@ -31,7 +31,7 @@ from colibri.engine.scheduler import (
     Token,
     TurnReport,
 )
-from colibri.engine.telemetry import ExpertStats, RepinEvent
+from colibri.experts.stats import ExpertStats, RepinEvent
 from colibri.protocol import codec
 from colibri.protocol.codec import (
     Accept,
@@ -56,7 +56,7 @@ from colibri.protocol.codec import (
     TopK,
     format_event,
 )
-from colibri.protocol.stdio import Inbox, LineWriter, Termination
+from colibri.serve.stdio import Inbox, LineWriter, Termination
 from colibri.tokenizer import Tokenizer
 
 log = logging.getLogger("colibri")

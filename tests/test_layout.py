@@ -1,0 +1,105 @@
+"""The shape of the code base: the wire formats import no JAX, imports run one way down the
+layers (docs/architecture.md), and the docs name only paths that exist."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import colibri.protocol
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "colibri"
+# Each part of colibri and its layer: a module may import its own layer and those below.
+LAYERS = {
+    **dict.fromkeys(
+        ["config", "checkpoint", "weights", "tokenizer", "kernels", "hugepages", "jaxcache"], 0
+    ),
+    **dict.fromkeys(["synth", "gguf"], 0),
+    **dict.fromkeys(["model", "training"], 1),
+    "experts": 2,
+    "engine": 3,
+    **dict.fromkeys(["serve", "analysis"], 4),
+    **dict.fromkeys(["client", "widgets", "gateway", "chat", "atlas", "report"], 5),
+    "cli": 6,
+}
+DOC_PAGES = ["protocol", "design", "architecture", "kernels", "benchmarks"]
+
+
+def part(module: str) -> str:
+    """`colibri.engine.runner` -> `engine`; `colibri` itself -> `colibri`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "colibri"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every colibri module a file imports, at any depth (function bodies included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("colibri"):
+            if node.module == "colibri":  # `from colibri import kernels`
+                found |= {f"colibri.{a.name}" for a in node.names}
+            else:
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("colibri")}
+    return found
+
+
+def test_every_part_has_a_layer():
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()}
+    parts -= {"__init__", "__pycache__", "protocol"}
+    assert parts <= set(LAYERS), parts - set(LAYERS)
+
+
+def test_no_module_imports_upward():
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        mine = part(module)
+        for target in imports_of(path):
+            theirs = part(target)
+            if mine == "protocol":
+                ok = theirs == "protocol"  # the wire formats stand alone
+            elif theirs in ("protocol", mine) or mine == "colibri":
+                ok = True
+            else:
+                ok = LAYERS[theirs] <= LAYERS[mine]
+            if not ok:
+                wrong.append(f"{module} imports {target}")
+    assert wrong == []
+
+
+def test_the_wire_formats_import_no_jax():
+    modules = [m.name for m in pkgutil.iter_modules(colibri.protocol.__path__, "colibri.protocol.")]
+    assert "colibri.protocol.codec" in modules and "colibri.protocol.legacy" in modules
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_docs_and_a_short_readme():
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
+    for page in DOC_PAGES:
+        assert (REPO / "docs" / f"{page}.md").is_file(), page
+
+
+def test_every_path_a_doc_names_exists():
+    """Backticked paths under the repository's own folders, and relative links, in README.md
+    and docs/*.md."""
+    tops = {p.name for p in REPO.iterdir()} - {".git"}
+    missing = []
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        for path in re.findall(r"`([A-Za-z0-9_.*/-]+)`", text):
+            head = path.split("/")[0]
+            if "/" in path and head in tops and not list(REPO.glob(path.rstrip("/"))):
+                missing.append(f"{doc.name}: {path}")
+        for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            if not (doc.parent / link).exists():
+                missing.append(f"{doc.name}: link {link}")
+    assert missing == []
