@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
+from colibri.engine.settings import EngineSettings, child_env
 from colibri.protocol.codec import READY_LINE, Stat
 from colibri.protocol.legacy import END_LINE
 
@@ -18,7 +20,8 @@ class LegacyEngine:
     """`colibri engine` on the legacy protocol: send a frame, stream back its answer."""
 
     def __init__(self, model_dir: str | Path, env: Mapping[str, str] | None = None):
-        env = {**(os.environ if env is None else env), "SERVE_BATCH": "0"}
+        base = os.environ if env is None else env
+        env = child_env(replace(EngineSettings.from_env(base), serve_batch=False), base)
         cmd = [sys.executable, "-m", "colibri.cli", "engine", "--model", str(model_dir)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._buf = b""

@@ -40,39 +40,32 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-_TIER_FLAGS = {  # flag -> environment variable of the same setting (flags win)
-    "device_gb": "DEVICE_GB",
-    "ram_gb": "RAM_GB",
-    "pin_gb": "PIN_GB",
-    "cap": "CAP",
-    "policy": "POLICY",
-    "repin": "REPIN",
-    "pilot": "PILOT",
-    "direct_io": "DIRECT_IO",
-}
-
-
 def _add_tier_flags(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("expert tiers (default: the environment, else auto-sized)")
-    t.add_argument("--device-gb", help="device slot caches, GiB (DEVICE_GB)")
-    t.add_argument("--ram-gb", help="host RAM cache, GiB (RAM_GB)")
-    t.add_argument("--pin-gb", help="pinned hot experts, GiB (PIN_GB)")
-    t.add_argument("--cap", help="most device slots per layer (CAP)")
+    t.add_argument("--device-gb", type=float, help="device slot caches, GiB (DEVICE_GB)")
+    t.add_argument("--ram-gb", type=float, help="host RAM cache, GiB (RAM_GB)")
+    t.add_argument("--pin-gb", type=float, help="pinned hot experts, GiB (PIN_GB)")
+    t.add_argument("--cap", type=int, help="most device slots per layer (CAP)")
     t.add_argument("--policy", choices=["lru", "lfru"], help="device eviction (POLICY)")
-    t.add_argument("--repin", help="swap a cold pin for a hot expert every n tokens (REPIN)")
-    t.add_argument("--pilot", action="store_const", const="1", help="router lookahead (PILOT)")
-    t.add_argument("--direct-io", action="store_const", const="1", help="O_DIRECT (DIRECT_IO)")
+    t.add_argument("--repin", type=int, help="swap a cold pin for a hot expert every n tokens")
+    t.add_argument("--pilot", action="store_const", const=True, help="router lookahead (PILOT)")
+    t.add_argument("--direct-io", action="store_const", const=True, help="O_DIRECT (DIRECT_IO)")
     t.add_argument("--profile", action="store_true", help="layer by layer, timing each phase")
 
 
 def _tiers(args: argparse.Namespace):
+    """The environment's tier settings, with the flags given in their place."""
+    import dataclasses
     import os
 
-    from colibri.experts.budget import TierConfig
+    from colibri.experts.budget import TierConfig, gib_bytes
 
-    env = dict(os.environ)
-    env.update({var: str(getattr(args, f)) for f, var in _TIER_FLAGS.items() if getattr(args, f)})
-    return TierConfig.from_env(env)
+    given = {k: getattr(args, k) for k in ("cap", "policy", "repin", "pilot", "direct_io")}
+    given |= {f"{n}_bytes": getattr(args, f"{n}_gb") for n in ("device", "ram", "pin")}
+    given = {
+        k: gib_bytes(v) if k.endswith("_bytes") else v for k, v in given.items() if v is not None
+    }
+    return dataclasses.replace(TierConfig.from_env(os.environ), **given)
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -100,9 +93,10 @@ def _synth(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace) -> int:
     import os
 
+    from colibri.engine.settings import EngineSettings
     from colibri.serve.main import run_engine
 
-    return run_engine(args.model, os.environ)
+    return run_engine(args.model, EngineSettings.from_env(os.environ))
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -130,20 +124,28 @@ def engine_main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="Hugging Face checkpoint folder (default: $SNAP)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging on stderr")
     args = p.parse_args(argv)
-    env = dict(os.environ)
-    model = args.model or env.get("SNAP", "").strip()
+    model = args.model or os.environ.get("SNAP", "").strip()
     if not model:
         p.error("no model: set SNAP or pass --model")
-    if args.cap is not None:
-        if args.cap < 0:
-            p.error(f"cap {args.cap}: expected 0 (no cap) or more")
-        env["CAP"] = str(args.cap)
-    if not env.get("WIRE", "").strip():
-        env["WIRE"] = "upstream"
+    if args.cap is not None and args.cap < 0:
+        p.error(f"cap {args.cap}: expected 0 (no cap) or more")
     _logging(args.verbose)
+    return _guarded(lambda: _run_upstream(model, args.cap))
+
+
+def _run_upstream(model: str, cap: int | None) -> int:
+    """The engine with the environment's settings, `upstream` unless WIRE says otherwise."""
+    import dataclasses
+    import os
+
+    from colibri.engine.settings import EngineSettings
     from colibri.serve.main import run_engine
 
-    return _guarded(lambda: run_engine(model, env))
+    settings = EngineSettings.from_env(os.environ, wire="upstream")
+    if cap is not None:
+        tiers = dataclasses.replace(settings.tiers, cap=cap)
+        settings = dataclasses.replace(settings, tiers=tiers)
+    return run_engine(model, settings)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,6 +38,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from colibri.engine.settings import EngineSettings, child_env
+from colibri.experts.budget import TierConfig
 from colibri.protocol import codec
 from colibri.protocol.codec import (
     Accept,
@@ -71,27 +73,6 @@ DEMO_MODEL = REPO / "data" / "models" / "demo"
 SYNTH_MODEL = REPO / ".cache" / "synth-workbench"
 TIER_NAMES = {2: "device", 1: "ram", 0: "disk"}  # EMAP's 2-bit tier
 ENGINE_EXITED = "ENGINE_EXITED"  # error code of requests still open when the engine went away
-# Engine settings the client sets itself: inherited values would change the engine silently.
-_ENGINE_VARS = (
-    "SERVE",
-    "SERVE_BATCH",
-    "KV_SLOTS",
-    "CTX",
-    "NGEN",
-    "SERVE_TOPK",
-    "REPIN",
-    "KVSAVE",
-    "SEED",
-    "DEVICE_GB",
-    "RAM_GB",
-    "PIN_GB",
-    "CAP",
-    "POLICY",
-    "PILOT",
-    "PROFILE",
-    "STATE_DIR",
-    "WIRE",
-)
 _STDERR_LINES = 200  # engine log lines kept for error messages
 
 
@@ -682,29 +663,23 @@ def engine_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The engine's environment: `base` (default os.environ) without engine settings, plus
-    these settings under their variable names (docs/protocol.md)."""
-    base = os.environ if base is None else base
-    env = {k: v for k, v in base.items() if k not in _ENGINE_VARS}
-    settings = {
-        "SERVE_BATCH": "1",
-        "WIRE": "full",
-        "KV_SLOTS": slots,
-        "CTX": ctx,
-        "NGEN": ngen,
-        "SERVE_TOPK": int(topk),
-        "SEED": seed,
-        "DEVICE_GB": device_gb,
-        "RAM_GB": ram_gb,
-        "PIN_GB": pin_gb,
-        "CAP": cap,
-        "POLICY": policy,
-        "REPIN": repin,
-        "PILOT": 1 if pilot else None,
-        "PROFILE": 1 if profile else None,
-        "STATE_DIR": state_dir,
-    }
-    env.update({k: str(v) for k, v in settings.items() if v is not None})
-    return env
+    these (the mux protocol, every line kind); budgets left None are auto-sized."""
+    tiers = TierConfig.of_gb(
+        device_gb, ram_gb, pin_gb, cap=cap, policy=policy, repin=repin, pilot=pilot
+    )
+    settings = EngineSettings(
+        serve_batch=True,
+        wire="full",
+        kv_slots=slots,
+        ctx=ctx,
+        ngen=ngen or 0,
+        serve_topk=topk,
+        seed=seed,
+        profile=profile,
+        state_dir=None if state_dir is None else str(state_dir),
+        tiers=tiers,
+    )
+    return child_env(settings, base)
 
 
 class Engine:

@@ -12,18 +12,17 @@ import threading
 import time
 from pathlib import Path
 
-from colibri.client import _ENGINE_VARS as CLIENT_VARS
+from colibri.engine.settings import EngineSettings
 from colibri.protocol import codec
 from colibri.protocol.codec import Data, Done, Error, Submit, format_request
 
 TIMEOUT = 120.0  # generous: a cold compile cache on a busy 2-core box
-# Engine settings a test's shell must not slip into its engines: the client's, and the bursts'.
-_ENGINE_VARS = (*CLIENT_VARS, "BURST", "BURST_MS")
+ENGINE_VARS = EngineSettings.VARIABLES  # a test's shell must not slip any into its engines
 
 
 def spawn(model_dir: Path, **env: str) -> subprocess.Popen:
     """`colibri engine --model model_dir` with os.environ (the shared compile cache) plus env."""
-    full = {k: v for k, v in os.environ.items() if k not in _ENGINE_VARS}
+    full = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS}
     full.update({k: str(v) for k, v in env.items()})
     scratch = None
     if "STATE_DIR" not in env:  # usage counts go to a scratch folder, not the checkpoint's

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
-from engine_util import _ENGINE_VARS
+from engine_util import ENGINE_VARS
 
 START_TIMEOUT = 180.0  # engine start + a cold compile cache on a busy 2-core box
 HOST = "127.0.0.1"  # the only address these tests ever use
@@ -32,7 +32,7 @@ def gateway_command(model_dir: Path, *args: str) -> list[str]:
 def gateway_env(**env: str) -> dict[str, str]:
     """os.environ without engine settings or a key, plus env. Give STATE_DIR (a scratch folder
     the caller removes) to any gateway that starts an engine."""
-    full = {k: v for k, v in os.environ.items() if k not in _ENGINE_VARS}
+    full = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS}
     full.pop("COLIBRI_API_KEY", None)
     full.update(env)
     return full

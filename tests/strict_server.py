@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine_util import _ENGINE_VARS, TIMEOUT
+from engine_util import ENGINE_VARS, TIMEOUT
 
 READY = b"\x01\x01READY\x01\x01\n"
 MAX_DATA = 65536
@@ -49,7 +49,7 @@ def colibri_engine() -> str:
 
 def upstream_env(model_dir: Path, kv_slots: int = 1, ngen: int = 64, **extra: str) -> dict:
     """os.environ without engine settings, plus the variables colibrì's gateway sets."""
-    env = {k: v for k, v in os.environ.items() if k not in _ENGINE_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_VARS}
     env.update(SNAP=str(model_dir), SERVE="1", SERVE_BATCH="1", NGEN=str(ngen))
     env.update(KV_SLOTS=str(kv_slots), **extra)
     return env

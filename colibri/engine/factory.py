@@ -2,33 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
-from colibri.experts.budget import TierConfig
+from colibri.engine.settings import EngineSettings
 
 DEFAULT_CTX = 2048
 USAGE_FILE = ".coli_usage"
 
 
-def make_runner(model_dir: str | Path, slots: int, capacity: int, env: Mapping[str, str]) -> Runner:
-    """A runner over `slots` KV slots of `capacity` positions for the checkpoint in model_dir.
-
-    `env` carries the expert tiers (DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, PILOT,
-    DIRECT_IO, IO_THREADS; see `TierConfig.from_env`), PROFILE=1 (run layer by layer so PERF
-    phases are measured even when every expert is resident), and STATE_DIR, where
-    `.coli_usage` is read at start and rewritten at every turn end.
-    """
-    usage = state_dir(model_dir, env) / USAGE_FILE
-    model = load_model(model_dir, TierConfig.from_env(env), usage_path=usage, progress=False)
-    return Runner(model, slots, capacity, profile=env.get("PROFILE", "0") == "1")
+def make_runner(model_dir: str | Path, settings: EngineSettings, capacity: int) -> Runner:
+    """A runner over the settings' KV slots of `capacity` positions for the checkpoint in
+    model_dir, its experts placed by `settings.tiers`; `.coli_usage` is read from the state
+    folder at start and rewritten at every turn end."""
+    usage = state_dir(model_dir, settings) / USAGE_FILE
+    model = load_model(model_dir, settings.tiers, usage_path=usage, progress=False)
+    return Runner(model, settings.kv_slots, capacity, profile=settings.profile)
 
 
-def state_dir(model_dir: str | Path, env: Mapping[str, str]) -> Path:
+def state_dir(model_dir: str | Path, settings: EngineSettings) -> Path:
     """The engine's state folder (usage counts, KV files): STATE_DIR, else the model folder."""
-    folder = Path(env.get("STATE_DIR") or model_dir)
+    folder = Path(settings.state_dir or model_dir)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

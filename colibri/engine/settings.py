@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from colibri.experts.budget import TierConfig
 
 MAX_SLOTS = 16
 WIRES = ("full", "upstream")  # WIRE profiles: which line kinds the mux engine writes
@@ -15,9 +19,11 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """How `colibri engine` runs; every field comes from one environment variable.
+    """How `colibri engine` runs: the one place its environment variables are named.
 
-    STATE_DIR (where `.coli_usage` and KV files live) is read by `factory.state_dir`.
+    `from_env` reads them (the engine), `to_env` writes them (whoever starts an engine), and
+    `child_env` gives a child process an environment with exactly these settings. The expert
+    tiers are `tiers` (their variables are `TierConfig`'s).
     """
 
     serve_batch: bool = False  # SERVE_BATCH=1: mux protocol; otherwise legacy
@@ -30,23 +36,69 @@ class EngineSettings:
     burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
     wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
+    profile: bool = False  # PROFILE=1: layer by layer, so PERF phases are timed when resident
+    state_dir: str | None = None  # STATE_DIR: `.coli_usage` and KV files; None = the model's
+    tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
+
+    # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
+    VARIABLES: ClassVar[tuple[str, ...]] = (
+        *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
+        *("BURST", "BURST_MS", "WIRE", "PROFILE", "STATE_DIR", *TierConfig.VARIABLES),
+    )
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> EngineSettings:
-        """Parse and validate; unset or empty variables keep their defaults."""
+    def from_env(cls, env: Mapping[str, str], **defaults: Any) -> EngineSettings:
+        """Parse and validate; unset or empty variables keep their defaults (`defaults` replaces
+        some of them, as `colibri-engine` does for WIRE)."""
+        d = replace(cls(), **defaults)
         r = _Reader(env)
+        ctx = r.opt_int("CTX", lo=2)
         return cls(
-            serve_batch=r.flag("SERVE_BATCH"),
-            kv_slots=r.int("KV_SLOTS", 1, lo=1, hi=MAX_SLOTS),
-            ctx=r.opt_int("CTX", lo=2),
-            ngen=r.int("NGEN", 0, lo=0),
-            serve_topk=r.flag("SERVE_TOPK"),
-            kvsave=r.flag("KVSAVE"),
-            seed=r.int("SEED", 0, lo=0),
-            burst=r.int("BURST", 6, lo=1, hi=6),
-            burst_ms=r.int("BURST_MS", 5, lo=0, hi=10_000),
-            wire=r.choice("WIRE", WIRES),
+            serve_batch=r.flag("SERVE_BATCH", d.serve_batch),
+            kv_slots=r.int("KV_SLOTS", d.kv_slots, lo=1, hi=MAX_SLOTS),
+            ctx=d.ctx if ctx is None else ctx,
+            ngen=r.int("NGEN", d.ngen, lo=0),
+            serve_topk=r.flag("SERVE_TOPK", d.serve_topk),
+            kvsave=r.flag("KVSAVE", d.kvsave),
+            seed=r.int("SEED", d.seed, lo=0),
+            burst=r.int("BURST", d.burst, lo=1, hi=6),
+            burst_ms=r.int("BURST_MS", d.burst_ms, lo=0, hi=10_000),
+            wire=r.choice("WIRE", WIRES, d.wire),
+            profile=r.flag("PROFILE", d.profile),
+            state_dir=r.text("STATE_DIR") or d.state_dir,
+            tiers=TierConfig.from_env(env),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """Every setting as the variable `from_env` reads it back from (None: left unset)."""
+        values = {
+            "SERVE_BATCH": _bit(self.serve_batch),
+            "KV_SLOTS": str(self.kv_slots),
+            "CTX": None if self.ctx is None else str(self.ctx),
+            "NGEN": str(self.ngen),
+            "SERVE_TOPK": _bit(self.serve_topk),
+            "KVSAVE": _bit(self.kvsave),
+            "SEED": str(self.seed),
+            "BURST": str(self.burst),
+            "BURST_MS": str(self.burst_ms),
+            "WIRE": self.wire,
+            "PROFILE": _bit(self.profile),
+            "STATE_DIR": self.state_dir,
+            **self.tiers.to_env(),
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+
+def child_env(settings: EngineSettings, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A child engine's environment: `base` (default os.environ) without any engine variable,
+    plus `settings`, so that nothing inherited changes the engine silently."""
+    base = os.environ if base is None else base
+    env = {k: v for k, v in base.items() if k not in EngineSettings.VARIABLES}
+    return env | settings.to_env()
+
+
+def _bit(flag: bool) -> str:
+    return "1" if flag else "0"
 
 
 class _Reader:
@@ -62,17 +114,20 @@ class _Reader:
     def _fail(self, name: str, want: str) -> SettingsError:
         return SettingsError(f"{name}={self.env.get(name)!r}: expected {want}")
 
-    def flag(self, name: str) -> bool:
+    def flag(self, name: str, default: bool = False) -> bool:
         value = self._raw(name)
         if value not in (None, "0", "1"):
             raise self._fail(name, "0 or 1")
-        return value == "1"
+        return default if value is None else value == "1"
 
-    def choice(self, name: str, options: tuple[str, ...]) -> str:
-        """One of options; the first when unset."""
+    def text(self, name: str) -> str | None:
+        return self._raw(name)
+
+    def choice(self, name: str, options: tuple[str, ...], default: str) -> str:
+        """One of options; `default` when unset."""
         value = self._raw(name)
         if value is None:
-            return options[0]
+            return default
         if value not in options:
             raise self._fail(name, " or ".join(options))
         return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import psutil
 
@@ -25,6 +26,11 @@ class TierConfig:
     pilot: bool = False  # PILOT: layer L+1's router on layer L's output prefetches from disk
     direct_io: bool = False  # DIRECT_IO: read experts with O_DIRECT (bypass the page cache)
     io_threads: int = 4  # IO_THREADS: disk reader pool size
+
+    VARIABLES: ClassVar[tuple[str, ...]] = (
+        *("DEVICE_GB", "RAM_GB", "PIN_GB", "CAP", "POLICY", "REPIN", "PILOT", "DIRECT_IO"),
+        "IO_THREADS",
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -51,6 +57,34 @@ class TierConfig:
             direct_io=_int(env, "DIRECT_IO", 0) > 0,
             io_threads=_int(env, "IO_THREADS", 4),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """The variables `from_env` reads back as this config (None budgets: left unset)."""
+        gb = {"DEVICE_GB": self.device_bytes, "RAM_GB": self.ram_bytes, "PIN_GB": self.pin_bytes}
+        env = {k: repr(v / GiB) for k, v in gb.items() if v is not None}  # exact: GiB is 2**30
+        return env | {
+            "CAP": str(self.cap),
+            "POLICY": self.policy,
+            "REPIN": str(self.repin),
+            "PILOT": str(int(self.pilot)),
+            "DIRECT_IO": str(int(self.direct_io)),
+            "IO_THREADS": str(self.io_threads),
+        }
+
+    @classmethod
+    def of_gb(cls, device_gb=None, ram_gb=None, pin_gb=None, **rest: Any) -> TierConfig:
+        """A config with budgets in GiB, as the command line and the client take them."""
+        gb = {"device_bytes": device_gb, "ram_bytes": ram_gb, "pin_bytes": pin_gb}
+        sizes = {k: gib_bytes(v) for k, v in gb.items() if v is not None}
+        return cls(**sizes, **{k: v for k, v in rest.items() if v is not None})
+
+
+def gib_bytes(gib: float) -> int:
+    """A budget given in GiB, in bytes; ValueError unless finite and >= 0."""
+    v = float(gib)
+    if not 0 <= v < float("inf"):  # refuses nan as well
+        raise ValueError(f"a budget of {gib!r} GiB: expected a finite number >= 0")
+    return int(v * GiB)
 
 
 def _gb(env: Mapping[str, str], key: str) -> int | None:

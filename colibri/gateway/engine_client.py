@@ -14,16 +14,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import queue
 import subprocess
 import sys
 import threading
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from colibri.engine.settings import EngineSettings, child_env
 from colibri.protocol import codec
 from colibri.protocol.codec import (
     Accept,
@@ -262,13 +262,11 @@ class EngineClient:
         self._ready: asyncio.Future[None] | None = None
 
     @classmethod
-    def for_model(
-        cls, model_dir: str | Path, kv_slots: int, extra_env: Mapping[str, str] | None = None
-    ) -> EngineClient:
-        """The mux engine on model_dir with kv_slots slots and TOPK lines; the rest from env."""
-        env = {**os.environ, **(extra_env or {})}
-        env.update(SERVE_BATCH="1", WIRE="full", KV_SLOTS=str(kv_slots), SERVE_TOPK="1")
-        return cls(engine_command(model_dir), env)
+    def for_model(cls, model_dir: str | Path, settings: EngineSettings) -> EngineClient:
+        """The engine on model_dir with these settings, on the mux protocol with every line
+        kind and TOPK lines (what the gateway reads)."""
+        mux = replace(settings, serve_batch=True, wire="full", serve_topk=True)
+        return cls(engine_command(model_dir), child_env(mux))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -8,8 +8,10 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import replace
 from pathlib import Path
 
+from colibri.engine.settings import EngineSettings
 from colibri.gateway.settings import DEFAULT_EXPERTS_JSON, DEFAULT_WEB, GatewaySettings, is_loopback
 
 log = logging.getLogger("colibri.gateway")
@@ -66,8 +68,11 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
     from colibri.gateway.app import create_app
     from colibri.gateway.engine_client import EngineClient
 
-    extra = {"CTX": str(args.ctx)} if args.ctx else {}
-    engine = EngineClient.for_model(settings.model_dir, settings.kv_slots, extra)
+    # the environment's engine settings, the slots and context the gateway was given
+    engine_settings = replace(EngineSettings.from_env(os.environ), kv_slots=settings.kv_slots)
+    if args.ctx:
+        engine_settings = replace(engine_settings, ctx=args.ctx)
+    engine = EngineClient.for_model(settings.model_dir, engine_settings)
     try:
         await engine.start(timeout=args.start_timeout)
         app = create_app(engine, settings)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -23,13 +22,12 @@ log = logging.getLogger("colibri")
 TOPK = 5  # candidates per TOPK line
 
 
-def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
+def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
     """Serve on stdin/stdout until input ends, then exit the process (status 0).
 
-    Bad settings or an unloadable model raise ValueError/OSError before anything is served.
+    An unloadable model raises ValueError/OSError before anything is served.
     """
     model_dir = Path(model_dir)
-    settings = EngineSettings.from_env(env)
     cfg = load_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.exists():
@@ -37,7 +35,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
     tokenizer = Tokenizer(tok_path)
     out = LineWriter(claim_stdout())
     ctx = settings.ctx or default_ctx(cfg.max_position_embeddings)
-    runner = make_runner(model_dir, settings.kv_slots, ctx, env)
+    runner = make_runner(model_dir, settings, ctx)
     sched = Scheduler(
         runner,
         tokenizer.token_bytes,
@@ -49,7 +47,7 @@ def run_engine(model_dir: str | Path, env: Mapping[str, str]) -> NoReturn:
             burst=settings.burst,
             burst_ms=settings.burst_ms,
         ),
-        store=_store(settings, model_dir, env),
+        store=_store(settings, model_dir),
     )
     restored = sched.restore()
     log.info(
@@ -78,7 +76,7 @@ def _exit(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _store(settings: EngineSettings, model_dir: Path, env: Mapping[str, str]) -> KVStore | None:
+def _store(settings: EngineSettings, model_dir: Path) -> KVStore | None:
     if not settings.kvsave:
         return None
-    return KVStore(state_dir(model_dir, env) / "kv", fingerprint(model_dir))
+    return KVStore(state_dir(model_dir, settings) / "kv", fingerprint(model_dir))
