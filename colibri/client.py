@@ -7,14 +7,8 @@ GPUS, HWINFO, REPIN) updates the session's latest state and reaches subscribers,
 live widgets in `colibri.widgets` redraw. Unknown line kinds are ignored (the protocol's
 forward-compatibility rule).
 
-How lines are attributed (the engine's one stdout writer emits a turn's block contiguously,
-``HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF DONE``, so nothing interleaves inside it):
-
-- DATA, TOPK, ACCEPT, PERF, DONE and ERROR carry the request id.
-- ENTROPY, GPUS, TIERS, EMAP and PROF after a PERF belong to that PERF's request until its DONE; the
-  HWINFO just before the PERF does too.
-- HITS (every few decode steps, and in each turn block) and REPIN describe the whole engine: they
-  go to every request in flight when they arrive.
+Which request each line belongs to is `colibri.protocol.session`'s rule, shared with the
+gateway.
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +48,7 @@ from colibri.protocol.codec import (
     HwInfo,
     Perf,
     Prof,
-    Ready,
     Repin,
-    Stat,
     Stop,
     Submit,
     Tiers,
@@ -65,6 +57,8 @@ from colibri.protocol.codec import (
     UTF8Assembler,
     format_request,
 )
+from colibri.protocol.session import Handshake
+from colibri.protocol.session import Session as WireSession
 
 log = logging.getLogger("colibri")
 
@@ -359,50 +353,64 @@ class Request:
 Subscriber = Callable[[codec.Event, "Request | None"], None]
 
 
-@dataclass
-class Handshake:
-    """The startup lines: STAT, HWINFO, TIERS, EMAP."""
-
-    stat: Stat | None = None
-    hwinfo: HwInfo | None = None
-    tiers: Tiers | None = None
-    emap: Emap | None = None
-
-
-@dataclass
 class Session:
     """Everything the engine said, attributed to requests or kept as the latest telemetry.
 
-    Pure bookkeeping: `dispatch` takes parsed events (from the reader thread); no I/O.
+    The attribution and the telemetry are the wire session's (`colibri.protocol.session`); this
+    adds the request objects, the finished turns and the subscribers. `dispatch` takes parsed
+    events (from the reader thread); no I/O.
     """
 
-    handshake: Handshake = field(default_factory=Handshake)
-    emap: Emap | None = None
-    tiers: Tiers | None = None
-    hits: Hits | None = None
-    gpus: Gpus | None = None
-    hwinfo: HwInfo | None = None
-    repins: list[Repin] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)  # in the order they finished
-    unknown: int = 0  # lines of kinds this client does not know (ignored)
-    stray: list[codec.Event] = field(default_factory=list)  # id-carrying lines of no request
-    ready: threading.Event = field(default_factory=threading.Event)
-    closed: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self) -> None:
+    def __init__(self) -> None:
+        self.wire = WireSession()
+        self.turns: list[Turn] = []  # in the order they finished
+        self.stray: list[codec.Event] = []  # id-carrying lines of no open request
+        self.ready = threading.Event()
+        self.closed = threading.Event()
         self._requests: dict[int, Request] = {}
-        self._owner: Request | None = None  # the request whose turn block is being read
-        self._pending_hw: HwInfo | None = None  # HWINFO that may open a turn block
-        self._saw_ready = False
         self._subscribers: list[Subscriber] = []
         self._lock = threading.Lock()
+
+    # -- the latest telemetry -------------------------------------------------------------
+
+    @property
+    def handshake(self) -> Handshake:
+        return self.wire.handshake
+
+    @property
+    def emap(self) -> Emap | None:
+        return self.wire.telemetry.emap
+
+    @property
+    def tiers(self) -> Tiers | None:
+        return self.wire.telemetry.tiers
+
+    @property
+    def hits(self) -> Hits | None:
+        return self.wire.telemetry.hits
+
+    @property
+    def gpus(self) -> Gpus | None:
+        return self.wire.telemetry.gpus
+
+    @property
+    def hwinfo(self) -> HwInfo | None:
+        return self.wire.telemetry.hwinfo
+
+    @property
+    def repins(self) -> list[Repin]:
+        return list(self.wire.telemetry.repins)
+
+    @property
+    def unknown(self) -> int:
+        """Lines of kinds this client does not know (ignored)."""
+        return self.wire.unknown
 
     # -- requests and subscribers --------------------------------------------------------
 
     def register(self, req: Request) -> None:
         with self._lock:
-            if req.id in self._requests:
-                raise ValueError(f"request id {req.id} is already in flight")
+            self.wire.open(req.id)
             self._requests[req.id] = req
 
     def in_flight(self) -> list[Request]:
@@ -426,86 +434,27 @@ class Session:
 
     def dispatch(self, ev: codec.Event) -> Request | None:
         """Attribute one event; returns the request it went to (None for engine-wide lines)."""
+        with self._lock:
+            routed = self.wire.route(ev)
+            reqs = [self._requests[rid] for rid in routed.to]
+            if routed.ends:
+                del self._requests[routed.to[0]]
+        if self.wire.ready:
+            self.ready.set()
         if isinstance(ev, Unknown):
-            self.unknown += 1
             return None
-        hw, self._pending_hw = self._pending_hw, None
-        req = self._route(ev, hw)
-        self._notify(ev, req)
-        return req
-
-    def _route(self, ev: codec.Event, hw: HwInfo | None) -> Request | None:
-        if not self.ready.is_set():
-            return self._handshake(ev)
-        if isinstance(ev, Data | TopK | Accept | Perf):
-            req = self._get(ev.id)
-            if req is None:
-                self.stray.append(ev)
-                return None
-            if isinstance(ev, Perf):
-                self._owner = req
-                if hw is not None:
-                    req._add(hw)
-            req._add(ev)
-            return req
-        if isinstance(ev, Done | Error):
-            return self._finish(ev)
-        if isinstance(ev, Entropy | Gpus | Tiers | Emap | Prof):
-            self._latest(ev)
-            if self._owner is not None:
-                self._owner._add(ev)
-            return self._owner
-        if isinstance(ev, Hits | Repin):
-            self._latest(ev)
-            for r in self.in_flight():
-                r._add(ev)
-            return None
-        if isinstance(ev, HwInfo):
-            self.hwinfo = self._pending_hw = ev
-        return None
-
-    def _handshake(self, ev: codec.Event) -> None:
-        h = self.handshake
-        if isinstance(ev, Ready):
-            self._saw_ready = True
-        elif isinstance(ev, Stat):
-            h.stat = ev
-        elif isinstance(ev, HwInfo):
-            h.hwinfo = self.hwinfo = ev
-        elif isinstance(ev, Tiers):
-            h.tiers = self.tiers = ev
-        elif isinstance(ev, Emap):
-            h.emap = self.emap = ev
-            if self._saw_ready:
-                self.ready.set()
-        return None
-
-    def _latest(self, ev: codec.Event) -> None:
-        if isinstance(ev, Emap):
-            self.emap = ev
-        elif isinstance(ev, Tiers):
-            self.tiers = ev
-        elif isinstance(ev, Gpus):
-            self.gpus = ev
-        elif isinstance(ev, Hits):
-            self.hits = ev
-        elif isinstance(ev, Repin):
-            self.repins.append(ev)
-
-    def _get(self, rid: int) -> Request | None:
-        with self._lock:
-            return self._requests.get(rid)
-
-    def _finish(self, ev: Done | Error) -> Request | None:
-        with self._lock:
-            req = self._requests.pop(ev.id, None)
-        if req is None:
-            self.stray.append(ev)  # e.g. ERROR 0 BAD_REQUEST for an unparseable header
-            return None
-        if self._owner is req:
-            self._owner = None
-        self.turns.append(req._finish(ev))
-        return req
+        if routed.stray:
+            self.stray.append(ev)
+        for req in reqs:
+            for earlier in routed.before:
+                req._add(earlier)
+            if routed.ends:
+                self.turns.append(req._finish(ev))
+            else:
+                req._add(ev)
+        owner = reqs[0] if reqs and not isinstance(ev, Hits | Repin) else None
+        self._notify(ev, owner)
+        return owner
 
     def _notify(self, ev: codec.Event, req: Request | None) -> None:
         with self._lock:

@@ -34,13 +34,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from colibri.atlas import upstream_view
-from colibri.gateway.engine_client import (
-    EngineClient,
-    EngineGone,
-    Turn,
-    hwinfo_json,
-    tiers_json,
-)
+from colibri.gateway.engine_client import EngineClient, EngineGone, Turn
 from colibri.gateway.replies import Reply
 from colibri.gateway.schema import (
     ApiError,
@@ -52,6 +46,7 @@ from colibri.gateway.schema import (
 from colibri.gateway.settings import GatewaySettings
 from colibri.gateway.slots import Affinity, QueueFull, SlotPool
 from colibri.gateway.static import StaticSite
+from colibri.gateway.telemetry import experts_json, hwinfo_json, profile_json, tiers_json
 from colibri.gateway.templates import ChatTemplateError, load_chat_template
 from colibri.protocol.codec import Error
 
@@ -142,8 +137,8 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
             body["reason"] = engine.gone or "engine not ready"
         if gw.authorized(request):
             body["scheduler"] = gw.scheduler_json()
-            extras = {"tiers": tiers_json(engine.state.tiers)}
-            extras["hwinfo"] = hwinfo_json(engine.state.hwinfo)
+            extras = {"tiers": tiers_json(engine.telemetry.tiers)}
+            extras["hwinfo"] = hwinfo_json(engine.telemetry.hwinfo)
             body.update({k: v for k, v in extras.items() if v is not None})
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -154,14 +149,14 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
         if since is not None:
             if not since.isdigit():
                 raise ApiError(400, f"since={since!r}: expected a sequence number", param="since")
-            if int(since) == engine.state.seq:
+            if int(since) == engine.telemetry.seq:
                 return Response(status_code=304)
-        return JSONResponse(engine.state.to_json())
+        return JSONResponse(experts_json(engine.telemetry))
 
     @app.get("/profile")
     async def profile(request: Request) -> dict:
         gw.authorize(request)
-        return engine.state.profile_json()
+        return profile_json(engine.telemetry)
 
     @app.get("/experts.json")
     async def atlas(request: Request) -> Response:

@@ -1,12 +1,11 @@
 """Async bridge to the `colibri engine` subprocess: requests in, events routed back by id.
 
 One reader thread parses the engine's stdout with the codec and hands every event to the event
-loop, which routes it: per-request lines (ACCEPT, DATA, TOPK, PERF, DONE, ERROR) to that
-request's `Turn`; the id-less lines of a per-turn block (ENTROPY, GPUS, PROF between `PERF <id>`
-and `DONE <id>`) to the turn that block closes; global telemetry (EMAP, HITS, TIERS, GPUS,
-ENTROPY, REPIN, HWINFO, PROF) to the shared `ExpertState` behind `/experts`, `/profile` and
-`/health`. One writer thread sends SUBMIT,
-CANCEL and STOP in the order the loop queued them, so a CANCEL never overtakes its SUBMIT.
+loop, where the wire session (`colibri.protocol.session`, the rule the notebook client follows
+too) says which open requests each line belongs to, and keeps the latest telemetry behind
+`/experts`, `/profile` and `/health` (`colibri.gateway.telemetry` shapes it). One writer
+thread sends SUBMIT, CANCEL and STOP in the order the loop queued them, so a CANCEL never
+overtakes its SUBMIT.
 """
 
 from __future__ import annotations
@@ -18,9 +17,8 @@ import queue
 import subprocess
 import sys
 import threading
-from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from colibri.engine.settings import EngineSettings, child_env
@@ -30,21 +28,18 @@ from colibri.protocol.codec import (
     Cancel,
     Data,
     Done,
-    Emap,
     Entropy,
     Error,
     Gpus,
-    Hits,
-    HwInfo,
     Perf,
     Prof,
     Ready,
     Repin,
     Stop,
     Submit,
-    Tiers,
     TopK,
 )
+from colibri.protocol.session import Session, Telemetry
 
 log = logging.getLogger("colibri.gateway")
 
@@ -131,115 +126,6 @@ def _resolve(fut: asyncio.Future, value: object) -> None:
         fut.set_result(value)
 
 
-@dataclass
-class ExpertState:
-    """The latest global telemetry: what `GET /experts`, `/profile` and `/health` report."""
-
-    rows: int = 0
-    cols: int = 0
-    emap: bytes = b""  # [rows * cols] (tier << 6) | heat
-    hits: bytes = b""  # [ceil(rows * cols / 8)] bitmap since the previous HITS
-    seq: int = 0  # bumped at every EMAP or HITS
-    gpus: tuple[tuple[float, float, int], ...] = ()
-    entropy: tuple[float, ...] = ()
-    tiers: Tiers | None = None
-    hwinfo: HwInfo | None = None
-    repins: deque[Repin] = field(default_factory=lambda: deque(maxlen=REPIN_KEEP))
-    profile: deque[Prof] = field(default_factory=lambda: deque(maxlen=PROFILE_KEEP))
-    profile_seq: int = 0  # PROF lines seen
-
-    def update(self, ev: codec.Event) -> None:
-        if isinstance(ev, Emap):
-            self.rows, self.cols, self.emap = ev.rows, ev.cols, ev.data
-            self.seq += 1
-        elif isinstance(ev, Hits):
-            self.rows, self.cols, self.hits = ev.rows, ev.cols, ev.bits
-            self.seq += 1
-        elif isinstance(ev, Gpus):
-            self.gpus = ev.devices
-        elif isinstance(ev, Entropy):
-            self.entropy = ev.values
-        elif isinstance(ev, Tiers):
-            self.tiers = ev
-        elif isinstance(ev, HwInfo):
-            self.hwinfo = ev
-        elif isinstance(ev, Repin):
-            self.repins.append(ev)
-        elif isinstance(ev, Prof):
-            self.profile.append(ev)
-            self.profile_seq += 1
-
-    def to_json(self) -> dict:
-        """`{rows, cols, map, hits, seq, ...}` with `map` and `hits` as the hex strings colibrì's
-        web UI reads (the EMAP bytes; the HITS bitmap, bit `i & 7` of byte `i >> 3`), and the
-        same as [rows][cols] lists in `map_grid` and `hits_grid`."""
-        rows, cols = self.rows, self.cols
-        emap = self.emap if len(self.emap) == rows * cols else bytes(rows * cols)
-        if len(self.hits) != (rows * cols + 7) // 8:
-            hits = Hits(rows, cols, bytes((rows * cols + 7) // 8))
-        else:
-            hits = Hits(rows, cols, self.hits)
-        return {
-            "rows": rows,
-            "cols": cols,
-            "map": emap.hex(),
-            "hits": hits.bits.hex(),
-            "map_grid": [list(emap[r * cols : (r + 1) * cols]) for r in range(rows)],
-            "hits_grid": [[int(hits.hit(r, c)) for c in range(cols)] for r in range(rows)],
-            "seq": self.seq,
-            "gpus": [gpu_json(d) for d in self.gpus],
-            "entropy": list(self.entropy),
-            "repin": [repin_json(r) for r in self.repins],
-            "tiers": tiers_json(self.tiers),
-        }
-
-    def profile_json(self) -> dict:
-        """`{seq, turns}`: the recent turns' PROF timings, oldest first, as colibrì names them."""
-        return {"seq": self.profile_seq, "turns": [prof_json(p) for p in self.profile]}
-
-
-def prof_json(p: Prof) -> dict:
-    return {
-        "wall_s": p.wall_s,
-        "prompt_tokens": p.prompt_tokens,
-        "completion_tokens": p.completion_tokens,
-        "expert_disk_s": p.edisk_s,
-        "expert_wait_s": p.ewait_s,
-        "expert_matmul_s": p.emm_s,
-        "attention_s": p.attn_s,
-        "lm_head_s": p.head_s,
-        "forwards": p.forwards,
-    }
-
-
-def hwinfo_json(h: HwInfo | None) -> dict | None:
-    if h is None:
-        return None
-    return {
-        "cores": h.cores,
-        "ram_total_gb": h.ram_total_gb,
-        "ram_avail_gb": h.ram_avail_gb,
-        "gpus": h.ngpu,
-        "vram_total_gb": h.vram_total_gb,
-        "cpu": h.cpu_name,
-        "gpu": h.gpu_name,
-    }
-
-
-def gpu_json(d: tuple[float, float, int]) -> dict:
-    return {"used_gb": d[0], "total_gb": d[1], "experts": d[2]}
-
-
-def repin_json(r: Repin) -> dict:
-    return {"layer": r.layer, "expert": r.expert, "old_tier": r.old_tier, "gpu": r.gpu}
-
-
-def tiers_json(t: Tiers | None) -> dict | None:
-    if t is None:
-        return None
-    return {"vram": t.vram, "ram": t.ram, "disk": t.disk, "vram_gb": t.vram_gb, "ram_gb": t.ram_gb}
-
-
 def engine_command(model_dir: str | Path) -> list[str]:
     return [sys.executable, "-m", "colibri.cli", "engine", "--model", str(model_dir)]
 
@@ -250,12 +136,11 @@ class EngineClient:
     def __init__(self, cmd: list[str], env: Mapping[str, str]):
         self.cmd, self.env = cmd, dict(env)
         self.proc: subprocess.Popen | None = None
-        self.state = ExpertState()
+        self.session = Session()
         self.gone: str | None = None  # why the engine is unusable, once it is
         self.cancelled = 0  # CANCEL acknowledgements received
         self._stopping = False  # we sent EOF: the engine's exit is expected
         self._turns: dict[int, Turn] = {}
-        self._block_of: int | None = None  # the request whose per-turn block is being read
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -327,6 +212,7 @@ class EngineClient:
             turn.end(EngineGone(self.gone or "engine not running"))
             return turn
         self._turns[turn.id] = turn
+        self.session.open(turn.id)
         n = max_tokens or UNLIMITED
         payload, g = prompt.encode("utf-8"), grammar.encode("utf-8")
         self.send(Submit(turn.id, slot, n, temperature, top_p, payload, g))
@@ -373,32 +259,25 @@ class EngineClient:
 
     # ------------------------------------------------------------------ routing (on the loop)
 
+    @property
+    def telemetry(self) -> Telemetry:
+        return self.session.telemetry
+
     def _route(self, ev: codec.Event) -> None:
         if isinstance(ev, Ready):
             assert self._ready is not None
             _resolve(self._ready, None)
-            return
-        self.state.update(ev)
-        if isinstance(ev, Repin):
-            for turn in self._turns.values():
-                turn.take(ev)
-            return
-        rid = getattr(ev, "id", None)
-        if isinstance(ev, Perf):
-            self._block_of = ev.id  # HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF DONE
-        elif isinstance(ev, Entropy | Gpus | Prof):
-            rid = self._block_of
-        turn = self._turns.get(rid) if rid else None
+        routed = self.session.route(ev)
         if isinstance(ev, Error) and ev.code == "CANCELLED":
             self.cancelled += 1
-        if turn is None:
-            if isinstance(ev, Error) and ev.code != "NOT_FOUND":  # NOT_FOUND: a late STOP/CANCEL
-                log.warning("engine error for no open request: %s", ev)
-            return
-        turn.take(ev)
-        if isinstance(ev, Done | Error):
-            self._block_of = None
-            del self._turns[turn.id]
+        if routed.stray and isinstance(ev, Error) and ev.code != "NOT_FOUND":
+            log.warning("engine error for no open request: %s", ev)  # NOT_FOUND: a late STOP
+        for rid in routed.to:
+            if (turn := self._turns.get(rid)) is not None:
+                for each in (*routed.before, ev):
+                    turn.take(each)
+        if routed.ends:
+            self._turns.pop(routed.to[0], None)
 
     def _lose(self, reason: str) -> None:
         """The engine is gone: fail the handshake or every open request, and make sure it is."""

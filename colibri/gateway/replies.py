@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from colibri.gateway.engine_client import EngineGone, Turn, gpu_json, repin_json
+from colibri.gateway.engine_client import EngineGone, Turn
+from colibri.gateway.telemetry import gpu_json, repin_json
 from colibri.protocol.codec import Data, Done, Error, UTF8Assembler
 
 
