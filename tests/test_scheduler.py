@@ -57,10 +57,10 @@ def reference(model):
     return ids
 
 
-def _sched(model, slots: int = 4, store=None, **config) -> Scheduler:
+def _sched(model, slots: int = 4, kv_store=None, **config) -> Scheduler:
     config.setdefault("stop_ids", model.cfg.eos_token_ids)
     runner = Runner(model, slots=slots, capacity=CAP)
-    return Scheduler(runner, model.tokenizer.token_bytes, SchedulerConfig(**config), store)
+    return Scheduler(runner, model.tokenizer.token_bytes, SchedulerConfig(**config), kv_store)
 
 
 def _req(model, rid: int, slot: int, prompt: str, max_tokens: int = 10, **kw) -> GenRequest:
@@ -363,9 +363,9 @@ def test_greedy_and_sampled_requests_together_are_each_as_alone(model, reference
 def test_restored_slots_continue_as_if_never_stopped(model, tmp_path):
     turn = _req(model, 1, 2, "The quick brown fox", 8)
     follow = _req(model, 2, 2, "The quick brown fox jumps over the lazy dog", 8)
-    before = _sched(model, store=KVStore(tmp_path, "m"))
+    before = _sched(model, kv_store=KVStore(tmp_path, "m"))
     _run(before, turn)
-    restored = _sched(model, store=KVStore(tmp_path, "m"))  # a new process, as it were
+    restored = _sched(model, kv_store=KVStore(tmp_path, "m"))  # a new process, as it were
     assert restored.restore() == len(before.history(2)) > len(turn.prompt)
     got = _run(restored, follow)
     unbroken = _sched(model)

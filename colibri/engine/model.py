@@ -25,7 +25,7 @@ _FP8_SCALES = ("_scale_inv", "_scales_inv")
 
 
 @dataclass
-class Model:
+class LoadedModel:
     cfg: ModelConfig
     ckpt: Checkpoint
     tokenizer: Tokenizer | None
@@ -47,7 +47,7 @@ def load_model(
     tiers: TierConfig | None = None,
     usage_path: str | Path | None = None,
     progress: bool = True,
-) -> Model:
+) -> LoadedModel:
     """Open a Hugging Face MoE checkpoint folder; routed experts placed as `tiers` says."""
     enable_compilation_cache()
     model_dir = Path(model_dir)
@@ -95,4 +95,4 @@ def load_model(
         huge >> 20,
         store.summary(),
     )
-    return Model(cfg, ckpt, tokenizer, params, store)
+    return LoadedModel(cfg, ckpt, tokenizer, params, store)

@@ -13,7 +13,7 @@ import numpy as np
 
 from colibri import kernels
 from colibri.engine import steps
-from colibri.engine.model import Model
+from colibri.engine.model import LoadedModel
 from colibri.engine.telemetry import Timers
 from colibri.model import attention, layers, transformer
 
@@ -219,7 +219,9 @@ class Runner:
     store, compute from device slots; phase timers are then measured per layer.
     """
 
-    def __init__(self, model: Model, slots: int = 1, capacity: int = 2048, profile: bool = False):
+    def __init__(
+        self, model: LoadedModel, slots: int = 1, capacity: int = 2048, profile: bool = False
+    ):
         self.model = model
         self.cfg = model.cfg
         self.store = model.store

@@ -201,12 +201,12 @@ class Scheduler:
         runner: Runner,
         token_bytes: Callable[[int], bytes],
         config: SchedulerConfig = SchedulerConfig(),
-        store: KVStore | None = None,
+        kv_store: KVStore | None = None,
     ):
         self.runner = runner
         self.token_bytes = token_bytes
         self.config = config
-        self.store = store
+        self.kv_store = kv_store
         self.slots = [_Slot() for _ in range(runner.slots)]
         self.waiting: deque[GenRequest] = deque()
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
@@ -230,8 +230,8 @@ class Scheduler:
         return list(self.slots[slot].history)
 
     def restore(self) -> int:
-        """Reload every slot the store holds; returns how many positions came back."""
-        if self.store is None:
+        """Reload every slot the KV store holds; returns how many positions came back."""
+        if self.kv_store is None:
             return 0
         total = 0
         for i, slot in enumerate(self.slots):
@@ -624,11 +624,11 @@ class Scheduler:
                 log.exception("saving expert usage failed")
 
     def _persist(self, slot_id: int) -> None:
-        if self.store is None:
+        if self.kv_store is None:
             return
         history = self.slots[slot_id].history
         try:
-            self.store.sync(slot_id, history, lambda n: self.runner.export_slot(slot_id, n))
+            self.kv_store.sync(slot_id, history, lambda n: self.runner.export_slot(slot_id, n))
         except Exception:
             log.exception("persisting KV slot %d failed", slot_id)
 
@@ -661,9 +661,9 @@ class Scheduler:
         return False
 
     def _restore_slot(self, i: int, slot: _Slot) -> int:
-        assert self.store is not None
+        assert self.kv_store is not None
         try:
-            kv = self.store.load(i)
+            kv = self.kv_store.load(i)
             if kv is None or not kv.tokens:
                 return 0
             if len(kv.tokens) > self.runner.capacity:

@@ -21,7 +21,7 @@ def _put(bufs: dict, slot: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) 
     }
 
 
-class LayerSlots:
+class ExpertSlots:
     """`n` slots of one layer's experts on device: gate/up [n, F, D], down [n, D, F] as held
     (`shapes`: one expert's, weights.expert_shapes; `dtype`: weights.expert_dtype)."""
 

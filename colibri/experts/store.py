@@ -18,7 +18,7 @@ from colibri.config import ModelConfig
 from colibri.experts.budget import Plan, TierConfig, plan
 from colibri.experts.disk import DiskReader
 from colibri.experts.ram import RamCache, Weights
-from colibri.experts.slots import LayerSlots
+from colibri.experts.slots import ExpertSlots
 from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
 from colibri.experts.usage import read_usage, write_usage
 from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts, row_blocks
@@ -70,7 +70,7 @@ class ExpertStore:
         else:
             self.ram = RamCache(self.plan.ram_bytes)
             self.slots = [
-                LayerSlots(self.plan.slots_per_layer, self.E, self.shapes, self.held)
+                ExpertSlots(self.plan.slots_per_layer, self.E, self.shapes, self.held)
                 for _ in self.layer_ids
             ]
             self.stats.tier[:] = TIER_DISK

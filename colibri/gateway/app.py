@@ -34,7 +34,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from colibri.atlas import upstream_view
-from colibri.gateway.engine_client import EngineClient, EngineGone, Turn
+from colibri.gateway.engine_client import EngineClient, EngineGone, EngineRequest
 from colibri.gateway.replies import Reply
 from colibri.gateway.schema import (
     ApiError,
@@ -262,7 +262,7 @@ class Gateway:
             raise end_error(reply.end)
         return JSONResponse(shape.body(reply))
 
-    async def start(self, job: Job) -> Turn:
+    async def start(self, job: Job) -> EngineRequest:
         """Wait for a slot, submit, and wait for the engine to accept (or refuse) the request."""
         if not self.engine.alive:
             raise ApiError(503, f"engine unavailable: {self.engine.gone or 'not ready'}")

@@ -59,7 +59,7 @@ Start = Accept | Done | Error | EngineGone  # the first thing a submitted reques
 End = Done | Error | EngineGone  # how a request ends
 
 
-class Turn:
+class EngineRequest:
     """One request in flight: its DATA frames and end in order, plus the telemetry routed to it.
 
     `started` resolves at ACCEPT (or at an ERROR/DONE that comes first); `ended` at the end. The
@@ -140,7 +140,7 @@ class EngineClient:
         self.gone: str | None = None  # why the engine is unusable, once it is
         self.cancelled = 0  # CANCEL acknowledgements received
         self._stopping = False  # we sent EOF: the engine's exit is expected
-        self._turns: dict[int, Turn] = {}
+        self._turns: dict[int, EngineRequest] = {}
         self._ids = itertools.count(1)
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -205,9 +205,9 @@ class EngineClient:
         temperature: float,
         top_p: float,
         grammar: str = "",
-    ) -> Turn:
+    ) -> EngineRequest:
         """Send one SUBMIT; the returned turn receives its events."""
-        turn = Turn(self, next(self._ids), slot)
+        turn = EngineRequest(self, next(self._ids), slot)
         if not self.alive:
             turn.end(EngineGone(self.gone or "engine not running"))
             return turn

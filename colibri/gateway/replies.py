@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 
-from colibri.gateway.engine_client import EngineGone, Turn
+from colibri.gateway.engine_client import EngineGone, EngineRequest
 from colibri.gateway.telemetry import gpu_json, repin_json
 from colibri.protocol.codec import Data, Done, Error, UTF8Assembler
 
@@ -54,7 +54,7 @@ class StopScanner:
 class Reply:
     """Reads a started turn: `deltas()` yields its text; then `end` says how it ended."""
 
-    def __init__(self, turn: Turn, stops: Sequence[str]):
+    def __init__(self, turn: EngineRequest, stops: Sequence[str]):
         self.turn = turn
         self.text = ""  # everything released so far
         self.end: Done | Error | EngineGone | None = None

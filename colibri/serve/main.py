@@ -47,7 +47,7 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
             burst=settings.burst,
             burst_ms=settings.burst_ms,
         ),
-        store=_store(settings, model_dir),
+        kv_store=_kv_store(settings, model_dir),
     )
     restored = sched.restore()
     log.info(
@@ -76,7 +76,7 @@ def _exit(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _store(settings: EngineSettings, model_dir: Path) -> KVStore | None:
+def _kv_store(settings: EngineSettings, model_dir: Path) -> KVStore | None:
     if not settings.kvsave:
         return None
     return KVStore(state_dir(model_dir, settings) / "kv", fingerprint(model_dir))
