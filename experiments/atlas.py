@@ -24,45 +24,12 @@ and ends with the leave-one-probe-out accuracy.
 from __future__ import annotations
 
 import argparse
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from colibri import atlas
-
-ROOT = Path(__file__).resolve().parent.parent
-TOPICS = "python c javascript shell licenses manpages english german spanish italian french".split()
-
-
-def probes_for(args) -> list[atlas.Probe]:
-    """Select the probes from the corpus (and write them) or read the committed file."""
-    corpus = Path(args.corpus)
-    have_corpus = all((corpus / t / "heldout.txt").exists() for t in args.topics)
-    if args.keep_probes or not have_corpus:
-        if not Path(args.probes).exists():
-            sys.exit(f"no {args.probes} and no corpus: python experiments/corpus.py --out {corpus}")
-        probes, _ = atlas.load_probes(args.probes)
-        if have_corpus:
-            stale = [p.id for p in probes if not atlas.check_probe(p, corpus)]
-            if stale:
-                print(f"warning: not found at their offsets in {corpus}: {stale}")
-        print(f"probes: {args.probes} ({len(probes)}, as committed)")
-        return probes
-    probes = atlas.select_probes(corpus, args.topics, args.per_topic)
-    meta = {
-        "command": "python experiments/atlas.py",
-        "corpus": corpus.as_posix(),
-        "sources_sha256": {t: atlas.file_sha256(corpus / t / "heldout.txt") for t in args.topics},
-        "selection": f"{args.per_topic} per topic: snippet i starts at the first blank-line "
-        f"boundary after (i + 1/2) / {args.per_topic} of the file and ends at a line end "
-        "200-400 bytes later; offset = byte offset in source",
-    }
-    atlas.save_probes(args.probes, probes, meta)
-    print(f"probes: {args.probes} ({len(probes)}, selected from {corpus})")
-    return probes
+from colibri.bench.atlas_files import CORPUS, MODEL, OUT, PROBES, TOPICS, regenerate
 
 
 def topic_table(a: dict) -> pd.DataFrame:
@@ -112,18 +79,12 @@ def report(a: dict) -> None:
     )
 
 
-def rel(path: str) -> str:
-    """A path relative to the repository when it lies inside it (portable in the JSON)."""
-    p = Path(path).resolve()
-    return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else p.as_posix()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
-    ap.add_argument("--model", default="data/models/demo")
-    ap.add_argument("--corpus", default="data/corpus")
-    ap.add_argument("--probes", default="data/atlas/probes.json")
-    ap.add_argument("--out", default="data/experts.json")
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--corpus", default=CORPUS)
+    ap.add_argument("--probes", default=PROBES)
+    ap.add_argument("--out", default=OUT)
     ap.add_argument("--topics", nargs="+", default=TOPICS)
     ap.add_argument("--per-topic", type=int, default=6)
     ap.add_argument("--decode", type=int, default=0, help="greedy tokens after each prefill")
@@ -131,19 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar or tables")
     args = ap.parse_args(argv)
 
-    t0 = time.monotonic()
-    probes = probes_for(args)
-    a = atlas.make_atlas(
+    a = regenerate(
         args.model,
-        probes,
+        args.corpus,
         args.probes,
+        args.out,
+        topics=args.topics,
+        per_topic=args.per_topic,
         decode=args.decode,
+        keep_probes=args.keep_probes,
         progress=not args.quiet,
-        names=(rel(args.model), rel(args.probes)),
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(atlas.dumps(a))
-    print(f"wrote {args.out} in {time.monotonic() - t0:.1f} s")
     if not args.quiet:
         report(a)
     lo = a["lopo"]

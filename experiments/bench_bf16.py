@@ -29,37 +29,25 @@ experiments/results/bf16_peers.md and .json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from colibri import kernels
+from colibri.bench.conversations import BURST
+from colibri.bench.kernel_calls import expert_call
+from colibri.bench.levels import BURSTS, engine_level, engine_under, held_rows
+from colibri.bench.replay import compare, on_huge_pages, record_routes
+from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
+from colibri.bench.sidebyside import side_by_side
+from colibri.checkpoint import to_f32
+from colibri.config import load_config
+from colibri.report import markdown_table, write_report
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
-from bench_hugepages import BURST, BURSTS, PROMPT, engine_level  # noqa: E402
-from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
-from bench_peers import (  # noqa: E402
-    CACHE,
-    SHAPES,
-    agreement,
-    ensure_inputs,
-    other_conversations,
-    prompt_ids,
-    run_worker,
-)
-
-from colibri import kernels  # noqa: E402
-from colibri.checkpoint import to_f32  # noqa: E402
-from colibri.config import load_config  # noqa: E402
-from colibri.engine.model import load_model  # noqa: E402
-from colibri.engine.runner import Runner  # noqa: E402
-from colibri.report import markdown_table, write_report  # noqa: E402
-from colibri.synth import synthesize  # noqa: E402
-
 HELD = ("float32", "bfloat16")
 
 
@@ -79,53 +67,8 @@ def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
     return compare(dict.fromkeys(HELD, call), load_config(ckpt), routes, passes, hold)
 
 
-def held_rows(name: str, level: str, rows: int, got: dict, gib: dict, column: str) -> list[dict]:
-    """Table rows for one model, level and row count: the times `got` of each way of holding
-    the weights (float32 first, the baseline), with the experts' GiB `gib` as held."""
-    base = np.asarray(got["float32"])
-    out = []
-    for h, times in got.items():
-        t = np.asarray(times)
-        med = float(np.median(t))
-        out.append(
-            {
-                "model": name,
-                "level": level,
-                "rows": rows,
-                column: h,
-                "routed experts GiB": gib[h],
-                "ms a step (median)": med if level == "kernel" else np.nan,
-                "tok/s (median burst)": rows * BURST / med if level == "engine" else np.nan,
-                "time / float32 (median of pairs)": float(np.median(t / base)),
-            }
-        )
-    return out
-
-
-def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
-    """The peers shape `name` synthesized in `dtype` (cached under .cache/bench-peers)."""
-    out = CACHE / f"{name}-{dtype}"
-    if not (out / "config.json").exists():
-        synthesize(dataclasses.replace(SHAPES[name], dtype=dtype, **changes), out)
-    return out
-
-
 def bf16_checkpoint(name: str) -> Path:
     return shape_checkpoint(name, "bf16")
-
-
-def engine_under(ckpt: Path, env: dict[str, str]):
-    """(runner, first tokens of 16 conversations) of the checkpoint loaded with `env` set."""
-    os.environ.update(env)
-    try:
-        model = load_model(ckpt, progress=False)
-        runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
-    finally:
-        for k in env:
-            os.environ.pop(k)
-    prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
-    logits, _ = runner.prefill(0, prompt)
-    return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
 
 
 def engine(ckpt: Path, held: str):
@@ -146,37 +89,6 @@ def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:
     if not gguf.exists():
         export_gguf(ckpt, gguf, dtype="bf16")
     return side_by_side(name, {"colibri (bf16 held)": ckpt, "llama.cpp bf16": gguf}, rounds, tokens)
-
-
-def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 64) -> list[dict]:
-    """Batch-1 greedy decode of `tokens` tokens after a 128-token prompt by each engine on its
-    checkpoint (label -> path; the first a colibri checkpoint, labels starting "colibri" or
-    "llama.cpp"), each run in a process of its own (bench_peers.run_worker), the order flipping
-    every round: each engine's best round, against the first engine's."""
-    first = next(iter(paths))
-    prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
-    runs = {k: [] for k in paths}
-    for r in range(rounds):
-        for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
-            kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
-            runs[peer].append(run_worker(kind, paths[peer], prompt, tokens))
-    ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
-    rows = []
-    for peer, res in runs.items():
-        best = max(res, key=lambda x: x["decode_tok_s_1"])
-        rows.append(
-            {
-                "model": name,
-                "engine": peer,
-                "decode tok/s (batch 1, best of rounds)": best["decode_tok_s_1"],
-                "colibri / this": ours["decode_tok_s_1"] / best["decode_tok_s_1"],
-                "prefill tok/s": best["prefill_tok_s"],
-                "peak RSS MB": best["peak_rss_mb"],
-                "greedy tokens as colibri's": f"{agreement(ours['tokens'], best['tokens'])}"
-                f"/{len(ours['tokens'])}",
-            }
-        )
-    return rows
 
 
 def write_peers(args, rows: list[dict]) -> None:

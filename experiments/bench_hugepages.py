@@ -26,26 +26,22 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from colibri import hugepages, kernels
+from colibri.bench.conversations import BURST
+from colibri.bench.kernel_calls import expert_call
+from colibri.bench.levels import BURSTS, engine_level, engine_under
+from colibri.bench.replay import compare, on_huge_pages, record_routes
+from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.config import load_config
+from colibri.report import markdown_table, write_report
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
-from bench_kernel_revs import compare, expert_call, on_huge_pages, record_routes  # noqa: E402
-from bench_peers import BURST, SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
-
-from colibri import hugepages, kernels  # noqa: E402
-from colibri.config import load_config  # noqa: E402
-from colibri.engine.model import load_model  # noqa: E402
-from colibri.engine.runner import Row, Runner  # noqa: E402
-from colibri.report import markdown_table, write_report  # noqa: E402
-
-PROMPT = 128
-BURSTS = 24  # per pass and rows, engine level
 PAGES = ("4 KiB", "2 MiB")
 
 
@@ -59,36 +55,7 @@ def kernel_level(ckpt: Path, rows: int, passes: int) -> dict[str, list[float]]:
 
 def engine(ckpt: Path, huge: bool):
     """(runner, first tokens of 16 conversations): one prompt, the last 8 tokens changed."""
-    os.environ["COLIBRI_HUGE_PAGES"] = "1" if huge else "0"
-    try:
-        model = load_model(ckpt, progress=False)
-        runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
-    finally:
-        os.environ.pop("COLIBRI_HUGE_PAGES")
-    prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
-    logits, _ = runner.prefill(0, prompt)
-    return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]
-
-
-def engine_level(engines: dict, rows: int, passes: int) -> dict[str, list[float]]:
-    """Seconds per burst of each engine {name: (runner, first tokens)}, taking turns burst by
-    burst; every engine must decode the same tokens."""
-    secs = {k: [] for k in engines}
-    tokens = {k: [] for k in engines}
-    for p in range(passes + 1):  # the first pass compiles and warms up
-        for i in range(BURSTS):
-            at = PROMPT + (p % 2) * BURSTS * BURST + i * BURST
-            for k in list(engines) if i % 2 == 0 else list(engines)[::-1]:
-                runner, first = engines[k]
-                t = time.perf_counter()
-                fwd = runner.decode_async([Row(s, first[s], at) for s in range(rows)], steps=BURST)
-                toks = fwd.tokens()
-                if p:
-                    secs[k].append(time.perf_counter() - t)
-                    tokens[k].append(toks.tolist())
-    first = next(iter(tokens.values()))
-    assert all(t == first for t in tokens.values()), "the engines' tokens differ"
-    return secs
+    return engine_under(ckpt, {"COLIBRI_HUGE_PAGES": "1" if huge else "0"})
 
 
 LOAD = """

@@ -32,12 +32,10 @@ kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
@@ -45,35 +43,25 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from colibri import hugepages, kernels
+from colibri import kernels
+from colibri.bench.conversations import prompt_ids
+from colibri.bench.formats import FORMATS
+from colibri.bench.kernel_calls import expert_call, registered
+from colibri.bench.replay import (
+    STEPS,
+    alternate,
+    compare,
+    on_huge_pages,
+    record_routes,
+    same_bits,
+    weights,
+)
+from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.config import load_config
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
-from bench_peers import SHAPES, ensure_inputs, other_conversations, prompt_ids  # noqa: E402
-
-STEPS = 24
-
-
-def record_routes(ckpt: Path, rows: int, prompt_len: int = 128) -> np.ndarray:
-    """[steps, layers, rows, top_k] slot ids the routers chose, greedy from the prompt."""
-    from colibri.engine.model import load_model
-    from colibri.engine.runner import Row, Runner
-
-    model = load_model(ckpt, progress=False)
-    runner = Runner(model, slots=rows, capacity=prompt_len + STEPS + 8)
-    prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
-    logits, _ = runner.prefill(0, prompt)
-    toks = [int(np.argmax(logits)), *other_conversations(runner, prompt, rows)]
-    routes, done = [], 0
-    while done < STEPS:
-        at = [Row(s, toks[s], prompt_len + done) for s in range(rows)]
-        fwd = runner.decode_async(at, steps=STEPS - done)
-        greedy = fwd.tokens()
-        routes += list(fwd.result()[1])
-        toks, done = greedy[-1].tolist(), done + fwd.ran()
-    return np.asarray(routes)[:, :, :rows]
 
 
 def source_at(rev: str, into: Path) -> Path:
@@ -88,42 +76,6 @@ def source_at(rev: str, into: Path) -> Path:
     out = into / "cpu.cc"
     out.write_text(text)
     return out
-
-
-def registered(lib_path: Path, symbol: str, name: str) -> None:
-    """Register the library's handler `symbol` with XLA as target `name`."""
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-
-
-def expert_call(lib_path: Path, name: str):
-    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
-    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, over FP8 rows
-    (uint8) its fp8 one, `name`_fp8, over int4 rows (int8) `name`_int4, over int4 rows with
-    zero points (uint32) `name`_int4z and over int8 rows (int32) `name`_int8, where it has
-    them."""
-    registered(lib_path, "ColibriMoeExperts", name)
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    variants = {jnp.dtype(jnp.float32): name}
-    kinds = (
-        (jnp.uint16, "Bf16", "bf16"),
-        (jnp.uint8, "Fp8", "fp8"),
-        (jnp.int8, "Int4", "int4"),
-        (jnp.uint32, "Int4z", "int4z"),
-        (jnp.int32, "Int8", "int8"),
-    )
-    for dtype, symbol, suffix in kinds:
-        if hasattr(lib, f"ColibriMoeExperts{symbol}"):
-            registered(lib_path, f"ColibriMoeExperts{symbol}", f"{name}_{suffix}")
-            variants[jnp.dtype(dtype)] = f"{name}_{suffix}"
-
-    def call(gate, up, down, x, ids):
-        shape = (*ids.shape, x.shape[1])
-        out = jax.ShapeDtypeStruct(shape, jnp.float32)
-        target = variants[jnp.dtype(gate.dtype)]
-        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(gate, up, down, x, ids)
-
-    return jax.jit(call)
 
 
 def attend_call(lib_path: Path, name: str):
@@ -152,43 +104,6 @@ def linear_call(lib_path: Path, name: str):
     return call
 
 
-def alternate(calls: dict, step, steps: int, passes: int) -> dict[str, list[float]]:
-    """ms a step of step(f, i) for i < steps, per pass. The versions take turns step by step
-    (which goes first flips every step), so each pair of steps meets the same phase of the
-    machine."""
-    ms = {v: [] for v in calls}
-    order = list(calls)
-    for _ in range(passes):
-        spent = dict.fromkeys(calls, 0.0)
-        for i in range(steps):
-            for v in order if i % 2 == 0 else order[::-1]:
-                t = time.perf_counter()
-                step(calls[v], i).block_until_ready()
-                spent[v] += time.perf_counter() - t
-        for v in calls:
-            ms[v].append(spent[v] / steps * 1e3)
-    return ms
-
-
-def same_bits(outputs: dict) -> None:
-    ref = next(iter(outputs.values()))
-    for v, y in outputs.items():
-        assert np.array_equal(np.asarray(y), np.asarray(ref)), f"{v}: outputs differ bitwise"
-
-
-def weights(rng, *shape) -> jax.Array:
-    return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
-
-
-def on_huge_pages(a: jax.Array) -> jax.Array:
-    """A copy of `a` on 2 MiB pages (colibri.hugepages), as the engine holds routed experts."""
-    h = hugepages.empty(a.shape, a.dtype)
-    h[:] = np.asarray(a)
-    out = jax.device_put(h)
-    assert out.unsafe_buffer_pointer() == h.ctypes.data, "JAX copied the array"
-    return out
-
-
 def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     """[1, layers, tokens, top_k]: the routes of one prefill of `tokens` (at most one prefill
     chunk) as one step: what the expert calls of a prompt meet."""
@@ -201,45 +116,6 @@ def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     runner = Runner(model, slots=1, capacity=tokens + 8)
     _, routes = runner.prefill(0, prompt_ids(model.cfg.vocab_size, tokens))
     return np.asarray(routes)[None]
-
-
-def compare(
-    calls: dict,
-    cfg,
-    routes: np.ndarray,
-    passes: int,
-    hold: dict | None = None,
-    weight_bytes: float = 4.0,
-) -> dict:
-    """Time every version on the routes, alternating; ms a step per pass for each version.
-    `hold`: for some versions, where their copy of the weights is put (others: where XLA
-    allocates them); by default every version's on huge pages, as in the engine.
-    `weight_bytes`: bytes a weight takes as held, for the GB a step reads."""
-    m = cfg.moe
-    S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
-    rng = np.random.default_rng(0)
-    layers = [
-        (weights(rng, S, F, D), weights(rng, S, F, D), weights(rng, S, D, F)) for _ in range(L)
-    ]
-    x = jnp.asarray(rng.standard_normal((routes.shape[2], D), np.float32))
-    ids = [[jnp.asarray(r, jnp.int32) for r in step] for step in routes]
-    if hold is None:
-        hold = dict.fromkeys(calls, on_huge_pages) if hugepages.enabled() else {}
-    held = {
-        v: [tuple(map(hold[v], layer)) for layer in layers] if v in hold else layers for v in calls
-    }
-    same_bits({v: f(*held[v][0], x, ids[0][0]) for v, f in calls.items()})
-
-    def step(v, i):
-        for layer, e in zip(held[v], ids[i], strict=True):
-            y = calls[v](*layer, x, e)
-        return y
-
-    ms = alternate({v: v for v in calls}, step, len(ids), passes)
-    distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
-    gb = float(distinct.sum()) * 3 * D * F * weight_bytes / 1e9
-    gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
-    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct.tolist()}
 
 
 def compare_linear(calls: dict, cfg, rows: int, passes: int) -> dict:
@@ -310,11 +186,9 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
     """For `compare`: every version holds each random matrix as the same bfloat16 bits or
-    quantized rows (FP8, int4, int4 with zero points, int8: bench_quantized's), on huge pages;
-    and the bytes a weight takes so (its value's, and its share of the block's scale and
-    offset)."""
-    from bench_quantized import FORMATS  # bench_quantized imports this module
-
+    quantized rows (FP8, int4, int4 with zero points, int8: colibri.bench.formats), on huge
+    pages; and the bytes a weight takes so (its value's, and its share of the block's scale
+    and offset)."""
     f = FORMATS.get(fmt)
     held = bf16_bits if f is None else lambda a: f["pair"](a)[0]
     rows: dict[int, tuple] = {}
@@ -354,8 +228,6 @@ def main() -> None:
         ap.error("--prompt is for --kernel experts")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
-    from colibri.config import load_config
-
     with tempfile.TemporaryDirectory() as tmp:
         base_lib = kernels.build(source_at(args.base, Path(tmp)))
     make = {"experts": expert_call, "linear": linear_call, "attend": attend_call}[args.kernel]

@@ -1,9 +1,9 @@
 """The expert atlas: statistics on hand-made counts, the committed data/experts.json (schema and
-invariants), and byte-identical regeneration by experiments/atlas.py on the demo model."""
+invariants), and byte-identical regeneration (colibri.bench.atlas_files, which
+experiments/atlas.py runs) on the demo model."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from colibri import atlas
+from colibri.bench.atlas_files import TOPICS, regenerate
 
 REPO = Path(__file__).resolve().parent.parent
 PROBES = REPO / "data" / "atlas" / "probes.json"
@@ -266,24 +267,16 @@ def test_committed_atlas_is_of_the_demo_model(committed):
 # -------------------------------------------------------------------------- regeneration
 
 
-def script():
-    spec = importlib.util.spec_from_file_location("atlas_experiment", REPO / "experiments/atlas.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @needs_demo
 def test_regeneration_is_byte_identical(tmp_path, monkeypatch):
-    """Two runs of the script on 2 topics x 2 probes write the same bytes."""
+    """Two runs on 2 topics x 2 probes write the same bytes."""
     probes, meta = atlas.load_probes(PROBES)
     few = [p for p in probes if p.topic in ("c", "german") and p.id[-1] in "01"]
     atlas.save_probes(tmp_path / "probes.json", few, meta)
     monkeypatch.chdir(REPO)
-    run = script().main
-    args = ["--keep-probes", "--quiet", "--probes", str(tmp_path / "probes.json")]
-    assert run([*args, "--out", str(tmp_path / "a.json")]) == 0
-    assert run([*args, "--out", str(tmp_path / "b.json")]) == 0
+    kept = dict(probes=str(tmp_path / "probes.json"), keep_probes=True, progress=False)
+    regenerate(out=str(tmp_path / "a.json"), **kept)
+    regenerate(out=str(tmp_path / "b.json"), **kept)
     a = (tmp_path / "a.json").read_bytes()
     assert a == (tmp_path / "b.json").read_bytes()
     small = json.loads(a)
@@ -297,13 +290,12 @@ def test_full_regeneration_matches_the_committed_files(tmp_path, monkeypatch):
     """`python experiments/atlas.py` reproduces data/atlas/probes.json (when the corpus is
     there) and data/experts.json byte for byte."""
     monkeypatch.chdir(REPO)
-    mod = script()
-    out = tmp_path / "experts.json"
-    have_corpus = all((REPO / "data/corpus" / t / "heldout.txt").exists() for t in mod.TOPICS)
+    out = str(tmp_path / "experts.json")
+    have_corpus = all((REPO / "data/corpus" / t / "heldout.txt").exists() for t in TOPICS)
     if have_corpus:
         probes = tmp_path / "probes.json"
-        assert mod.main(["--quiet", "--probes", str(probes), "--out", str(out)]) == 0
+        regenerate(probes=str(probes), out=out, progress=False)
         assert probes.read_bytes() == PROBES.read_bytes()
         # the atlas records the probe file's path: regenerate against the committed one
-    assert mod.main(["--quiet", "--keep-probes", "--out", str(out)]) == 0
-    assert out.read_bytes() == atlas.ATLAS.read_bytes()
+    regenerate(out=out, keep_probes=True, progress=False)
+    assert Path(out).read_bytes() == atlas.ATLAS.read_bytes()

@@ -1,32 +1,19 @@
-"""What experiments/bench_peers.py says a decode step reads and computes, against transformers
-running that step: its FLOPs as torch's counter sees them, its keys and values as its cache
-holds them, its weights as its parameters are."""
+"""What the peers benchmark's roofline (colibri.bench.accounting) says a decode step reads and
+computes, against transformers running that step: its FLOPs as torch's counter sees them, its
+keys and values as its cache holds them, its weights as its parameters are."""
 
 from __future__ import annotations
-
-import functools
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
+from colibri.bench.accounting import kv_bytes, step_bytes, step_flops
 from colibri.config import load_config
 from colibri.synth import SynthSpec, synthesize
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT, ROWS = 12, 3
-
-
-@functools.cache
-def bench_peers():
-    path = REPO / "experiments/bench_peers.py"
-    spec = importlib.util.spec_from_file_location("bench_peers", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module", params=["qwen3_moe", "olmoe"])
@@ -52,17 +39,17 @@ def decoded(request, tmp_path_factory):
 
 def test_step_flops_are_what_torch_counts(decoded):
     cfg, _, _, counted = decoded
-    assert bench_peers().step_flops(cfg, ROWS, PROMPT, tokens=1) == counted
+    assert step_flops(cfg, ROWS, PROMPT, tokens=1) == counted
 
 
 def test_kv_bytes_are_the_cache_a_step_reads(decoded):
     cfg, _, cache, _ = decoded
     held = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-    assert held == bench_peers().kv_bytes(cfg, ROWS, PROMPT, tokens=1)  # PROMPT + 1 positions
+    assert held == kv_bytes(cfg, ROWS, PROMPT, tokens=1)  # PROMPT + 1 positions
     # Over several steps, the mean context: step i attends over PROMPT + i + 1 positions.
     per_position = held / (PROMPT + 1)
     mean = sum(PROMPT + i + 1 for i in range(5)) / 5
-    assert bench_peers().kv_bytes(cfg, ROWS, PROMPT, tokens=5) == pytest.approx(per_position * mean)
+    assert kv_bytes(cfg, ROWS, PROMPT, tokens=5) == pytest.approx(per_position * mean)
 
 
 def test_step_bytes_are_the_weights_one_row_touches(decoded):
@@ -75,7 +62,7 @@ def test_step_bytes_are_the_weights_one_row_touches(decoded):
             touched += p[0].nbytes  # one row a token
         else:
             touched += p.nbytes
-    counted = bench_peers().step_bytes(cfg, [k] * cfg.num_layers, 1)
+    counted = step_bytes(cfg, [k] * cfg.num_layers, 1)
     # The q and k norms (a head's width, or OLMoE's full width, a layer) are left out.
     assert counted <= touched
     assert counted == pytest.approx(touched, rel=0.01)

@@ -24,7 +24,7 @@ LAYERS = {
     "experts": 2,
     "engine": 3,
     **dict.fromkeys(["serve", "analysis"], 4),
-    **dict.fromkeys(["client", "widgets", "gateway", "chat", "atlas", "report"], 5),
+    **dict.fromkeys(["client", "widgets", "gateway", "chat", "atlas", "report", "bench"], 5),
     "cli": 6,
 }
 DOC_PAGES = ["protocol", "design", "architecture", "kernels", "benchmarks"]
@@ -74,6 +74,55 @@ def test_no_module_imports_upward():
     assert wrong == []
 
 
+def test_only_experiments_import_the_bench_helpers():
+    """colibri.bench serves the scripts in experiments/ and their tests: no other part of
+    colibri imports it."""
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        if part(module) != "bench":
+            wrong += [f"{module} imports {t}" for t in imports_of(path) if part(t) == "bench"]
+    assert wrong == []
+
+
+# Calls that load a file as a module (importlib, runpy).
+LOADERS = {"spec_from_file_location", "SourceFileLoader", "exec_module", "load_module", "run_path"}
+
+
+def script_problems(path: Path, scripts: set[str]) -> list[str]:
+    """What ties a script in experiments/ to another: importing it, touching sys.path, or
+    loading a file as a module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or "."] if node.level == 0 else ["."]
+            if node.module == "sys" and any(a.name == "path" for a in node.names):
+                found.append("imports sys.path")
+        found += [f"imports {n}" for n in names if n.split(".")[0] in scripts or n == "."]
+        if isinstance(node, ast.Attribute) and ast.unparse(node) == "sys.path":
+            found.append("uses sys.path")
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in LOADERS:
+                found.append(f"calls {ast.unparse(func)}")
+    return [f"{path.name}: {f}" for f in found]
+
+
+def test_experiments_stand_alone():
+    """Every script in experiments/ imports only colibri (colibri.bench for what scripts share)
+    and third-party packages: none imports another script, edits sys.path or loads a file
+    through importlib."""
+    paths = sorted((REPO / "experiments").glob("*.py"))
+    scripts = {p.stem for p in paths}
+    assert {"bench_peers", "atlas"} <= scripts
+    problems = [f for p in paths for f in script_problems(p, scripts)]
+    assert problems == []
+
+
 def test_the_wire_formats_import_no_jax():
     modules = [m.name for m in pkgutil.iter_modules(colibri.protocol.__path__, "colibri.protocol.")]
     assert "colibri.protocol.codec" in modules and "colibri.protocol.legacy" in modules
@@ -103,3 +152,14 @@ def test_every_path_a_doc_names_exists():
             if not (doc.parent / link).exists():
                 missing.append(f"{doc.name}: link {link}")
     assert missing == []
+
+
+def test_the_public_api_resolves_and_loads_lazily():
+    code = (
+        "import sys, colibri\n"
+        "light = 'jax' not in sys.modules and 'numpy' not in sys.modules\n"
+        "names = [n for n in colibri.__all__ if getattr(colibri, n) is not None]\n"
+        "print(light, len(names) == len(colibri.__all__))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]

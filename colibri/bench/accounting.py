@@ -1,0 +1,45 @@
+"""The roofline's accounting: the bytes of weights, and of keys and values, one decode step
+reads, and the FLOPs it computes (tests/test_bench_accounting.py checks them against
+transformers)."""
+
+from __future__ import annotations
+
+
+def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
+    """f32 bytes of weights one decode step of `rows` rows reads (each weight once)."""
+    D, V = cfg.hidden, cfg.vocab_size
+    q = cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    attn = D * q + D * kv + q * D + 2 * D  # projections and norms (q/k norms are tiny)
+    m = cfg.moe
+    per_expert = 3 * D * m.moe_ff
+    params = cfg.num_layers * (attn + D * m.num_experts)  # + router
+    params += sum(e * per_expert for e in experts_per_layer)
+    params += rows * D + V * D + D  # embedding rows, lm_head, final norm
+    return 4.0 * params
+
+
+def mean_context(prompt: int, tokens: int) -> float:
+    """Positions a decode step attends over, the mean over the benchmark's steps (step i, from
+    0, attends over prompt + i + 1)."""
+    return prompt + (tokens + 1) / 2
+
+
+def step_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
+    """FLOPs of one decode step of `rows` conversations: projections, routers, every routed
+    expert assignment, lm_head, and attention over the mean context."""
+    D, V, L = cfg.hidden, cfg.vocab_size, cfg.num_layers
+    q = cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    m = cfg.moe
+    per_row = L * (D * q + D * kv + q * D + D * m.num_experts + m.top_k * 3 * D * m.moe_ff)
+    per_row += V * D
+    per_row += L * 2 * q * mean_context(prompt, tokens)  # scores and weighted values
+    return 2.0 * rows * per_row
+
+
+def kv_bytes(cfg, rows: int, prompt: int, tokens: int) -> float:
+    """f32 bytes of keys and values one decode step of `rows` conversations reads over the
+    mean context."""
+    per_position = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    return rows * per_position * mean_context(prompt, tokens)

@@ -1,0 +1,75 @@
+"""The machine's memory bandwidth, probed as the peers benchmark's roofline reads it."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from colibri import hugepages, kernels
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+    """Read bandwidth GB/s: the best of numpy sums over every core's share, OpenBLAS gemv,
+    XLA's matrix-vector product (x @ A, A [K, N]: its fastest layout here) and colibri's own
+    linear kernel on one row (its streams a quarter of the matrix apart read faster than one
+    sequential pass here). The array is on huge pages, as colibri's experts are
+    (colibri/hugepages.py). Also the arithmetic rate of that kernel on 16 rows over the same
+    array (`kernel_16_gflop_s`): what the cores compute when every weight meets 16 inputs as it
+    streams in from DRAM."""
+    threads = os.cpu_count() or 1
+    a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
+    a[:] = 1.0
+    parts = np.array_split(a, threads)
+    best_sum = 0.0
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best_sum = max(best_sum, a.nbytes / (time.perf_counter() - t) / 1e9)
+    m = a.reshape(-1, 4096)
+    v = np.ones(4096, np.float32)
+    best_gemv = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        m @ v
+        best_gemv = max(best_gemv, a.nbytes / (time.perf_counter() - t) / 1e9)
+
+    dev = jnp.asarray(m.reshape(4096, -1))  # the same memory (JAX takes it without a copy)
+    vec = jnp.ones((1, 4096), jnp.float32)
+    xla_gemv = jax.jit(lambda a, x: x @ a)
+    xla_gemv(dev, vec).block_until_ready()
+    best_xla = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        xla_gemv(dev, vec).block_until_ready()
+        best_xla = max(best_xla, a.nbytes / (time.perf_counter() - t) / 1e9)
+    del dev
+    best_kernel = best_16 = 0.0
+    if kernels.available():
+        w = jnp.asarray(m)  # [rows, 4096], the same memory again
+        kernel_gemv = jax.jit(kernels.linear)
+        kernel_gemv(vec, w).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            kernel_gemv(vec, w).block_until_ready()
+            best_kernel = max(best_kernel, a.nbytes / (time.perf_counter() - t) / 1e9)
+        rows16 = jnp.ones((16, 4096), jnp.float32)
+        kernel_gemv(rows16, w).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            kernel_gemv(rows16, w).block_until_ready()
+            best_16 = max(best_16, 16 * 2 * a.size / (time.perf_counter() - t) / 1e9)
+        del w
+    return {
+        "sum_gb_s": best_sum,
+        "gemv_gb_s": best_gemv,
+        "xla_gemv_gb_s": best_xla,
+        "kernel_gemv_gb_s": best_kernel,
+        "gb_s": max(best_sum, best_gemv, best_xla, best_kernel),
+        "kernel_16_gflop_s": best_16,
+    }

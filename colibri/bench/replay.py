@@ -1,0 +1,114 @@
+"""Expert calls replayed side by side: the routes a checkpoint's routers choose, recorded once,
+then replayed on random weights of the same shapes by two or more versions of a call (two
+kernel builds, or one build on two ways of holding the weights), taking turns step by step so
+that all meet the same phases of a machine whose speed moves by a quarter within minutes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from colibri import hugepages
+from colibri.bench.conversations import other_conversations, prompt_ids
+
+STEPS = 24
+
+
+def record_routes(ckpt: Path, rows: int, prompt_len: int = 128) -> np.ndarray:
+    """[steps, layers, rows, top_k] slot ids the routers chose, greedy from the prompt."""
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Row, Runner
+
+    model = load_model(ckpt, progress=False)
+    runner = Runner(model, slots=rows, capacity=prompt_len + STEPS + 8)
+    prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
+    logits, _ = runner.prefill(0, prompt)
+    toks = [int(np.argmax(logits)), *other_conversations(runner, prompt, rows)]
+    routes, done = [], 0
+    while done < STEPS:
+        at = [Row(s, toks[s], prompt_len + done) for s in range(rows)]
+        fwd = runner.decode_async(at, steps=STEPS - done)
+        greedy = fwd.tokens()
+        routes += list(fwd.result()[1])
+        toks, done = greedy[-1].tolist(), done + fwd.ran()
+    return np.asarray(routes)[:, :, :rows]
+
+
+def alternate(calls: dict, step, steps: int, passes: int) -> dict[str, list[float]]:
+    """ms a step of step(f, i) for i < steps, per pass. The versions take turns step by step
+    (which goes first flips every step), so each pair of steps meets the same phase of the
+    machine."""
+    ms = {v: [] for v in calls}
+    order = list(calls)
+    for _ in range(passes):
+        spent = dict.fromkeys(calls, 0.0)
+        for i in range(steps):
+            for v in order if i % 2 == 0 else order[::-1]:
+                t = time.perf_counter()
+                step(calls[v], i).block_until_ready()
+                spent[v] += time.perf_counter() - t
+        for v in calls:
+            ms[v].append(spent[v] / steps * 1e3)
+    return ms
+
+
+def same_bits(outputs: dict) -> None:
+    ref = next(iter(outputs.values()))
+    for v, y in outputs.items():
+        assert np.array_equal(np.asarray(y), np.asarray(ref)), f"{v}: outputs differ bitwise"
+
+
+def weights(rng, *shape) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)
+
+
+def on_huge_pages(a: jax.Array) -> jax.Array:
+    """A copy of `a` on 2 MiB pages (colibri.hugepages), as the engine holds routed experts."""
+    h = hugepages.empty(a.shape, a.dtype)
+    h[:] = np.asarray(a)
+    out = jax.device_put(h)
+    assert out.unsafe_buffer_pointer() == h.ctypes.data, "JAX copied the array"
+    return out
+
+
+def compare(
+    calls: dict,
+    cfg,
+    routes: np.ndarray,
+    passes: int,
+    hold: dict | None = None,
+    weight_bytes: float = 4.0,
+) -> dict:
+    """Time every version on the routes, alternating; ms a step per pass for each version.
+    `hold`: for some versions, where their copy of the weights is put (others: where XLA
+    allocates them); by default every version's on huge pages, as in the engine.
+    `weight_bytes`: bytes a weight takes as held, for the GB a step reads."""
+    m = cfg.moe
+    S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
+    rng = np.random.default_rng(0)
+    layers = [
+        (weights(rng, S, F, D), weights(rng, S, F, D), weights(rng, S, D, F)) for _ in range(L)
+    ]
+    x = jnp.asarray(rng.standard_normal((routes.shape[2], D), np.float32))
+    ids = [[jnp.asarray(r, jnp.int32) for r in step] for step in routes]
+    if hold is None:
+        hold = dict.fromkeys(calls, on_huge_pages) if hugepages.enabled() else {}
+    held = {
+        v: [tuple(map(hold[v], layer)) for layer in layers] if v in hold else layers for v in calls
+    }
+    same_bits({v: f(*held[v][0], x, ids[0][0]) for v, f in calls.items()})
+
+    def step(v, i):
+        for layer, e in zip(held[v], ids[i], strict=True):
+            y = calls[v](*layer, x, e)
+        return y
+
+    ms = alternate({v: v for v in calls}, step, len(ids), passes)
+    distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
+    gb = float(distinct.sum()) * 3 * D * F * weight_bytes / 1e9
+    gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
+    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct.tolist()}

@@ -1,0 +1,66 @@
+"""The checkpoints the benchmarks run on: the peers benchmark's two synthetic shapes, made once
+and cached under CACHE (in the working folder)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from colibri.synth import SynthSpec, synthesize
+
+SHAPES = {
+    # ~0.5B parameters: 8 layers x 64 experts of 3 x 768 x 384, top-8.
+    "qwen3_moe": SynthSpec(
+        family="qwen3_moe",
+        layers=8,
+        experts=64,
+        top_k=8,
+        hidden=768,
+        moe_ff=384,
+        vocab=8192,
+        kv_heads=4,
+        dtype="f32",
+        seed=0,
+        shard_mb=1024,
+    ),
+    # ~0.4B parameters: 8 layers x 64 experts of 3 x 512 x 512, top-8; OLMoE has no grouped
+    # KV heads (llama.cpp's olmoe expects full-width k norms).
+    "olmoe": SynthSpec(
+        family="olmoe",
+        layers=8,
+        experts=64,
+        top_k=8,
+        hidden=512,
+        moe_ff=512,
+        vocab=8192,
+        kv_heads=8,
+        dtype="f32",
+        seed=1,
+        shard_mb=1024,
+    ),
+}
+CACHE = Path(".cache/bench-peers")
+
+
+def ensure_inputs(name: str, spec: SynthSpec, with_llama: bool) -> dict[str, Path]:
+    ckpt = CACHE / name
+    if not (ckpt / "config.json").exists():
+        synthesize(spec, ckpt)
+    paths = {"colibri": ckpt, "transformers": ckpt}
+    if with_llama:
+        from colibri.gguf import export_gguf
+
+        for peer, dtype in (("llama.cpp f32", "f32"), ("llama.cpp q8_0", "q8_0")):
+            out = CACHE / f"{name}-{dtype}.gguf"
+            if not out.exists():
+                export_gguf(ckpt, out, dtype=dtype)
+            paths[peer] = out
+    return paths
+
+
+def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
+    """The peers shape `name` synthesized in `dtype` (cached under .cache/bench-peers)."""
+    out = CACHE / f"{name}-{dtype}"
+    if not (out / "config.json").exists():
+        synthesize(dataclasses.replace(SHAPES[name], dtype=dtype, **changes), out)
+    return out
