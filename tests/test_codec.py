@@ -384,6 +384,7 @@ REFUSALS = {
     "temperature high": (submit(b"5 0 2 16 2.01 0.9"), "BAD_REQUEST", 5),
     "temperature negative": (submit(b"5 0 2 16 -0.1 0.9"), "BAD_REQUEST", 5),
     "temperature nan": (submit(b"5 0 2 16 nan 0.9"), "BAD_REQUEST", 5),
+    "digit separators": (submit(b"5 0 2 16 0_1 0.9"), "BAD_REQUEST", 0),
     "top_p zero": (submit(b"5 0 2 16 0.7 0"), "BAD_REQUEST", 5),
     "top_p over one": (submit(b"5 0 2 16 0.7 1.01"), "BAD_REQUEST", 5),
     "max_tokens zero": (submit(b"5 0 2 0 0.7 0.9"), "BAD_REQUEST", 5),

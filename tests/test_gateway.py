@@ -29,6 +29,7 @@ from colibri.gateway.templates import FALLBACK, ChatTemplateError, load_chat_tem
 
 CTX = 256
 KEY = "sk-colibri-test"
+JSON_HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
 BOS = "<s>"
 # Exercises what HF templates use: loops, conditions, filters, bos_token, raise_exception.
 TEMPLATE = (
@@ -465,13 +466,13 @@ def test_bad_requests_are_openai_errors(gateway, client):
         json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}).encode(),
     ]
     for raw in cases:
-        r = httpx.post(gateway.url + "/v1/chat/completions", content=raw, headers=gateway.headers)
+        r = httpx.post(gateway.url + "/v1/chat/completions", content=raw, headers=JSON_HEADERS)
         assert r.status_code == 400, (raw, r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     r = gateway.post("/v1/completions", {"prompt": "", "max_tokens": 2})
     assert r.status_code == 400  # EMPTY_PROMPT from the engine
     chunked = (b"x" * (1 << 16) for _ in range(40))  # no Content-Length: counted while read
-    r = httpx.post(gateway.url + "/v1/completions", content=chunked, headers=gateway.headers)
+    r = httpx.post(gateway.url + "/v1/completions", content=chunked, headers=JSON_HEADERS)
     assert r.status_code == 413
 
 
@@ -692,3 +693,79 @@ def test_queue_full_is_429_and_a_dead_engine_is_503(model_dir, tmp_path):
     finally:
         gw.close()
     assert "Traceback" not in gw.logs(), gw.logs()
+
+
+# ---------------------------------------------------------------------------- hardening
+
+
+def post_raw(gateway, path: str, body: bytes, **headers: str) -> httpx.Response:
+    return httpx.post(gateway.url + path, content=body, headers={**JSON_HEADERS, **headers})
+
+
+def test_lone_surrogates_never_hold_a_slot(gateway):
+    """A prompt, a user field or a message that is not encodable as UTF-8 is a 400 before any
+    slot is taken; more of them than there are slots leave every slot free."""
+    bad = [
+        {"prompt": "a\ud800b", "max_tokens": 2},
+        {"prompt": "hi", "max_tokens": 2, "user": "\udfff"},
+    ]
+    chat = {"messages": [{"role": "user", "content": "x\ud83d"}], "max_tokens": 2}
+    for i in range(20):
+        body = json.dumps(bad[i % 2]).encode()
+        r = post_raw(gateway, "/v1/completions", body)
+        assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+    r = post_raw(gateway, "/v1/chat/completions", json.dumps(chat).encode())
+    assert r.status_code == 400
+    health = gateway.health().json()
+    assert health["busy"] == 0 and health["waiting"] == 0
+    ok = gateway.post("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_a_huge_max_tokens_is_capped_by_the_context(gateway):
+    body = {"prompt": PROMPTS[9], "max_tokens": 10**20, "temperature": 0}
+    r = httpx.post(gateway.url + "/v1/completions", json=body, headers=gateway.headers, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= CTX
+
+
+def test_foreign_hosts_origins_and_content_types_are_refused(gateway):
+    body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    assert post_raw(gateway, "/v1/completions", body, Host="evil.example").status_code == 403
+    assert post_raw(gateway, "/v1/completions", body, Host="evil.example:80").status_code == 403
+    for origin in ("http://evil.example", "http://127.0.0.1.evil.example:8000", "null"):
+        r = post_raw(gateway, "/v1/completions", body, Origin=origin)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", origin
+    same = post_raw(gateway, "/v1/completions", body, Origin=f"http://localhost:{gateway.port}")
+    assert same.status_code == 200
+    assert post_raw(gateway, "/v1/completions", body, Host="LOCALHOST").status_code == 200
+    assert httpx.get(gateway.url + "/", headers={"Host": "evil.example"}).status_code == 403
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        r = post_raw(gateway, "/v1/completions", body, **{"Content-Type": kind})
+        assert r.status_code == 415, kind
+
+
+def test_tiny_temperatures_and_deep_json(gateway, ref):
+    body = {"prompt": PROMPTS[10], "max_tokens": 4}
+    greedy = gateway.post("/v1/completions", {**body, "temperature": 0}).json()
+    tiny = gateway.post("/v1/completions", {**body, "temperature": 5e-324})
+    assert tiny.status_code == 200
+    assert tiny.json()["choices"][0]["text"] == greedy["choices"][0]["text"]  # the limit: greedy
+    deep = b"[" * 100_000 + b"]" * 100_000
+    r = post_raw(gateway, "/v1/completions", deep)
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+
+
+def test_the_key_from_a_file(tmp_path, monkeypatch):
+    import argparse
+
+    from colibri.gateway.server import _api_key
+
+    key = tmp_path / "key"
+    key.write_text("sk-from-file\n")
+    monkeypatch.delenv("COLIBRI_API_KEY", raising=False)
+    args = argparse.Namespace(api_key=None, api_key_file=str(key))
+    assert _api_key(args) == "sk-from-file"
+    assert _api_key(argparse.Namespace(api_key="sk-flag", api_key_file=str(key))) == "sk-flag"
+    monkeypatch.setenv("COLIBRI_API_KEY", "sk-env")
+    assert _api_key(argparse.Namespace(api_key=None, api_key_file=None)) == "sk-env"

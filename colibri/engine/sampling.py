@@ -9,8 +9,9 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
     """One token id from logits [V]; greedy when temperature == 0."""
     if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
+    z = logits.astype(np.float64)
+    z = (z - z.max()) / temperature  # 0 at the best: no inf - inf however small the temperature
+    p = np.exp(z)
     p /= p.sum()
     if top_p < 1.0:
         order = np.argsort(-p, kind="stable")

@@ -43,7 +43,7 @@ from colibri.gateway.schema import (
     conversation_key,
     parse,
 )
-from colibri.gateway.settings import GatewaySettings
+from colibri.gateway.settings import GatewaySettings, allowed_hosts
 from colibri.gateway.slots import Affinity, QueueFull, SlotPool
 from colibri.gateway.static import StaticSite
 from colibri.gateway.telemetry import experts_json, hwinfo_json, profile_json, tiers_json
@@ -78,6 +78,7 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
     gw = Gateway(engine, settings)
     app = FastAPI(title="colibri gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
+    app.add_middleware(HostGuard, hosts=allowed_hosts(settings))
     app.add_middleware(RequestId)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
@@ -228,7 +229,11 @@ class Gateway:
             raise ApiError(401, "missing or invalid API key", code="invalid_api_key")
 
     async def read_json(self, request: Request) -> object:
-        """The JSON body; 413 past the cap (checked before and while reading), 400 if not JSON."""
+        """The JSON body; 415 unless it says it is JSON, 413 past the cap (checked before and
+        while reading), 400 if not JSON or not encodable as UTF-8 (a lone surrogate)."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(415, f"expected Content-Type application/json, got {kind or 'none'}")
         cap = self.settings.max_body
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
@@ -239,9 +244,15 @@ class Gateway:
             if len(body) > cap:
                 raise ApiError(413, f"request body over {cap} bytes")
         try:
-            return json.loads(body)
+            data = json.loads(body)
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply") from None
+        except UnicodeEncodeError:
+            raise ApiError(400, "request body holds a lone UTF-16 surrogate") from None
         except ValueError:
             raise ApiError(400, "request body is not valid JSON") from None
+        return data
 
     async def answer(self, request: Request, job: Job, shape: Shape, stream: bool) -> Response:
         turn = await until_disconnect(request, self.start(job))
@@ -271,7 +282,11 @@ class Gateway:
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", code="queue_full") from None
         sampling = (job.temperature, job.top_p)
-        turn = self.engine.submit(slot, job.prompt, job.max_tokens, *sampling, job.grammar)
+        try:
+            turn = self.engine.submit(slot, job.prompt, job.max_tokens, *sampling, job.grammar)
+        except BaseException:
+            self.pool.release(slot)  # nothing was sent: the slot is free again
+            raise
         turn.ended.add_done_callback(lambda _: self.pool.release(slot))
         try:
             first = await asyncio.shield(turn.started)
@@ -423,6 +438,36 @@ class RequestId:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class HostGuard:
+    """ASGI middleware: on a loopback gateway, a request whose Host is not one of its names, or
+    whose Origin names another host, gets 403: a web page cannot drive it through a name it
+    controls (DNS rebinding) or from another site. `hosts` None: no check."""
+
+    def __init__(self, app: Any, hosts: frozenset[str] | None):
+        self.app, self.hosts = app, hosts
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.hosts is not None:
+            headers = dict(scope["headers"])
+            host = _hostname(headers.get(b"host", b"").decode("latin-1"))
+            origin = headers.get(b"origin", b"").decode("latin-1")
+            foreign = origin and _hostname(origin.split("://")[-1])  # "null" is foreign too
+            if host not in self.hosts or (foreign and foreign not in self.hosts):
+                what = f"Origin {origin!r}" if host in self.hosts else f"Host {host!r}"
+                body = ApiError(403, f"{what} is not this gateway's", code="forbidden").body()
+                await JSONResponse(body, status_code=403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _hostname(netloc: str) -> str:
+    """`[::1]:8000` -> `::1`, `Localhost:80` -> `localhost`, `a.b` -> `a.b`."""
+    netloc = netloc.split("/")[0].strip().lower()
+    if netloc.startswith("["):
+        return netloc[1:].split("]")[0]
+    return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
 
 
 def atlas_bytes(path: Path | None) -> bytes | None:

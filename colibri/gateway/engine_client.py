@@ -213,7 +213,7 @@ class EngineClient:
             return turn
         self._turns[turn.id] = turn
         self.session.open(turn.id)
-        n = max_tokens or UNLIMITED
+        n = min(max_tokens or UNLIMITED, UNLIMITED)  # the engine's context caps it anyway
         payload, g = prompt.encode("utf-8"), grammar.encode("utf-8")
         self.send(Submit(turn.id, slot, n, temperature, top_p, payload, g))
         return turn

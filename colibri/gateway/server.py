@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-slots", type=int, default=4, help="conversations decoded at once (1-16)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests (2*slots)")
     p.add_argument("--api-key", default=None, help=f"required Bearer key (or ${API_KEY_ENV})")
+    p.add_argument("--api-key-file", default=None, help="a file holding the key (not in ps)")
     p.add_argument("--ctx", type=int, default=None, help="positions per KV slot (engine CTX)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body cap, bytes")
     p.add_argument("--name", default=None, help="model id to serve (default: folder name)")
@@ -43,11 +44,22 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model_id=args.name or model.resolve().name,
         kv_slots=args.kv_slots,
         max_waiting=2 * args.kv_slots if args.max_queue is None else args.max_queue,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args),
         max_body=args.max_body,
         web_root=Path(args.web) if args.web else None,
         experts_json=Path(args.experts_json) if args.experts_json else None,
+        bind_host=args.host,
     )
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else the environment's; None: none."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        return (lines[0].strip() if lines else "") or None
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -57,7 +69,7 @@ def run_gateway(args: argparse.Namespace) -> int:
     if not is_loopback(args.host) and settings.api_key is None:
         raise ValueError(
             f"refusing to bind {args.host}, which is not a loopback address, without an API key:"
-            f" pass --api-key (or set ${API_KEY_ENV}), or bind 127.0.0.1"
+            f" pass --api-key or --api-key-file (or set ${API_KEY_ENV}), or bind 127.0.0.1"
         )
     return asyncio.run(_serve(settings, args))
 

@@ -24,6 +24,7 @@ class GatewaySettings:
     max_body: int = 1 << 20  # request body cap in bytes (413 above)
     web_root: Path | None = DEFAULT_WEB  # static site; None = none
     experts_json: Path | None = DEFAULT_EXPERTS_JSON  # served as /experts.json if present
+    bind_host: str = "127.0.0.1"  # on a loopback address only these Host names are served
 
     def __post_init__(self) -> None:
         if not 1 <= self.kv_slots <= MAX_SLOTS:
@@ -34,6 +35,18 @@ class GatewaySettings:
             raise ValueError(f"max_body={self.max_body}: expected >= 1024 bytes")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty")
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def allowed_hosts(settings: GatewaySettings) -> frozenset[str] | None:
+    """The Host names a loopback gateway answers (its address and the loopback names), so that
+    no web page can reach it through a name it controls (DNS rebinding); None: any (a gateway
+    bound elsewhere needs a key)."""
+    if not is_loopback(settings.bind_host):
+        return None
+    return frozenset((*LOOPBACK_NAMES, settings.bind_host.strip("[]").lower()))
 
 
 def is_loopback(host: str) -> bool:

@@ -82,6 +82,8 @@ def _int(field: bytes) -> int:
 
 
 def _float(field: bytes) -> float:
+    if b"_" in field:  # Python's float() reads "0_1" as 1.0; the wire has no digit separators
+        raise ValueError(f"expected a number, got {field!r}")
     return float(field.decode("ascii"))  # UnicodeDecodeError is a ValueError
 
 
