@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from functools import lru_cache
@@ -54,6 +55,12 @@ class Tokenizer:
 
     def token_id(self, text: str) -> int | None:
         return self.hf.token_to_id(text)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token as the vocabulary spells it (UTF-8), at least 1: an upper
+        bound on the bytes one token stands for, up to what the normalizer folds."""
+        return max((len(p.encode()) for p in self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def token_bytes(self, tid: int) -> bytes:
         """The exact bytes token `tid` contributes to the text (may be part of a UTF-8 char)."""

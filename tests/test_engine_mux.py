@@ -236,6 +236,19 @@ def test_prefix_reuse_prefills_only_the_suffix(engine, ref):
     assert text(other, 23) == ref.text("Permission is hereby", 10)
 
 
+def test_a_huge_prompt_is_refused_without_being_tokenized(engine, ref):
+    """Its byte count alone proves it longer than the context: refused at once (the detail is
+    that lower bound, not a token count), while another request keeps decoding."""
+    engine.submit(40, 5, "The quick brown fox", max_tokens=30)
+    evs = engine.until(lambda ev: isinstance(ev, Data) and ev.id == 40)
+    huge = b"colibri " * (10 << 17)  # 10 MiB: about 2.6M tokens
+    engine.send(request(41, 6, huge))
+    evs += engine.collect(40, 41)
+    least = -(-len(huge) // (mux.FOLD * ref.tokenizer.max_token_bytes))
+    assert Error(41, "CONTEXT_EXCEEDED", (str(least), str(CTX))) in evs
+    assert text(evs, 40) == ref.text("The quick brown fox", 30)
+
+
 def test_every_error_code(engine, ref):
     long_prompt = "x " * 200
     n_long = len(ref.tokenizer.encode(long_prompt))

@@ -20,6 +20,7 @@ import numpy as np
 from colibri import kernels
 from colibri.engine import hwinfo
 from colibri.engine.scheduler import (
+    CONTEXT_EXCEEDED,
     INTERNAL,
     Accepted,
     Event,
@@ -171,6 +172,9 @@ def _loses_framing(item: codec.Request | FrameError) -> bool:
     return isinstance(item, FrameError) and item.fatal
 
 
+FOLD = 4  # bytes of input a normalizer may fold into one byte of a token (a 4-byte UTF-8 char)
+
+
 class _Loop:
     """The main thread's state: whether input is still read, and the one stdout writer (which
     writes only the line kinds of its wire profile; None: all)."""
@@ -213,6 +217,10 @@ class _Loop:
             self.emit(self.sched.stop(item.id))
 
     def _submit(self, s: Submit) -> list[Event]:
+        least = self._fewest_tokens(s.payload)
+        capacity = self.sched.runner.capacity
+        if least + 1 > capacity:  # refused before tokenizing: a huge prompt stalls no one
+            return [Failed(s.id, CONTEXT_EXCEEDED, (str(least), str(capacity)))]
         try:
             prompt = tuple(self.tokenizer.encode(s.payload.decode("utf-8")))
         except Exception:
@@ -221,3 +229,7 @@ class _Loop:
         grammar = s.grammar.decode("utf-8")  # (validated by the reader)
         req = GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p, grammar)
         return self.sched.submit(req)
+
+    def _fewest_tokens(self, payload: bytes) -> int:
+        """A lower bound on the tokens a payload encodes to, without encoding it."""
+        return -(-len(payload) // (FOLD * max(1, self.tokenizer.max_token_bytes)))
