@@ -155,3 +155,48 @@ def test_a_killed_writer_leaves_a_loadable_file(tmp_path, delay):
         assert kv.tokens == [i % 50 for i in range(n)]
         want = np.arange(n * 64, dtype=np.float32).reshape(-1, 64)
         np.testing.assert_array_equal(kv.arrays["a"], want)
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+def _disk_full_after(monkeypatch, budget: int) -> None:
+    """Every write in colibri.files stores `budget` bytes, then fails with ENOSPC."""
+    import errno
+
+    import colibri.files
+
+    def write_all(fd: int, data: bytes) -> None:
+        os.write(fd, bytes(data[:budget]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(colibri.files, "_write_all", write_all)
+
+
+def test_a_full_disk_keeps_the_last_good_files_and_no_temporary_one(tmp_path, monkeypatch):
+    from colibri.experts.usage import read_usage, write_usage
+
+    usage = tmp_path / ".coli_usage"
+    counts = np.arange(12).reshape(3, 4)
+    write_usage(usage, counts)
+    store = KVStore(tmp_path / "kv", "m")
+    store.sync(0, [1, 2, 3], _export([1, 2, 3]))
+    kv_file = store.path(0).read_bytes()
+
+    _disk_full_after(monkeypatch, 7)
+    with pytest.raises(OSError, match="No space"):
+        write_usage(usage, counts + 1)
+    with pytest.raises(OSError, match="No space"):  # an append: cut back to where it was
+        store.sync(0, [1, 2, 3, 4, 5], _export([1, 2, 3, 4, 5]))
+    assert store.path(0).read_bytes() == kv_file
+    with pytest.raises(OSError, match="No space"):  # a rewrite: the old file stays
+        store.sync(0, [9, 9], _export([9, 9]))
+    assert store.path(0).read_bytes() == kv_file
+    assert (read_usage(usage, 3, 4) == counts).all()
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == [
+        ".coli_usage",
+        store.path(0).name,
+    ]
+    monkeypatch.undo()  # space again: the next write goes through
+    store.sync(0, [1, 2, 3, 4, 5], _export([1, 2, 3, 4, 5]))
+    assert KVStore(tmp_path / "kv", "m").load(0).tokens == [1, 2, 3, 4, 5]

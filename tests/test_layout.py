@@ -17,7 +17,17 @@ PACKAGE = REPO / "colibri"
 # Each part of colibri and its layer: a module may import its own layer and those below.
 LAYERS = {
     **dict.fromkeys(
-        ["config", "checkpoint", "weights", "tokenizer", "kernels", "hugepages", "jaxcache"], 0
+        [
+            "config",
+            "checkpoint",
+            "weights",
+            "tokenizer",
+            "kernels",
+            "hugepages",
+            "jaxcache",
+            "files",
+        ],
+        0,
     ),
     **dict.fromkeys(["synth", "gguf"], 0),
     **dict.fromkeys(["model", "training"], 1),

@@ -421,3 +421,26 @@ def test_every_request_ends_exactly_once(model, ops):
             check(getattr(sched, op[0])(op[1]))
     check(_run(sched))
     assert not live and all(s.owner is None for s in sched.slots)
+
+
+def test_a_failing_disk_is_reported_once_and_retried(model, tmp_path, monkeypatch):
+    """KV and usage writes that fail (ENOSPC) end no turn: one advisory ERROR 0 STATE_WRITE
+    for the session, and every later turn end tries again."""
+    import errno
+
+    store = KVStore(tmp_path, "m")
+    tried = []
+
+    def full(slot, tokens, export):
+        tried.append(slot)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "sync", full)
+    sched = _sched(model, kv_store=store)
+    first = _run(sched, _req(model, 1, 0, "The quick brown fox", 4))
+    second = _run(sched, _req(model, 2, 1, "def add(a, b):", 4))
+    advisories = [ev for ev in first + second if isinstance(ev, Failed) and ev.id == 0]
+    assert advisories == [Failed(0, "STATE_WRITE", ("ENOSPC",))]
+    assert [type(ev) for ev in first if getattr(ev, "id", None) == 1][-1] is Finished
+    assert any(isinstance(ev, Finished) and ev.id == 2 for ev in second)
+    assert tried == [0, 1]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from colibri.files import append_durable, write_atomic
 
 log = logging.getLogger("colibri")
 
@@ -103,17 +104,10 @@ class KVStore:
 
     def _rewrite(self, slot: int, tokens: list[int], arrays: Arrays) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.path(slot)
-        tmp = path.with_suffix(".tmp")
         body = _record(_header(self.key, arrays))
         if tokens:
             body += _record(_positions(0, tokens, arrays))
-        with tmp.open("wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(self.folder)
+        write_atomic(self.path(slot), body)
 
 
 # ---------------------------------------------------------------------------- records
@@ -135,20 +129,8 @@ def _positions(start: int, tokens: list[int], arrays: Arrays) -> bytes:
 
 
 def _append(path: Path, start: int, tokens: list[int], arrays: Arrays) -> None:
-    if not tokens:
-        return
-    with path.open("ab") as f:
-        f.write(_record(_positions(start, tokens, arrays)))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if tokens:
+        append_durable(path, _record(_positions(start, tokens, arrays)))
 
 
 def _records(data: bytes) -> tuple[list[bytes], bool]:

@@ -11,19 +11,23 @@ and when one is a burst of several steps).
 
 from __future__ import annotations
 
+import errno
 import logging
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from colibri.engine.kvstore import KVStore
-from colibri.engine.runner import InFlight, Row, Runner
+from colibri.engine.runner import Row
 from colibri.engine.sampling import log_softmax, sample
-from colibri.experts.stats import RepinEvent
+from colibri.engine.telemetry import Timers
+from colibri.experts.stats import ExpertStats, RepinEvent
 
 log = logging.getLogger("colibri")
 
@@ -32,6 +36,7 @@ DUPLICATE_ID = "DUPLICATE_ID"
 SLOT_BUSY = "SLOT_BUSY"
 EMPTY_PROMPT = "EMPTY_PROMPT"
 CONTEXT_EXCEEDED = "CONTEXT_EXCEEDED"
+STATE_WRITE = "STATE_WRITE"  # advisory, id 0: a state file could not be written (errno name)
 NOT_FOUND = "NOT_FOUND"
 CANCELLED = "CANCELLED"
 BAD_REQUEST = "BAD_REQUEST"
@@ -77,6 +82,67 @@ class SchedulerConfig:
         for name in ("burst_ms", "full_burst_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+
+# ---------------------------------------------------------------------------- the runner
+
+
+class InFlightLike(Protocol):
+    """What the scheduler reads of a started decode forward (`colibri.engine.runner.InFlight`)."""
+
+    steps: int  # steps it was started for: 1, or a burst's
+    cuttable: bool  # a burst the input may cut short (nothing is chained behind it)
+    t_start: float  # time.perf_counter() when it was started (queued, if chained)
+
+    def ran(self) -> int:
+        """Steps it ran: `steps`, or fewer where a cuttable burst was cut (waits for it)."""
+
+    def tokens(self) -> np.ndarray:
+        """The rows' greedy tokens at every step it ran [ran, B] (waits for them)."""
+
+    def result(self, keep: Sequence | None = None) -> tuple[np.ndarray | None, np.ndarray]:
+        """A step's (logits [B, V], routes [n_moe, B, K]), a burst's (None, routes [ran, n_moe,
+        B, K]); only rows in `keep` ([B], or [ran, B]) count in the statistics."""
+
+
+F = TypeVar("F", bound=InFlightLike)  # the runner's own kind of forward, fed back as `after`
+
+
+class RunnerLike(Protocol[F]):
+    """What the scheduler needs of a runner (`colibri.engine.runner.Runner`): KV slots,
+    prefill, decode forwards (chained, bursts), expert statistics and phase timers."""
+
+    slots: int  # KV slots, numbered 0 .. slots-1
+    capacity: int  # positions per slot (a prompt and its answer)
+    stats: ExpertStats  # expert counters: lookups and hits, hits since the last tick, repins
+    timers: Timers  # cumulative phase seconds (turn reports take deltas)
+
+    @property
+    def chains(self) -> bool:
+        """Whether forwards chain behind one in flight, and bursts of steps run."""
+
+    @property
+    def cuts(self) -> bool:
+        """Whether bursts may be cuttable (ended early when input comes in)."""
+
+    def prefill(
+        self, slot: int, tokens: list[int], start: int = 0
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Feed tokens at positions start..: logits [V] after the last one, routes [n_moe, T, K]."""
+
+    def decode_async(
+        self, rows: list[Row], after: F | None = None, steps: int = 1, cuttable: bool = False
+    ) -> F:
+        """Start a forward of one token per row (a burst of greedy `steps`), behind `after`."""
+
+    def end_turn(self) -> None:
+        """A turn ended: persist the expert usage (called where the runner has it)."""
+
+    def export_slot(self, slot: int, length: int) -> dict[str, np.ndarray]:
+        """The KV of positions 0..length-1 of slot, as host arrays (for the KV store)."""
+
+    def import_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        """Put `export_slot`'s arrays back into slot (a restore)."""
 
 
 # ---------------------------------------------------------------------------- events
@@ -171,7 +237,7 @@ class _Run:
     t_first: float = 0.0
 
 
-_Forward = tuple[list[_Run], InFlight]  # a decode forward started, and its rows' requests
+_Forward = tuple[list[_Run], InFlightLike]  # a decode forward started, and its rows' requests
 _Chosen = tuple[_Run, int, np.ndarray | None]  # a request's next token, and its logits if any
 
 
@@ -198,7 +264,7 @@ class Scheduler:
 
     def __init__(
         self,
-        runner: Runner,
+        runner: RunnerLike[Any],
         token_bytes: Callable[[int], bytes],
         config: SchedulerConfig = SchedulerConfig(),
         kv_store: KVStore | None = None,
@@ -215,6 +281,8 @@ class Scheduler:
         self.inflight: _Forward | None = None  # the decode forward running between steps
         self._periods: deque[float] = deque(maxlen=8)  # seconds per decode step, lately
         self._landed = 0.0  # when the last forward landed
+        self._state_failed = False  # a state write failed this session (reported once)
+        self._advisories: list[Event] = []  # engine-wide lines for the next turn end
 
     # ------------------------------------------------------------------ public surface
 
@@ -255,7 +323,7 @@ class Scheduler:
         if run is None:
             return [Failed(rid, NOT_FOUND)]
         self._close(run)
-        return [Failed(rid, CANCELLED)]
+        return [Failed(rid, CANCELLED), *self._take_advisories()]
 
     def stop(self, rid: int) -> list[Event]:
         """End a request now through the normal DONE path."""
@@ -465,7 +533,7 @@ class Scheduler:
             return None
         return statistics.median(self._periods)  # (numpy's costs ~40 us a call here)
 
-    def _time(self, fwd: InFlight) -> None:
+    def _time(self, fwd: InFlightLike) -> None:
         """Note the seconds per step of a forward that just landed: from its start, or from
         the previous landing if it was queued behind that one."""
         now = time.perf_counter()
@@ -593,7 +661,7 @@ class Scheduler:
             hits=stats.take_hits(),
             forwards=self.forwards - run.forwards0,
         )
-        return [Finished(run.req.id, report)]
+        return [Finished(run.req.id, report), *self._take_advisories()]
 
     def _unstarted_report(self, req: GenRequest) -> TurnReport:
         stats = self.runner.stats
@@ -618,19 +686,35 @@ class Scheduler:
         self._persist(slot_id)
         end_turn = getattr(self.runner, "end_turn", None)
         if end_turn is not None:
-            try:
-                end_turn()
-            except Exception:
-                log.exception("saving expert usage failed")
+            self._write_state("the expert usage file", end_turn)
 
     def _persist(self, slot_id: int) -> None:
         if self.kv_store is None:
             return
-        history = self.slots[slot_id].history
+        export = partial(self.runner.export_slot, slot_id)  # n -> its first n positions
+        sync = partial(self.kv_store.sync, slot_id, self.slots[slot_id].history, export)
+        self._write_state(f"KV slot {slot_id}", sync)
+
+    def _write_state(self, what: str, write: Callable[[], None]) -> None:
+        """One state write (KV, usage). A failing disk (full, read-only) is reported once a
+        session, in the log and as an advisory `ERROR 0 STATE_WRITE <errno>`; the last good
+        file stays, and the write is tried again at every turn end."""
         try:
-            self.kv_store.sync(slot_id, history, lambda n: self.runner.export_slot(slot_id, n))
+            write()
+        except OSError as e:
+            if self._state_failed:
+                log.debug("writing %s failed again: %s", what, e)
+                return
+            self._state_failed = True
+            log.warning("writing %s failed: %s (the last good file is kept; retried)", what, e)
+            code = errno.errorcode.get(e.errno or 0, "EIO")
+            self._advisories.append(Failed(0, STATE_WRITE, (code,)))
         except Exception:
-            log.exception("persisting KV slot %d failed", slot_id)
+            log.exception("writing %s failed", what)
+
+    def _take_advisories(self) -> list[Event]:
+        out, self._advisories = self._advisories, []
+        return out
 
     def _fail(self, rid: int) -> list[Event]:
         """End a request on an internal error; its slot's cache is no longer trusted."""
@@ -642,7 +726,7 @@ class Scheduler:
                 self._persist(i)
         if run is not None:
             self._close(run)
-        return [Failed(rid, INTERNAL)]
+        return [Failed(rid, INTERNAL), *self._take_advisories()]
 
     def _guarded(self, rid: int, fn: Callable[..., list[Event]], *args) -> list[Event]:
         """fn(*args); an unexpected exception ends request `rid` instead of the engine."""

@@ -2,28 +2,24 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
+
+from colibri.files import write_atomic
 
 
 def write_usage(path: str | Path, counts: np.ndarray, engine_id: int = 0) -> None:
     """Lines `-1 <layers> <experts>`, `-2 1 <engine_id>`, then `<layer> <expert> <count>` (> 0).
 
-    Written to a temporary file, fsynced, then renamed: a crash never leaves a torn file.
+    Written atomically (`files.write_atomic`): a crash or a full disk never leaves a torn file.
     """
     path = Path(path)
     rows, cols = counts.shape
     lines = [f"-1 {rows} {cols}", f"-2 1 {engine_id}"]
     for layer, expert in zip(*np.nonzero(counts), strict=True):
         lines.append(f"{layer} {expert} {int(counts[layer, expert])}")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write("\n".join(lines) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, ("\n".join(lines) + "\n").encode())
 
 
 def read_usage(path: str | Path, rows: int, cols: int) -> np.ndarray:
