@@ -119,6 +119,24 @@ def test_slot_pool_affinity_lru_queue_and_handoff():
     asyncio.run(run())
 
 
+def test_a_slot_tells_its_reuse_only_to_its_own_conversation():
+    async def run():
+        pool = SlotPool(1, max_waiting=0)
+        a = await pool.acquire(Affinity(None, "alice"), "alice's secret prompt")
+        assert pool.own(a)  # an unused slot: nothing to learn
+        pool.release(a)
+        again = await pool.acquire(Affinity("alice", "alice-2"), "alice's secret prompt, more")
+        assert pool.own(again)  # her conversation's key
+        pool.release(again)
+        probe = await pool.acquire(Affinity("mallory", "mallory"), "alice's sec")
+        assert not pool.own(probe)  # another's cache: the reused count is not told
+        pool.release(probe)
+        cont = await pool.acquire(Affinity(), "alice's sec and more")
+        assert pool.own(cont)  # continues the slot's last prompt, which it holds whole
+
+    asyncio.run(run())
+
+
 def test_static_site_refuses_every_way_out(tmp_path):
     root = tmp_path / "dist"
     (root / "assets").mkdir(parents=True)

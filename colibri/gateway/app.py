@@ -287,6 +287,7 @@ class Gateway:
         except BaseException:
             self.pool.release(slot)  # nothing was sent: the slot is free again
             raise
+        turn.own_cache = self.pool.own(slot)
         turn.ended.add_done_callback(lambda _: self.pool.release(slot))
         try:
             first = await asyncio.shield(turn.started)

@@ -73,6 +73,7 @@ class EngineRequest:
         self.ended: asyncio.Future[End] = loop.create_future()
         self.chunks: asyncio.Queue[Data | End] = asyncio.Queue()
         self.accept: Accept | None = None
+        self.own_cache = True  # the slot's cache was this conversation's: its reuse may be told
         self.topk: list[TopK] = []
         self.perf: Perf | None = None
         self.prof: Prof | None = None

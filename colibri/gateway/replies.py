@@ -118,7 +118,7 @@ class Reply:
                 "rss_gb": done.rss_gb,
                 "prompt_tokens": done.prompt_tokens,
                 "length_limited": done.length_limited,
-                "reused_tokens": t.accept.reused_tokens if t.accept else 0,
+                "reused_tokens": t.accept.reused_tokens if t.accept and t.own_cache else 0,
                 "slot": t.slot,
             }
         perf = None

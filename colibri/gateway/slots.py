@@ -32,6 +32,7 @@ class _Slot:
     key: str | None = None
     prompt: str = ""  # the last prompt it served
     used: int = 0  # tick of its last assignment (0 = never): least recently used first
+    inherited: bool = False  # its cache was another conversation's when last taken
 
 
 class SlotPool:
@@ -104,9 +105,17 @@ class SlotPool:
                 self._waiters.remove(waiter)
             raise
 
+    def own(self, index: int) -> bool:
+        """Whether the request that last took the slot found its own conversation's cache
+        there (or an unused slot): only then may it learn how much of that cache it reused,
+        or the count would tell one client another's prompt, token by token."""
+        return not self.slots[index].inherited
+
     def _take(self, index: int, affinity: Affinity, prompt: str) -> int:
         self._tick += 1
         self.admitted += 1
         s = self.slots[index]
+        mine = s.used == 0 or (s.key is not None and s.key == affinity.find)
+        s.inherited = not (mine or (bool(s.prompt) and prompt.startswith(s.prompt)))
         s.busy, s.key, s.prompt, s.used = True, affinity.keep, prompt, self._tick
         return index
