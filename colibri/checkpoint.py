@@ -32,6 +32,7 @@ other axis: `qweight` int32 [I, O / 8], each word eight outputs of one input in 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -670,9 +671,26 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            raw = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{index}: unreadable shard index ({e})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(
+                f"{index}: the shard index must be a JSON object with a weight_map, not"
+                f" {_json_kind(raw)}"
+            )
+        weight_map = raw.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"{index}: weight_map={_clip(weight_map)} must be an object of tensor name ->"
+                " shard file name"
+            )
+        for name, f in weight_map.items():
+            if not isinstance(f, str) or not f or Path(f).name != f:
+                raise CheckpointError(
+                    f"{index}: weight_map[{name!r}]={_clip(f)} must be the name of a shard file"
+                    " in the model folder"
+                )
         files = sorted({model_dir / f for f in weight_map.values()})
         missing = [f for f in files if not f.exists()]
         if missing:
@@ -698,17 +716,27 @@ def _read_header(path: Path) -> list[TensorInfo]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path}: corrupt safetensors header (a JSON object of tensor name -> entry"
+            f" expected, not {_json_kind(header)})"
+        )
     base = 8 + n
     out = []
     for name, meta in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(meta, dict):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} has header entry {_clip(meta)}, expected an object"
+                " with dtype, shape and data_offsets"
+            )
         dtype = meta.get("dtype")
         if dtype not in _RAW_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
-        start, end = meta["data_offsets"]
-        shape = tuple(int(s) for s in meta["shape"])
-        expected = int(np.prod(shape, dtype=np.int64)) * _RAW_DTYPES[dtype].itemsize
+        start, end = _header_ints(path, name, meta, "data_offsets", "[start, end] byte offsets", 2)
+        shape = _header_ints(path, name, meta, "shape", "a list of dimensions")
+        expected = math.prod(shape) * _RAW_DTYPES[dtype].itemsize  # exact: no int64 overflow
         if end - start != expected or base + end > size:
             raise CheckpointError(
                 f"{path}: tensor {name!r} byte range {start}..{end} does not fit its shape "
@@ -716,6 +744,32 @@ def _read_header(path: Path) -> list[TensorInfo]:
             )
         out.append(TensorInfo(name, path, dtype, shape, base + start, end - start))
     return out
+
+
+def _header_ints(
+    path: Path, name: str, meta: dict, key: str, want: str, length: int | None = None
+) -> tuple[int, ...]:
+    """Entry `key` of tensor `name` in a safetensors header: a list of integers >= 0 (of
+    `length` of them, where given)."""
+    v = meta.get(key)
+    ok = isinstance(v, list) and (length is None or len(v) == length)
+    if not ok or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v):
+        raise CheckpointError(f"{path}: tensor {name!r} has {key}={_clip(v)}, expected {want}")
+    return tuple(v)
+
+
+def _json_kind(v: object) -> str:
+    """A JSON value's kind as an error names it: "a list", "a string", "null"."""
+    if v is None:
+        return "null"
+    kinds = {list: "a list", dict: "an object", str: "a string", bool: "a boolean"}
+    return kinds.get(type(v), "a number")
+
+
+def _clip(v: object, most: int = 80) -> str:
+    """repr(v), shortened for an error line."""
+    text = repr(v)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def write_safetensors(

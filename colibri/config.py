@@ -115,7 +115,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from None
     gen = Path(model_dir) / "generation_config.json"
-    gen_raw = json.loads(gen.read_text()) if gen.exists() else {}
+    try:
+        gen_raw = json.loads(gen.read_text()) if gen.exists() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{gen}: not valid JSON ({e})") from None
+    if not isinstance(gen_raw, dict):
+        raise ConfigError(f"{gen}: expected a JSON object of fields, not {_kind(gen_raw)}")
     if isinstance(raw, dict) and "quantization_config" not in raw:
         quant = quantization_config(model_dir)
         if quant:  # AutoGPTQ's quantize_config.json
@@ -142,6 +147,18 @@ def config_from_dict(
     raw: dict[str, Any], gen: dict[str, Any] | None = None, source: str = "config.json"
 ) -> ModelConfig:
     """Normalise one Hugging Face config dict into a `ModelConfig`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a JSON object of fields, not {_kind(raw)}")
+    try:
+        return _config_from_dict(raw, gen or {}, source)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as e:
+        # a field the typed reader does not cover yet (rope parameters): still one line
+        raise ConfigError(f"{source}: unreadable field ({type(e).__name__}: {e})") from None
+
+
+def _config_from_dict(raw: dict[str, Any], gen: dict[str, Any], source: str) -> ModelConfig:
     family = raw.get("model_type")
     if family not in FAMILIES:
         raise ConfigError(
@@ -162,27 +179,24 @@ def config_from_dict(
         "deepseek_v3": _deepseek_like,
         "glm4_moe": _deepseek_like,
     }[family]
-    fields = builder(c, family)
-    hidden, heads = c.int("hidden_size"), c.int("num_attention_heads")
-    head_dim = raw.get("head_dim") or hidden // heads
-    eos = _eos_ids(raw, gen or {})
+    heads = c.int("num_attention_heads")
     common = dict(
         family=family,
         vocab_size=c.int("vocab_size"),
-        hidden=hidden,
+        hidden=c.int("hidden_size"),
         num_layers=c.int("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(head_dim),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=c.opt_int("num_key_value_heads", heads, null=True),
+        head_dim=c.head_dim(),
+        rms_eps=c.number("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=eos,
+        max_position_embeddings=c.opt_int("max_position_embeddings", 4096),
+        bos_token_id=c.opt_int("bos_token_id", None, lo=0, null=True),
+        eos_token_ids=_eos_ids(c, _Fields(gen, _beside(source, "generation_config.json"))),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         raw=raw,
     )
-    common.update(fields)
+    common.update(builder(c, family))
     cfg = ModelConfig(**common)
     _validate(cfg, source)
     return cfg
@@ -314,17 +328,85 @@ def gptq_format(quant: dict) -> str:
     return quant.get("checkpoint_format") or quant.get("format") or "gptq"
 
 
+_REQUIRED: Any = object()
+
+
+def _kind(v: Any) -> str:
+    """How a JSON value that is not what was expected reads in an error: "a list", "null"."""
+    if v is None:
+        return "null"
+    name = {list: "list", str: "string", bool: "boolean", dict: "object"}.get(type(v), "number")
+    return f"a {name}" if name != "object" else "an object"
+
+
+def _beside(source: str, name: str) -> str:
+    """The file `name` in the folder of `source` (a path, or a label such as "synth")."""
+    path = Path(source)
+    return str(path.with_name(name)) if path.name.endswith(".json") else f"{source} {name}"
+
+
 class _Fields:
-    """Typed access to required config fields with errors naming the field."""
+    """Typed access to config fields: each value is checked where it is read, and an error
+    names the file, the field and the value. Absent fields take their default (and null
+    ones too where `null=True`: Hugging Face's "unset", e.g. head_dim or num_key_value_heads
+    of None)."""
 
     def __init__(self, raw: dict[str, Any], source: str):
         self.raw, self.source = raw, source
 
+    def fail(self, key: str, want: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {key}={self.raw.get(key)!r} must be {want}")
+
+    def _absent(self, key: str, default: Any, null: bool) -> bool:
+        """Whether `key` takes its default (never for a required field: it is checked)."""
+        unset = key not in self.raw or (null and self.raw[key] is None)
+        return unset and default is not _REQUIRED
+
     def int(self, key: str) -> int:
+        """A required positive integer."""
+        return self.opt_int(key)
+
+    def opt_int(self, key: str, default: Any = _REQUIRED, lo: int = 1, null: bool = False) -> Any:
+        """An integer >= lo, `default` when absent."""
+        if self._absent(key, default, null):
+            return default
         v = self.raw.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ConfigError(f"{self.source}: {key}={v!r} must be a positive integer")
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            want = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+            raise self.fail(key, want)
         return v
+
+    def number(self, key: str, default: Any = _REQUIRED, null: bool = False) -> Any:
+        """A finite positive number (as a float), `default` when absent."""
+        if self._absent(key, default, null):
+            return default
+        v = self.raw.get(key)
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if not ok or not math.isfinite(v) or v <= 0:
+            raise self.fail(key, "a positive number")
+        return float(v)
+
+    def indices(self, key: str) -> tuple[int, ...]:
+        """A list of non-negative integers (layer indices); () when absent or null."""
+        v = self.raw.get(key)
+        if v is None:
+            return ()
+        ok = isinstance(v, list) and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v
+        )
+        if not ok:
+            raise self.fail(key, "a list of layer indices (integers >= 0)")
+        return tuple(v)
+
+    def head_dim(self) -> int:
+        """head_dim, else hidden_size / num_attention_heads."""
+        default = self.int("hidden_size") // self.int("num_attention_heads")
+        if default == 0 and self.raw.get("head_dim") is None:
+            raise ConfigError(
+                f"{self.source}: hidden_size={self.raw['hidden_size']} is smaller than"
+                f" num_attention_heads={self.raw['num_attention_heads']} and no head_dim is given"
+            )
+        return self.opt_int("head_dim", default, null=True)
 
 
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
@@ -338,20 +420,34 @@ def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _rope(raw: dict[str, Any], dim: int, interleave: bool = False) -> RopeConfig:
+def _rope(c: _Fields, dim: int, interleave: bool = False) -> RopeConfig:
     """Inverse frequencies for `dim` rotated dims, following transformers' rope initialisers."""
+    raw = c.raw
     p = _rope_params(raw)
-    base = float(p["rope_theta"])
+    rope = _Fields(p, c.source)  # rope_theta, factor: top level or in rope_parameters
+    base = rope.number("rope_theta")
     kind = p["rope_type"]
     inv = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))
     scaling = 1.0
     if kind == "linear":
-        inv = inv / np.float32(p["factor"])
+        inv = inv / np.float32(rope.number("factor"))
     elif kind == "yarn":
         inv, scaling = _yarn(p, dim, base, raw)
     elif kind != "default":
-        raise ConfigError(f"rope_type={kind!r} is not supported (default, linear, yarn)")
+        raise ConfigError(
+            f"{c.source}: rope_type={kind!r} is not supported (default, linear, yarn)"
+        )
     return RopeConfig(tuple(float(x) for x in inv.astype(np.float32)), float(scaling), interleave)
+
+
+def _partial_rotary(c: _Fields, default: float) -> float:
+    """The part of each head that is rotated: partial_rotary_factor (top level or in the rope
+    parameters), in (0, 1]."""
+    rope = _Fields(_rope_params(c.raw), c.source)
+    partial = rope.number("partial_rotary_factor", default)
+    if partial > 1:
+        raise rope.fail("partial_rotary_factor", "in (0, 1]")
+    return partial
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -400,18 +496,17 @@ def _mla_scale(qk_head_dim: int, raw: dict[str, Any]) -> float:
 def _qwen_like(c: _Fields, family: str) -> dict[str, Any]:
     """Qwen3-MoE, Qwen2-MoE and OLMoE: GQA, softmax top-k routing."""
     raw = c.raw
-    heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    partial = _rope_params(raw).get("partial_rotary_factor", 1.0)
-    rope = _rope(raw, int(head_dim * partial))
+    rope = _rope(c, int(c.head_dim() * _partial_rotary(c, 1.0)))
     L = c.int("num_hidden_layers")
     if family == "olmoe":
         moe_layers = tuple(True for _ in range(L))
     else:
-        step = int(raw.get("decoder_sparse_step", 1))
-        only = set(raw.get("mlp_only_layers") or [])
+        step = c.opt_int("decoder_sparse_step", 1)
+        only = set(c.indices("mlp_only_layers"))
         moe_layers = tuple((i not in only) and (i + 1) % step == 0 for i in range(L))
-    shared_ff = int(raw.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    shared_ff = 0
+    if family == "qwen2_moe":
+        shared_ff = c.opt_int("shared_expert_intermediate_size", 0, lo=0, null=True)
     moe = MoeConfig(
         num_experts=c.int("num_experts" if "num_experts" in raw else "num_local_experts"),
         top_k=c.int("num_experts_per_tok"),
@@ -427,18 +522,16 @@ def _qwen_like(c: _Fields, family: str) -> dict[str, Any]:
         rope=rope,
         moe=moe,
         moe_layers=moe_layers,
-        dense_ff=int(raw.get("intermediate_size") or 0),
+        dense_ff=c.opt_int("intermediate_size", 0, lo=0, null=True),
         qk_norm=qk_norm,
         qkv_bias=bool(bias),
         o_bias=bool(raw.get("attention_bias", False)) and family != "qwen2_moe",
-        clip_qkv=raw.get("clip_qkv") if family == "olmoe" else None,
+        clip_qkv=c.number("clip_qkv", None, null=True) if family == "olmoe" else None,
     )
 
 
 def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
     """Mixtral: GQA, softmax top-k routing always renormalised, experts as w1/w2/w3."""
-    raw = c.raw
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     moe = MoeConfig(
         num_experts=c.int("num_local_experts"),
         top_k=c.int("num_experts_per_tok"),
@@ -448,7 +541,7 @@ def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
     )
     L = c.int("num_hidden_layers")
     return dict(
-        rope=_rope(raw, int(head_dim)),
+        rope=_rope(c, c.head_dim()),
         moe=moe,
         moe_layers=tuple(True for _ in range(L)),
         dense_ff=c.int("intermediate_size"),
@@ -458,20 +551,20 @@ def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
 def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
     """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary): grouped sigmoid routing."""
     raw = c.raw
-    n_experts = raw.get("n_routed_experts") or raw.get("num_local_experts")
+    experts_key = "n_routed_experts" if raw.get("n_routed_experts") else "num_local_experts"
     moe = MoeConfig(
-        num_experts=int(n_experts or 0),
+        num_experts=c.opt_int(experts_key, 0, lo=0, null=True),
         top_k=c.int("num_experts_per_tok"),
         moe_ff=c.int("moe_intermediate_size"),
         router="sigmoid_group",
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-        n_group=int(raw.get("n_group") or 1),
-        topk_group=int(raw.get("topk_group") or 1),
-        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-        shared_ff=c.int("moe_intermediate_size") * int(raw.get("n_shared_experts") or 0),
+        n_group=c.opt_int("n_group", 1, null=True),
+        topk_group=c.opt_int("topk_group", 1, null=True),
+        routed_scaling_factor=c.number("routed_scaling_factor", 1.0),
+        shared_ff=c.int("moe_intermediate_size") * c.opt_int("n_shared_experts", 0, 0, null=True),
     )
     L = c.int("num_hidden_layers")
-    first_dense = int(raw.get("first_k_dense_replace", 0))
+    first_dense = c.opt_int("first_k_dense_replace", 0, lo=0, null=True)
     out: dict[str, Any] = dict(
         moe=moe,
         moe_layers=tuple(i >= first_dense for i in range(L)),
@@ -480,7 +573,7 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
     )
     if family == "deepseek_v3":
         mla = MlaConfig(
-            q_lora_rank=raw.get("q_lora_rank"),
+            q_lora_rank=c.opt_int("q_lora_rank", None, null=True),
             kv_lora_rank=c.int("kv_lora_rank"),
             qk_nope_head_dim=c.int("qk_nope_head_dim"),
             qk_rope_head_dim=c.int("qk_rope_head_dim"),
@@ -490,24 +583,25 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
         out.update(
             attention="mla",
             mla=mla,
-            rope=_rope(raw, mla.qk_rope_head_dim, interleave),
+            rope=_rope(c, mla.qk_rope_head_dim, interleave),
             o_bias=bool(raw.get("attention_bias", False)),
         )
     else:
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-        partial = _rope_params(raw).get("partial_rotary_factor", 0.5)
         out.update(
-            rope=_rope(raw, int(head_dim * partial)),
+            rope=_rope(c, int(c.head_dim() * _partial_rotary(c, 0.5))),
             qk_norm="head" if raw.get("use_qk_norm") else "none",
         )
     return out
 
 
-def _eos_ids(raw: dict[str, Any], gen: dict[str, Any]) -> tuple[int, ...]:
-    eos = gen.get("eos_token_id", raw.get("eos_token_id"))
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+def _eos_ids(c: _Fields, gen: _Fields) -> tuple[int, ...]:
+    """eos_token_id of generation_config.json, else of config.json: one id, a list or null."""
+    f = gen if "eos_token_id" in gen.raw else c
+    eos = f.raw.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise f.fail("eos_token_id", "a token id, a list of them or null")
+    return tuple(ids)
 
 
 def _validate(cfg: ModelConfig, source: str) -> None:
