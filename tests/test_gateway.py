@@ -674,7 +674,7 @@ def test_non_loopback_bind_needs_a_key(model_dir):
     assert b"refusing to bind 0.0.0.0" in r.stderr and b"--api-key" in r.stderr
 
 
-def test_queue_full_is_429_and_a_dead_engine_is_503(model_dir, tmp_path):
+def test_queue_full_is_429_and_a_dead_engine_is_503_then_restarted(model_dir, tmp_path):
     gw = Gateway(
         model_dir, "--kv-slots", "1", "--max-queue", "1", "--ctx", "32768", log=tmp_path / "log"
     )
@@ -708,6 +708,11 @@ def test_queue_full_is_429_and_a_dead_engine_is_503(model_dir, tmp_path):
         health = gw.health()
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
         assert httpx.post(url, json=body, timeout=30).status_code == 503
+        # the gateway starts a new engine (after a second) and serves again
+        back = wait_for(lambda: (h := gw.health()).status_code == 200 and h.json(), timeout=180)
+        assert back["restarts"] == 1 and back["busy"] == 0
+        again = httpx.post(url, json={**body, "max_tokens": 3}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
     finally:
         gw.close()
     assert "Traceback" not in gw.logs(), gw.logs()

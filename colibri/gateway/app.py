@@ -133,9 +133,10 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
             "busy": gw.pool.busy,
             "waiting": gw.pool.waiting,
             "cancelled": engine.cancelled,
+            "restarts": engine.restarts,
         }
         if not ok:
-            body["reason"] = engine.gone or "engine not ready"
+            body["reason"] = engine.gone or "engine not ready (restarting)"
         if gw.authorized(request):
             body["scheduler"] = gw.scheduler_json()
             extras = {"tiers": tiers_json(engine.telemetry.tiers)}

@@ -139,6 +139,7 @@ class EngineClient:
         self.proc: subprocess.Popen | None = None
         self.session = Session()
         self.gone: str | None = None  # why the engine is unusable, once it is
+        self.restarts = 0  # engines started after the first was lost
         self.cancelled = 0  # CANCEL acknowledgements received
         self._stopping = False  # we sent EOF: the engine's exit is expected
         self._turns: dict[int, EngineRequest] = {}
@@ -146,6 +147,7 @@ class EngineClient:
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[None] | None = None
+        self._lost = asyncio.Event()  # set when the engine is gone (and not being stopped)
 
     @classmethod
     def for_model(cls, model_dir: str | Path, settings: EngineSettings) -> EngineClient:
@@ -163,13 +165,44 @@ class EngineClient:
         self.proc = subprocess.Popen(
             self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env
         )
-        threading.Thread(target=self._read, name="engine-stdout", daemon=True).start()
-        threading.Thread(target=self._write, name="engine-stdin", daemon=True).start()
+        proc, outbox = self.proc, self._outbox
+        threading.Thread(target=self._read, args=(proc,), name="engine-stdout", daemon=True).start()
+        threading.Thread(
+            target=self._write, args=(proc, outbox), name="engine-stdin", daemon=True
+        ).start()
         try:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
             self.kill()
             raise RuntimeError(f"engine sent no READY within {timeout:.0f} s") from None
+
+    async def supervise(self, timeout: float, backoff: tuple[float, float] = (1.0, 30.0)) -> None:
+        """Restart the engine whenever it is lost, waiting `backoff[0]` seconds first and twice
+        as long after each failed start, up to `backoff[1]`; runs until cancelled. Requests in
+        flight when it was lost have already ended (`EngineGone`); `/health` says why meanwhile."""
+        delay = backoff[0]
+        while True:
+            await self._lost.wait()
+            if self._stopping:
+                return
+            await asyncio.sleep(delay)
+            self.restarts += 1
+            log.warning("restarting the engine (restart %d)", self.restarts)
+            self._reset()
+            try:
+                await self.start(timeout)
+                delay = backoff[0]
+            except RuntimeError as e:
+                log.error("engine restart failed: %s", e)
+                delay = min(2 * delay, backoff[1])
+
+    def _reset(self) -> None:
+        """Forget the lost engine: a fresh session, queue and handshake."""
+        self.session = Session()
+        self._turns.clear()
+        self._outbox = queue.SimpleQueue()
+        self.gone = None
+        self._lost.clear()
 
     @property
     def alive(self) -> bool:
@@ -224,14 +257,15 @@ class EngineClient:
 
     # ------------------------------------------------------------------ threads
 
-    def _read(self) -> None:
-        """Parse stdout until EOF; every event goes to the loop in order."""
-        assert self.proc is not None and self.proc.stdout is not None and self._loop is not None
+    def _read(self, proc: subprocess.Popen) -> None:
+        """Parse this engine's stdout until EOF; every event goes to the loop in order (and is
+        dropped there if a newer engine has replaced this one)."""
+        assert proc.stdout is not None and self._loop is not None
         try:
-            while (ev := codec.read_event(self.proc.stdout)) is not None:
-                self._loop.call_soon_threadsafe(self._route, ev)
+            while (ev := codec.read_event(proc.stdout)) is not None:
+                self._loop.call_soon_threadsafe(self._route, ev, proc)
             reason = "engine closed its output"
-            self.proc.wait(timeout=5)  # output closes as the process exits: learn its status
+            proc.wait(timeout=5)  # output closes as the process exits: learn its status
         except subprocess.TimeoutExpired:
             pass
         except codec.ProtocolError as e:
@@ -239,15 +273,15 @@ class EngineClient:
         except Exception as e:  # a vanished pipe: the engine is gone either way
             reason = f"reading the engine failed: {e}"
         try:
-            self._loop.call_soon_threadsafe(self._lose, reason)
+            self._loop.call_soon_threadsafe(self._lose, reason, proc)
         except RuntimeError:  # the loop is closed: the gateway is shutting down
             pass
 
-    def _write(self) -> None:
-        assert self.proc is not None and self.proc.stdin is not None
-        stdin = self.proc.stdin
+    def _write(self, proc: subprocess.Popen, outbox: queue.SimpleQueue[bytes | None]) -> None:
+        assert proc.stdin is not None
+        stdin = proc.stdin
         try:
-            while (data := self._outbox.get()) is not None:
+            while (data := outbox.get()) is not None:
                 stdin.write(data)
                 stdin.flush()
         except (BrokenPipeError, OSError, ValueError) as e:
@@ -264,7 +298,9 @@ class EngineClient:
     def telemetry(self) -> Telemetry:
         return self.session.telemetry
 
-    def _route(self, ev: codec.Event) -> None:
+    def _route(self, ev: codec.Event, proc: subprocess.Popen | None = None) -> None:
+        if proc is not None and proc is not self.proc:
+            return  # a line the lost engine wrote before it went
         if isinstance(ev, Ready):
             assert self._ready is not None
             _resolve(self._ready, None)
@@ -280,8 +316,10 @@ class EngineClient:
         if routed.ends:
             self._turns.pop(routed.to[0], None)
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, proc: subprocess.Popen | None = None) -> None:
         """The engine is gone: fail the handshake or every open request, and make sure it is."""
+        if proc is not None and proc is not self.proc:
+            return  # the reader of an engine already replaced
         if self.gone is None:
             status = self.proc.poll() if self.proc else None
             self.gone = f"{reason} (exit status {status})" if status is not None else reason
@@ -294,3 +332,5 @@ class EngineClient:
         self._turns.clear()
         self._outbox.put(None)
         self.kill()
+        if not self._stopping:
+            self._lost.set()

@@ -85,8 +85,10 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
     if args.ctx:
         engine_settings = replace(engine_settings, ctx=args.ctx)
     engine = EngineClient.for_model(settings.model_dir, engine_settings)
+    supervisor = None
     try:
         await engine.start(timeout=args.start_timeout)
+        supervisor = asyncio.create_task(engine.supervise(args.start_timeout))  # restarts it
         app = create_app(engine, settings)
         level = "info" if log.isEnabledFor(logging.DEBUG) else "warning"
         config = uvicorn.Config(
@@ -101,6 +103,8 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 1
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
         await engine.close()
 
 
