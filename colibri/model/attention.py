@@ -63,15 +63,17 @@ def _softmax_attend(
     return jnp.einsum("bkgts,bksd->btkgd", probs, v)
 
 
-def export_positions(layer: Cache, slot: int, length: int) -> dict[str, np.ndarray]:
+def export_positions(layer: Cache, slot: int | jax.Array, length: int) -> Cache:
     """The first `length` positions of `slot` in one layer's cache, position first
-    ([length, ...] per array, whatever the layout), as host arrays."""
+    ([length, ...] per array, whatever the layout). For use under `jit`, `length` static and
+    `slot` traced: called eagerly, each new length would compile (and keep) new programs."""
     out = {}
     for name, buf in layer.items():
+        rows = jax.lax.dynamic_index_in_dim(buf, slot, axis=0, keepdims=False)
         if name in _HEADS_FIRST:
-            out[name] = np.ascontiguousarray(np.asarray(buf[slot, :, :length]).swapaxes(0, 1))
+            out[name] = rows[:, :length].swapaxes(0, 1)
         else:
-            out[name] = np.asarray(buf[slot, :length])
+            out[name] = rows[:length]
     return out
 
 
