@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import subprocess
@@ -138,6 +139,8 @@ def main() -> None:
     base_gw, base_engine = settled[0][1], settled[0][2]
     drift_gw = max(s[1] for s in settled) / base_gw - 1
     drift_engine = max(s[2] for s in settled) / base_engine - 1
+    half = [s for s in samples if s[0] >= args.seconds / 2]  # after the shapes have compiled
+    late_engine = max(s[2] for s in half) / half[0][2] - 1
     summary = {
         "requests": sum(counts.values()),
         "slots held after": health["busy"] + health["waiting"],
@@ -145,6 +148,7 @@ def main() -> None:
         "engine RSS MB (settled, last)": f"{base_engine:.0f}, {samples[-1][2]:.0f}",
         "gateway RSS drift (max over settled)": f"{100 * drift_gw:+.1f}%",
         "engine RSS drift (max over settled)": f"{100 * drift_engine:+.1f}%",
+        "engine RSS drift over the second half": f"{100 * late_engine:+.1f}%",
         "engine restarts": health.get("restarts", 0),
     }
     table = markdown_table(pd.DataFrame({"value": summary}).rename_axis("measure"))
@@ -154,7 +158,7 @@ def main() -> None:
         f"# Soak: {args.clients} clients, {args.seconds:.0f} s",
         "",
         f"`python experiments/soak.py --seconds {args.seconds:.0f} --clients {args.clients}` on"
-        f" {model}; {psutil.cpu_count()} cores. Targets: no slot held after, each process's RSS"
+        f" {os.path.relpath(model)}; {psutil.cpu_count()} cores. Targets: no slot held after, each process's RSS"
         " within 10% of its level after the first minute.",
         "",
         table,
