@@ -158,8 +158,8 @@ def main() -> None:
         f"# Soak: {args.clients} clients, {args.seconds:.0f} s",
         "",
         f"`python experiments/soak.py --seconds {args.seconds:.0f} --clients {args.clients}` on"
-        f" {os.path.relpath(model)}; {psutil.cpu_count()} cores. Targets: no slot held after, each process's RSS"
-        " within 10% of its level after the first minute.",
+        f" {os.path.relpath(model)}; {psutil.cpu_count()} cores. Targets: no slot held after,"
+        " each process's RSS within 10% of its level after the first minute.",
         "",
         table,
         "",
