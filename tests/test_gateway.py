@@ -21,6 +21,8 @@ import psutil
 import pytest
 from engine_util import Reference
 from gateway_util import Gateway, gateway_command, gateway_env, raw_get, wait_for
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from colibri.gateway.replies import StopScanner
 from colibri.gateway.slots import Affinity, QueueFull, SlotPool
@@ -792,3 +794,64 @@ def test_the_key_from_a_file(tmp_path, monkeypatch):
     assert _api_key(argparse.Namespace(api_key="sk-flag", api_key_file=str(key))) == "sk-flag"
     monkeypatch.setenv("COLIBRI_API_KEY", "sk-env")
     assert _api_key(argparse.Namespace(api_key=None, api_key_file=None)) == "sk-env"
+
+
+_text = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates too
+_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    _text,
+    st.lists(_text, max_size=3),
+)
+_bodies = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.one_of(_text, _values),
+        "messages": st.one_of(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"role": st.sampled_from(["user", "x"])}, optional={"content": _values}
+                ),
+                max_size=2,
+            ),
+            _values,
+        ),
+        "max_tokens": _values,
+        "temperature": _values,
+        "top_p": _values,
+        "stop": _values,
+        "user": _values,
+        "stream": _values,
+        "response_format": st.one_of(_values, st.fixed_dictionaries({"type": _values})),
+    },
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@example(path="/v1/completions", body={"prompt": "a\ud800", "max_tokens": 10**20}, headers={})
+@given(
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+    body=_bodies,
+    headers=st.fixed_dictionaries(
+        {},
+        optional={
+            "Host": st.sampled_from(["evil.example", "localhost", "127.0.0.1"]),
+            "Origin": st.sampled_from(["null", "http://evil.example", "http://localhost"]),
+            "Content-Type": st.sampled_from(["text/plain", "application/json"]),
+        },
+    ),
+)
+def test_fuzzed_requests_get_a_clean_answer_and_hold_no_slot(gateway, path, body, headers):
+    """Random bodies (lone surrogates, huge integers, wrong types) and headers: never a 500,
+    and once answered no slot stays taken."""
+    data = json.dumps(body).encode()  # lone surrogates travel as \\udXXX escapes
+    base = {"Content-Type": "application/json", "Host": f"127.0.0.1:{gateway.port}"}
+    merged = {**JSON_HEADERS, **base, **headers}
+    r = httpx.post(gateway.url + path, content=data, headers=merged, timeout=120)
+    assert r.status_code in (200, 400, 403, 404, 415, 429), (r.status_code, r.text[:200])
+    if r.status_code != 200:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    health = wait_for(lambda: (h := gateway.health().json())["busy"] == 0 and h, timeout=60)
+    assert health["waiting"] == 0
