@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri.engine.kvstore import KVStore, fingerprint
-from colibri.engine.scheduler import Accepted, Failed, HitsTick, Token, common_prefix
+from colibri.engine.scheduler import Accepted, Failed, GenRequest, HitsTick, Token, common_prefix
 from colibri.engine.settings import EngineSettings, SettingsError
 from colibri.experts.budget import TierConfig
 from colibri.experts.stats import RepinEvent
@@ -506,3 +506,17 @@ def test_cli_lists_engine_and_chat():
         [sys.executable, "-m", "colibri.cli", "--help"], capture_output=True, timeout=60
     )
     assert b"engine" in r.stdout and b"chat" in r.stdout
+
+
+def test_prompts_are_prepared_on_the_reader_thread(ref):
+    """`mux.Preparer` (run by the stdin reader) tokenizes a SUBMIT into the scheduler's
+    request, refuses a payload too long by its byte count alone, and passes other frames on."""
+    from colibri.protocol.codec import Cancel, Submit
+
+    prepare = mux.Preparer(ref.tokenizer, capacity=CTX)
+    req = prepare(Submit(3, 1, 8, 0.5, 0.9, b"The quick", b"root ::= x"))
+    assert isinstance(req, GenRequest) and req.grammar == "root ::= x"
+    assert req.prompt == tuple(ref.tokenizer.encode("The quick")) and req.slot == 1
+    too_long = prepare(Submit(4, 0, 8, 0.0, 1.0, b"x" * (10 << 20)))
+    assert isinstance(too_long, Failed) and too_long.code == "CONTEXT_EXCEEDED"
+    assert prepare(Cancel(5)) == Cancel(5) and prepare(None) is None

@@ -63,6 +63,7 @@ from colibri.tokenizer import Tokenizer
 log = logging.getLogger("colibri")
 
 IDLE_POLL_S = 0.1  # how often an idle loop looks at the SIGTERM flag
+FOLD = 4  # bytes of input a normalizer may fold into one byte of a token (a 4-byte UTF-8 char)
 UPSTREAM_KINDS = (Ready, Stat, HwInfo, Tiers, Emap, Hits, Data, Prof, Error, Done)
 WIRE_KINDS: dict[str, tuple[type, ...] | None] = {"full": None, "upstream": UPSTREAM_KINDS}
 
@@ -78,9 +79,13 @@ def serve(
     """Run the mux protocol until input ends and every request is done; the exit status."""
     loop = _Loop(sched, tokenizer, out, WIRE_KINDS[wire])
     loop.send(*handshake(sched.runner.stats))
-    inbox: Inbox[codec.Request | FrameError] = Inbox(
-        lambda: codec.read_request(stdin, kv_slots), last=_loses_framing, wake=kernels.request_cut
-    )  # a frame that comes in cuts the decode burst running short (Scheduler.step)
+    prepare = Preparer(tokenizer, sched.runner.capacity)
+
+    def read() -> Item | None:  # on the reader thread: prompts are tokenized there
+        return prepare(codec.read_request(stdin, kv_slots))
+
+    inbox: Inbox[Item] = Inbox(read, last=_loses_framing, wake=kernels.request_cut)
+    # (a frame that comes in cuts the decode burst running short: Scheduler.step)
     term = Termination()
     while loop.reading or sched.busy:
         if term.requested() and loop.reading:
@@ -168,11 +173,35 @@ def lines(ev: Event) -> list[codec.Event]:
     raise TypeError(f"unknown engine event {ev!r}")
 
 
-def _loses_framing(item: codec.Request | FrameError) -> bool:
+class Preparer:
+    """Turns a SUBMIT into the request the scheduler takes, or the refusal to answer, on the
+    reader thread: tokenizing a long prompt there stalls no decode step. A payload whose byte
+    count alone proves it longer than the context is refused without tokenizing it."""
+
+    def __init__(self, tokenizer: Tokenizer, capacity: int):
+        self.tokenizer, self.capacity = tokenizer, capacity
+
+    def __call__(self, item: codec.Request | FrameError | None) -> Item | None:
+        return self.prepare(item) if isinstance(item, Submit) else item
+
+    def prepare(self, s: Submit) -> GenRequest | Failed:
+        least = -(-len(s.payload) // (FOLD * max(1, self.tokenizer.max_token_bytes)))
+        if least + 1 > self.capacity:
+            return Failed(s.id, CONTEXT_EXCEEDED, (str(least), str(self.capacity)))
+        try:
+            prompt = tuple(self.tokenizer.encode(s.payload.decode("utf-8")))
+        except Exception:
+            log.exception("request %d: tokenizing the prompt failed", s.id)
+            return Failed(s.id, INTERNAL)
+        grammar = s.grammar.decode("utf-8")  # (validated by the reader)
+        return GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p, grammar)
+
+
+Item = GenRequest | Failed | Cancel | codec.Stop | FrameError  # what the reader hands on
+
+
+def _loses_framing(item: Item) -> bool:
     return isinstance(item, FrameError) and item.fatal
-
-
-FOLD = 4  # bytes of input a normalizer may fold into one byte of a token (a 4-byte UTF-8 char)
 
 
 class _Loop:
@@ -201,7 +230,7 @@ class _Loop:
             else:
                 self.send(*lines(ev))
 
-    def handle(self, item: codec.Request | FrameError | None) -> None:
+    def handle(self, item: Item | None) -> None:
         """One frame from the reader; nothing here may end the loop but the end of input."""
         if item is None:
             self.reading = False
@@ -209,27 +238,11 @@ class _Loop:
             log.warning("refused frame (%s): %s", item.code, item.reason)
             self.send(item.to_event())
             self.reading = self.reading and not item.fatal
-        elif isinstance(item, Submit):
-            self.emit(self._submit(item))
+        elif isinstance(item, GenRequest):
+            self.emit(self.sched.submit(item))
+        elif isinstance(item, Failed):  # refused while being prepared
+            self.emit([item])
         elif isinstance(item, Cancel):
             self.emit(self.sched.cancel(item.id))
         else:
             self.emit(self.sched.stop(item.id))
-
-    def _submit(self, s: Submit) -> list[Event]:
-        least = self._fewest_tokens(s.payload)
-        capacity = self.sched.runner.capacity
-        if least + 1 > capacity:  # refused before tokenizing: a huge prompt stalls no one
-            return [Failed(s.id, CONTEXT_EXCEEDED, (str(least), str(capacity)))]
-        try:
-            prompt = tuple(self.tokenizer.encode(s.payload.decode("utf-8")))
-        except Exception:
-            log.exception("request %d: tokenizing the prompt failed", s.id)
-            return [Failed(s.id, INTERNAL)]
-        grammar = s.grammar.decode("utf-8")  # (validated by the reader)
-        req = GenRequest(s.id, s.slot, prompt, s.max_tokens, s.temperature, s.top_p, grammar)
-        return self.sched.submit(req)
-
-    def _fewest_tokens(self, payload: bytes) -> int:
-        """A lower bound on the tokens a payload encodes to, without encoding it."""
-        return -(-len(payload) // (FOLD * max(1, self.tokenizer.max_token_bytes)))
