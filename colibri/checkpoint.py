@@ -5,7 +5,7 @@ quant_method "fp8" and `weight_block_size` [b0, b1]) store a linear layer's weig
 float8_e4m3fn with a float32 `weight_scale_inv` per b0 x b1 block; colibri reads such a weight
 as float32, each value its fp8 number times its block's scale rounded once, as transformers
 dequantizes them, or keeps it as FP8 rows (values, then their blocks' scales) that the CPU
-kernels and `layers.widen_rows` widen to exactly those float32s.
+kernels and `formats.HeldFormat.unpack` widen to exactly those float32s.
 
 Integer weight-only checkpoints in compressed-tensors' "pack-quantized" format (W4A16 and W8A16
 releases: `quantization_config` quant_method "compressed-tensors") store a linear layer's
@@ -43,6 +43,18 @@ import ml_dtypes
 import numpy as np
 
 from colibri.config import gptq_format, quantization_config
+from colibri.formats import (
+    BF16_BITS,
+    E4M3,
+    FP8,
+    FP8_ROWS,
+    INT4_ROWS,
+    INT4Z_ROWS,
+    INT8_ROWS,
+    PACKED_ROWS,
+    UNPACK4,
+    of,
+)
 
 # safetensors dtype -> (numpy dtype used to hold the raw bytes, bytes per element)
 _RAW_DTYPES: dict[str, np.dtype] = {
@@ -59,31 +71,6 @@ _RAW_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype("u1"),  # float8_e4m3fn bits, dequantized with their block scales
 }
 _MAX_HEADER = 100 * 1024 * 1024
-# float8_e4m3fn bits -> the float32 each stands for (a table: twice as fast as converting).
-E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-# How colibri holds the bfloat16 weights it keeps as bfloat16 (see weights.holds_bf16): their
-# bit patterns, the top halves of the float32s they stand for.
-BF16_BITS = np.dtype("<u2")
-# How it holds block-quantized FP8 experts (weights.expert_dtype): as bytes, each row of a
-# matrix its L float8_e4m3fn values then its L / b float32 block scales (`Fp8Scales.pack`).
-FP8_ROWS = np.dtype("u1")
-# How it holds pack-quantized int4 weights whose groups fit (weights.expert_dtype): as bytes,
-# each row of a matrix its L values packed two a byte as stored (the first in the low
-# nibble), then its L / g float32 group scales (`GroupScales.pack`). int8, not FP8's uint8:
-# the held dtype names the layout.
-INT4_ROWS = np.dtype("i1")
-# How it holds int4 weights with zero points (GPTQ's asymmetric ones, AWQ's): as uint32 words,
-# each row its L values eight a word (the first in the lowest bits), then its L / g float32
-# group scales s, then as many offsets -z s (z the group's zero point; exact, checked), so
-# that a weight is fma(q, s, -z s) = (q - z) s rounded once (`GroupScales.pack`).
-INT4Z_ROWS = np.dtype("<u4")
-# How it holds 8-bit pack-quantized and GPTQ weights: as int32 words, each row its L values
-# as stored (unsigned bytes, four a word, the first in the lowest byte), then its L / g float32
-# group scales s, then as many offsets -z s (z the group's zero point, 128 when symmetric;
-# exact, checked): a weight is fma(q, s, -z s) = (q - z) s rounded once (`GroupScales.pack`).
-INT8_ROWS = np.dtype("<i4")
-# The dtypes colibri holds pack-quantized rows in (`GroupScales.pack`).
-PACKED_ROWS = (INT4_ROWS, INT4Z_ROWS, INT8_ROWS)
 # The dtypes under which pack-quantized weights are indexed (not safetensors dtypes: their
 # bytes are the `weight_packed` int32 words, or GPTQ's `qweight` words, which hold columns of
 # the matrix rather than rows), and the bits of each value.
@@ -91,9 +78,7 @@ GPTQ_BITS = {"GPTQ4": 4, "GPTQ8": 8, "AWQ4": 4}  # GPTQ's and AWQ's: words of co
 PACKED_BITS = {"PACK4": 4, "PACK8": 8, **GPTQ_BITS}
 for _kind in PACKED_BITS:
     _RAW_DTYPES[_kind] = np.dtype("u1")
-# Packed bytes -> their values as float32, (q - 8, q' - 8) per byte for 4 bits (the first
-# value in the low nibble), q - 128 for 8.
-UNPACK4 = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
+# Packed bytes -> their values as float32: formats.UNPACK4 for 4 bits, q - 128 for 8.
 _UNPACK = {4: UNPACK4, 8: np.arange(256, dtype=np.float32)[:, None] - 128}
 # AWQ's 4-bit words: bits [4 k, 4 k + 4) of word m hold output 8 m + AWQ_ORDER[k].
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
@@ -162,11 +147,8 @@ class Fp8Scales:
                 f"FP8 rows of {self.cols} values need whole blocks of {self.b1} columns"
             )
         rows = raw.size // self.cols
-        out = np.empty((rows, self.cols + 4 * ncb), np.uint8)
-        out[:, : self.cols] = raw.reshape(rows, self.cols)
-        scale = np.ascontiguousarray(self.blocks[(self.row0 + np.arange(rows)) // self.b0])
-        out[:, self.cols :] = scale.astype("<f4").view(np.uint8)
-        return out.reshape(-1)
+        scale = self.blocks[(self.row0 + np.arange(rows)) // self.b0]
+        return FP8.pack(raw.reshape(rows, self.cols), scale)
 
 
 @dataclass(frozen=True)
@@ -235,13 +217,7 @@ class GroupScales:
                 f"{', with zero points' if self.zeros is not None else ''})"
             )
         words = self._row_words(raw)  # whole words a row: cols % 8 == 0
-        n, g = words.shape[1], self.scales.shape[1]
-        out = np.empty((words.shape[0], n + g * (2 if zero_points else 1)), "<u4")
-        out[:, :n] = words
-        out[:, n : n + g] = self.scales.view("<u4")
-        if zero_points:
-            out[:, n + g :] = self._offsets.view("<u4")
-        return out.reshape(-1).view(held)
+        return of(held).pack(words, self.scales, self._offsets if zero_points else None)
 
     @cached_property
     def _offsets(self) -> np.ndarray:

@@ -11,11 +11,14 @@ log = logging.getLogger("colibri")
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import os
+
     from colibri.engine.generate import generate_ids
     from colibri.engine.model import load_model
     from colibri.engine.runner import Runner
+    from colibri.formats import Holding
 
-    model = load_model(args.model, tiers=_tiers(args))
+    model = load_model(args.model, tiers=_tiers(args), holding=Holding.from_env(os.environ))
     if model.tokenizer is None:
         raise ValueError(f"{args.model}: no tokenizer.json, cannot encode a text prompt")
     ids = model.tokenizer.encode(args.prompt)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,18 +9,9 @@ import jax
 import numpy as np
 
 from colibri import hugepages
-from colibri.checkpoint import (
-    BF16_BITS,
-    FP8_ROWS,
-    INT4Z_ROWS,
-    INT8_ROWS,
-    PACKED_BITS,
-    PACKED_ROWS,
-    Checkpoint,
-    CheckpointError,
-    TensorInfo,
-)
+from colibri.checkpoint import PACKED_BITS, Checkpoint, CheckpointError, TensorInfo
 from colibri.config import ModelConfig
+from colibri.formats import BF16_BITS, FP8_ROWS, HOLD_ALL, PACKED_ROWS, Holding, of
 
 Params = dict[str, Any]
 
@@ -73,16 +63,14 @@ def _fused_prefix(cfg: ModelConfig, layer: int) -> str:
     return f"model.layers.{layer}.mlp.experts"
 
 
-def holds_bf16(ckpt: Checkpoint) -> bool:
+def holds_bf16(ckpt: Checkpoint, holding: Holding = HOLD_ALL) -> bool:
     """Whether colibri keeps this checkpoint's bfloat16 weights as bfloat16 (their bit
     patterns: half the memory and half the bytes a token reads) rather than widening them to
-    float32 at load: when it has any, unless `COLIBRI_BF16=0`. Compute is float32 either way:
+    float32 at load: when it has any, unless `holding.bf16` is off. Compute is float32 either way:
     the CPU kernels widen each weight exactly as they load it and give bitwise what the weights
     widened at load give; XLA's products (prefill, GPU, kernels off), into which the widening
     is fused, give the same to float32 rounding."""
-    if os.environ.get("COLIBRI_BF16", "1") == "0":
-        return False
-    return any(t.dtype == "BF16" for t in ckpt.tensors.values())
+    return holding.bf16 and any(t.dtype == "BF16" for t in ckpt.tensors.values())
 
 
 def hold_bf16(params: Params) -> Params:
@@ -99,16 +87,16 @@ def hold_bf16(params: Params) -> Params:
     return jax.tree.map(held, params)
 
 
-def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
+def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL) -> np.dtype:
     """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
     every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
     float32) when it stores every one block-quantized in float8_e4m3fn with whole column
-    blocks of a multiple of 8, unless `COLIBRI_FP8=0`; as int4 rows (INT4_ROWS: about an
+    blocks of a multiple of 8, unless `holding.fp8` is off; as int4 rows (INT4_ROWS: about an
     eighth) when it stores every one pack-quantized (or GPTQ- or AWQ-quantized) in four bits
     with one group width for gate and up and one for down (`expert_groups`), unless
-    `COLIBRI_INT4=0`, as INT4Z_ROWS (with each group's offset) if any has zero points; as
-    int8 rows (INT8_ROWS: about a quarter) when every one is in eight bits likewise, unless
-    `COLIBRI_INT8=0`; else as float32 (other pack-quantized experts are dequantized as they
+    `holding.int4` is none, as INT4Z_ROWS (with each group's offset) if any has zero points;
+    as int8 rows (INT8_ROWS: about a quarter) when every one is in eight bits likewise, unless
+    `holding.int8` is none; else as float32 (other pack-quantized experts are dequantized as they
     are read, GPTQ's with activation order among them)."""
     parts = [
         t
@@ -117,13 +105,13 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig) -> np.dtype:
         for t, _, _ in expert_slab(ckpt, cfg, layer, e).parts
     ]
     dtypes = {t.dtype for t in parts}
-    if dtypes == {"BF16"} and holds_bf16(ckpt):
+    if dtypes == {"BF16"} and holds_bf16(ckpt, holding):
         return BF16_BITS
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
-    if dtypes == {"F8_E4M3"} and fit and holds_fp8():
+    if dtypes == {"F8_E4M3"} and fit and holding.fp8:
         return FP8_ROWS
     bits = {PACKED_BITS.get(d) for d in dtypes}
-    if len(bits) == 1 and bits <= {4, 8} and holds_packed(bits.pop()):
+    if len(bits) == 1 and bits <= {4, 8} and holding.packed(bits.pop()):
         fits = {t: ckpt.packed_fit(t) for t in dict.fromkeys(parts)}  # each matrix's scales once
         helds = {held for _, held in fits.values()}
         if None not in helds and all(expert_groups(ckpt, parts, fits)):
@@ -159,24 +147,6 @@ def row_blocks(ckpt: Checkpoint, cfg: ModelConfig, held: np.dtype) -> tuple[int,
     return 0, 0
 
 
-def holds_packed(bits: int, dense: bool = False) -> bool:
-    """Whether colibri keeps a pack-quantized checkpoint's `bits`-bit matrices (4 or 8) as
-    rows of their values and group scales (int4 rows: about an eighth of the bytes of float32;
-    int8 rows: about a quarter) rather than dequantizing them to float32 at load: the routed
-    experts (`expert_dtype`) unless `COLIBRI_INT4` (`COLIBRI_INT8`) is 0, the other matrices
-    (`load_dense`, `dense`) unless it is 0 or `experts` (which trades their memory for the
-    widening they cost steps of many rows)."""
-    mode = os.environ.get(f"COLIBRI_INT{bits}", "1")
-    return mode != "0" and not (dense and mode == "experts")
-
-
-def holds_fp8() -> bool:
-    """Whether colibri keeps a block-quantized checkpoint's FP8 matrices as FP8 rows (their
-    values and block scales, a quarter of the bytes of float32; `expert_dtype`, `load_dense`)
-    rather than dequantizing them to float32 at load: unless `COLIBRI_FP8=0`."""
-    return os.environ.get("COLIBRI_FP8", "1") != "0"
-
-
 def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
     """Whether rows of `cols` weights can be held as FP8 rows: whole column blocks of a
     multiple of 8 (the kernels widen eight at a time)."""
@@ -185,17 +155,11 @@ def fp8_rows_fit(ckpt: Checkpoint, cols: int) -> bool:
 
 
 def held_cols(n: int, held: np.dtype, block: int) -> int:
-    """Elements a matrix row of n weights takes held as `held`: n, for FP8_ROWS n values and
-    n / block float32 scales, for INT4_ROWS n / 2 bytes of values and n / block scales, for
-    INT4Z_ROWS n / 8 words of values and n / block scales and offsets, for INT8_ROWS n / 4
-    words of values and n / block scales and offsets."""
-    if np.dtype(held) not in (FP8_ROWS, *PACKED_ROWS):
-        return n
-    if block <= 0:
-        raise CheckpointError(f"rows of {n} weights held as {np.dtype(held)} need scale blocks")
-    if np.dtype(held) in (INT4Z_ROWS, INT8_ROWS):
-        return n // (8 if np.dtype(held) == INT4Z_ROWS else 4) + 2 * (n // block)
-    return (n if np.dtype(held) == FP8_ROWS else n // 2) + 4 * (n // block)
+    """Elements a matrix row of n weights takes held as `held` (`formats.HeldFormat`)."""
+    try:
+        return of(held).row_elements(n, block)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def expert_shapes(
@@ -231,11 +195,12 @@ def read_expert(
     return tuple(out)
 
 
-def load_dense(ckpt: Checkpoint, cfg: ModelConfig) -> Params:
+def load_dense(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL) -> Params:
     """Every weight except routed experts, as float32 numpy arrays, shape-checked; a
-    block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holds_fp8`), a
-    pack-quantized one's int4 and int8 matrices as their rows where they fit (`holds_packed`)."""
-    ckpt = _Matrices(ckpt, holds_fp8(), {b: holds_packed(b, dense=True) for b in (4, 8)})
+    block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holding.fp8`), a
+    pack-quantized one's int4 and int8 matrices as their rows where they fit
+    (`holding.packed`)."""
+    ckpt = _Matrices(ckpt, holding.fp8, {b: holding.packed(b, dense=True) for b in (4, 8)})
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
     if cfg.tie_word_embeddings and "lm_head.weight" not in ckpt:

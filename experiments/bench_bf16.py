@@ -44,6 +44,7 @@ from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.checkpoint import to_f32
 from colibri.config import load_config
+from colibri.formats import Holding
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
@@ -73,7 +74,7 @@ def bf16_checkpoint(name: str) -> Path:
 
 def engine(ckpt: Path, held: str):
     """(runner, first tokens of 16 conversations) with the weights held as `held`."""
-    runner, first = engine_under(ckpt, {"COLIBRI_BF16": "0" if held == "float32" else "1"})
+    runner, first = engine_under(ckpt, Holding(bf16=held != "float32"))
     model = runner.model
     assert (model.store.held.itemsize == 2) == (held == "bfloat16")
     assert (model.params["lm_head"].dtype.itemsize == 2) == (held == "bfloat16")

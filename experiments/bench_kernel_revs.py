@@ -1,7 +1,7 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
     [--prompt 256]
 
-A kernel of colibri/kernels/cpu.cc in two versions side by side, in one process: the working
+A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
 its own and registered with XLA under names of their own; their calls alternate, so that both
 meet the same phases of a machine whose speed moves by a quarter within minutes (runs in
@@ -64,17 +64,25 @@ HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 
 
+def git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=HERE.parent, check=True, capture_output=True).stdout
+
+
 def source_at(rev: str, into: Path) -> Path:
-    """cpu.cc as it is at git revision `rev`."""
-    text = subprocess.run(
-        ["git", "show", f"{rev}:colibri/kernels/cpu.cc"],
-        cwd=HERE.parent,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    out = into / "cpu.cc"
-    out.write_text(text)
+    """The kernels' source as it is at git revision `rev`, written under `into`: the folder
+    colibri/kernels/cpu/ where `rev` has it (kernels.build compiles its cpu.cc), else the one
+    file colibri/kernels/cpu.cc of the revisions before it."""
+    folder = "colibri/kernels/cpu/"
+    paths = git("ls-tree", "-r", "--name-only", rev, "--", folder).decode().splitlines()
+    if not paths:
+        out = into / "cpu.cc"
+        out.write_bytes(git("show", f"{rev}:colibri/kernels/cpu.cc"))
+        return out
+    out = into / "cpu"
+    for path in paths:
+        file = out / path.removeprefix(folder)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(git("show", f"{rev}:{path}"))
     return out
 
 

@@ -43,12 +43,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from colibri.checkpoint import BF16_BITS, FP8_ROWS, INT4_ROWS, INT4Z_ROWS, Checkpoint
+from colibri.checkpoint import Checkpoint
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.experts.budget import GiB, TierConfig
 from colibri.experts.disk import drop_page_cache
 from colibri.experts.usage import write_usage
+from colibri.formats import BF16_BITS, FP8_ROWS, INT4_ROWS, INT4Z_ROWS
 from colibri.report import markdown_table
 from colibri.synth import SynthSpec, synthesize
 

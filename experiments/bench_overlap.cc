@@ -1,6 +1,7 @@
 // Whether a core overlaps streaming weights from DRAM with the arithmetic on them: colibri's
-// own matrix-vector tiles (colibri/kernels/cpu.cc, included here: -DCPU_CC="path") run on one
-// or two pinned cores, each over a buffer of its own. Built and run by bench_overlap.py.
+// own matrix-vector tiles (colibri/kernels/cpu/cpu.cc and its headers, included here:
+// -DCPU_CC="path") run on one or two pinned cores, each over a buffer of its own. Built and run
+// by bench_overlap.py.
 //
 // usage: bench_overlap ROW_FLOATS INPUTS MIB SECONDS REPEATS
 // prints "case core inputs where GB/s GFLOP/s" per core of each case, the best of REPEATS

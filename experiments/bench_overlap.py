@@ -1,7 +1,7 @@
 """python experiments/bench_overlap.py [--inputs 16] [--rows 768] [--mib 256] [--repeats 5]
 
 Whether a core hides streaming weights from DRAM behind the arithmetic on them, measured with
-colibri's own matrix-vector tiles (colibri/kernels/cpu.cc, compiled into a small driver,
+colibri's own matrix-vector tiles (colibri/kernels/cpu/, compiled into a small driver,
 bench_overlap.cc, with the kernels' flags). This bounds decode with many rows: a row of
 weights met by 16 inputs costs 8 FLOP a byte, so a core computing it from DRAM needs both its
 streaming and its arithmetic at once. Cases, each thread pinned to a core, each core over
@@ -11,7 +11,7 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 - one core streams: one input (memory only);
 - one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
 - two cores stream; one computes while the other streams (the expert calls' pairing of
-  experts many rows chose with experts few chose, cpu.cc's ExpertCall); two cores compute.
+  experts many rows chose with experts few chose, cpu/experts.h's ExpertCall); two cores compute.
 
 Per case and core: GB/s of weights and GFLOP/s, best of --repeats (cases interleaved). The
 summary compares one core's DRAM case with its two parts: the time streaming and computing would

@@ -58,6 +58,7 @@ from colibri.bench.replay import compare, on_huge_pages, record_routes
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.config import load_config
+from colibri.formats import HOLD_ALL, Holding
 from colibri.report import markdown_table, write_report
 from colibri.weights import expert_shapes
 
@@ -84,12 +85,12 @@ def kernel_level(ckpt: Path, fmt: str, rows: int, passes: int) -> dict:
     return compare(dict.fromkeys(hold, call), load_config(ckpt), routes, passes, hold)
 
 
-def engine(ckpt: Path, fmt: str, switch: str):
-    """(runner, first tokens of 16 conversations) with the format's switch (COLIBRI_FP8,
-    COLIBRI_INT4, COLIBRI_INT8) set to `switch`: "0" dequantizes at load."""
+def engine(ckpt: Path, fmt: str, holding: Holding):
+    """(runner, first tokens of 16 conversations) with the matrices held as `holding` allows
+    (the format's `off` dequantizes at load)."""
     f = FORMATS[fmt]
-    runner, first = engine_under(ckpt, {f["env"]: switch})
-    assert (runner.model.store.held == f["held"]) == (switch != "0")
+    runner, first = engine_under(ckpt, holding)
+    assert (runner.model.store.held == f["held"]) == (holding != f["off"])
     return runner, first
 
 
@@ -164,7 +165,7 @@ def main() -> None:
             passes = args.passes or {"kernel": 14, "engine": 2}[level]
             if level == "engine":
                 ckpt = shape_checkpoint(name, fmt, **f["synth"])
-                switches = {"float32": "0", fmt: "1", **f.get("modes", {})}
+                switches = {"float32": f["off"], fmt: HOLD_ALL, **f.get("modes", {})}
                 engines = {h: engine(ckpt, fmt, v) for h, v in switches.items()}
                 assert engines[fmt][0].model.store.expert_bytes == held_bytes[fmt]
             else:

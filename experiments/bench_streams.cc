@@ -1,6 +1,6 @@
 // Weight streaming rate of matrix-vector products, by how the rows read side by side are laid
 // out: built and run by bench_streams.py. Every dot product is one 8-lane FMA chain, as in
-// colibri/kernels/cpu.cc; only the order in which rows are visited changes.
+// colibri/kernels/cpu/tiles.h; only the order in which rows are visited changes.
 //
 // usage: bench_streams ROW_FLOATS CHUNK_ROWS MIB REPEATS
 // prints "layout rows_side_by_side gap_rows GB/s" per layout, best of REPEATS.

@@ -1,7 +1,7 @@
 """python experiments/bench_streams.py [--mib 400] [--repeats 5] [--rows 512,768,4096]
 
 How fast weights stream through a matrix-vector product depending on which rows are read side
-by side: the fact behind the row order of colibri's CPU kernels (colibri/kernels/cpu.cc). A
+by side: the fact behind the row order of colibri's CPU kernels (colibri/kernels/cpu/tiles.h). A
 small C++ program (bench_streams.cc, built here with the same flags as the kernels) computes
 y = W x over --mib MiB of float32 weights on every core, in work items of 64 rows, visiting the
 rows of an item one at a time, 4 or 8 neighbours side by side, or 4 (8) side by side a quarter

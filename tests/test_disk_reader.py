@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from colibri.checkpoint import BF16_BITS, E4M3, FP8_ROWS, Checkpoint, CheckpointError, to_f32
+from colibri.checkpoint import Checkpoint, CheckpointError, to_f32
 from colibri.config import load_config
 from colibri.experts import disk
 from colibri.experts.disk import DiskReader
+from colibri.formats import BF16_BITS, E4M3, FP8_ROWS
 from colibri.synth import SynthSpec, synthesize
 from colibri.weights import expert_dtype, expert_stacks, load_experts
 

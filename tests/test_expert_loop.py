@@ -18,9 +18,6 @@ from hypothesis import strategies as st
 
 from colibri import kernels
 from colibri.checkpoint import (
-    INT4_ROWS,
-    INT4Z_ROWS,
-    INT8_ROWS,
     Checkpoint,
     Fp8Scales,
     quantize_awq,
@@ -29,6 +26,7 @@ from colibri.checkpoint import (
     to_f32,
     write_safetensors,
 )
+from colibri.formats import INT4_ROWS, INT4Z_ROWS, INT8_ROWS
 from colibri.model.layers import widen_rows
 from colibri.model.moe import expert_outputs, expert_plan
 from colibri.synth import awq_quantization

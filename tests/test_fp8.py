@@ -13,6 +13,7 @@ from colibri.checkpoint import Checkpoint, CheckpointError, quantize_fp8, write_
 from colibri.config import ConfigError, config_from_dict
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
+from colibri.formats import Holding
 from colibri.synth import SynthSpec, hf_config, synthesize
 
 # A small DeepSeek-V3-style FP8 checkpoint (`colibri synth --dtype fp8`), hidden size 64.
@@ -149,7 +150,7 @@ def test_placement_never_changes_fp8_logits(checkpoints):
 
 
 @pytest.mark.parametrize("tiered", [False, True])
-def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpoints, monkeypatch):
+def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpoints):
     """A block-quantized checkpoint's FP8 matrices are held as FP8 rows (values and block
     scales: under a third of the bytes of float32 here, a quarter with 128-wide blocks): the
     routed experts in every tier, and the attention's and shared experts' matrices. Wherever
@@ -157,7 +158,7 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     of the matrices dequantized to float32 at load (COLIBRI_FP8=0); a longer prefill, in XLA's
     products, the same to float32 rounding."""
     d = checkpoints("deepseek_v3", "fp8")
-    got = tiny.held_and_dequantized(d, "COLIBRI_FP8", tiered, monkeypatch)
+    got = tiny.held_and_dequantized(d, "COLIBRI_FP8", tiered)
     (h8, d8, eb8, pre8, dec8), (h32, d32, eb32, pre32, dec32) = got
     assert (h8, h32) == (np.uint8, np.float32)
     assert d8 == (np.uint8, np.float32, np.float32)  # attention's matrices too; norms, lm_head
@@ -171,7 +172,7 @@ def test_fp8_experts_held_as_fp8_decode_what_dequantized_ones_do(tiered, checkpo
     assert np.argmax(pre8[2]) == np.argmax(pre32[2])
 
 
-def test_matrices_whose_columns_split_a_block_are_dequantized_at_load(tmp_path, monkeypatch):
+def test_matrices_whose_columns_split_a_block_are_dequantized_at_load(tmp_path):
     """Blocks of 32 columns: rows of 64 are whole blocks (held as FP8 rows), rows of 48 are
     not (those matrices, and so the routed experts, are dequantized to float32 at load). The
     mixture decodes bitwise what COLIBRI_FP8=0 gives, resident and tiered alike."""
@@ -180,8 +181,7 @@ def test_matrices_whose_columns_split_a_block_are_dequantized_at_load(tmp_path, 
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
     got = []
     for fp8, tiered in (("1", False), ("1", True), ("0", False)):
-        monkeypatch.setenv("COLIBRI_FP8", fp8)
-        model, probe = tiny.load_placed(d, tiered)
+        model, probe = tiny.load_placed(d, tiered, Holding.from_env({"COLIBRI_FP8": fp8}))
         assert model.store.held == np.float32
         attn, shared = model.params["layers"][1]["attn"], model.params["layers"][1]["moe"]
         kinds = (attn["q_a"].dtype, shared["shared"]["down"].dtype)  # 64 and 48 columns

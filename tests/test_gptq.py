@@ -15,9 +15,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from colibri.checkpoint import (
-    INT4_ROWS,
-    INT4Z_ROWS,
-    INT8_ROWS,
     Checkpoint,
     CheckpointError,
     quantize_awq,
@@ -27,6 +24,7 @@ from colibri.checkpoint import (
 from colibri.config import ConfigError, config_from_dict, load_config
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
+from colibri.formats import INT4_ROWS, INT4Z_ROWS, INT8_ROWS
 from colibri.synth import SynthSpec, awq_quantization, gptq_quantization, hf_config, synthesize
 
 
@@ -352,12 +350,12 @@ def test_synth_gptq4_is_the_gptq_layout_and_matches_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("dtype, held", [("gptq4", np.int8), ("awq4", np.uint32)])
-def test_int4_rows_decode_what_dequantized_weights_do(dtype, held, checkpoints, monkeypatch):
+def test_int4_rows_decode_what_dequantized_weights_do(dtype, held, checkpoints):
     """Symmetric GPTQ int4 weights held as int4 rows, AWQ's (zero points) as int4 rows with
     their offsets (routed experts read from disk and staged, the attention's matrices) decode
     bitwise what they give dequantized at load."""
     d = checkpoints("deepseek_v3", dtype)
-    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", True, monkeypatch)
+    got = tiny.held_and_dequantized(d, "COLIBRI_INT4", True)
     (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got
     assert (h4, h32) == (held, np.float32)
     assert d4 == (held, np.float32, np.float32)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +22,6 @@ from hypothesis import strategies as st
 
 from colibri import kernels
 from colibri.checkpoint import (
-    INT4Z_ROWS,
-    INT8_ROWS,
     Fp8Scales,
     GroupScales,
     integer_grid,
@@ -29,6 +29,7 @@ from colibri.checkpoint import (
     quantize_packed,
     to_f32,
 )
+from colibri.formats import FORMATS, INT4Z_ROWS, INT8_ROWS
 from colibri.model import layers
 
 _native = jax.jit(kernels.linear)
@@ -269,28 +270,86 @@ def test_kernels_can_be_turned_off():
 
 
 def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
-    """Each source gets one library in the cache folder, named by a key of its content: found,
-    not rebuilt, the next time; another revision gets its own; a source that does not compile
+    """Each source folder gets one library in the cache folder, named by a key of the content of
+    its every .cc and .h file: found, not rebuilt, the next time (given the folder or its cpu.cc);
+    another revision, of cpu.cc or of a header, gets its own; a source that does not compile
     leaves nothing behind. The engine's library is built this way once (before the suite) and
     the one loaded is the one found."""
     lib = kernels._library()
     assert lib is not None and Path(lib._name) == kernels.build()
+    assert kernels.build(kernels.SOURCE) == kernels.build(kernels.SOURCE_DIR) == kernels.build()
     monkeypatch.setenv("COLIBRI_KERNEL_CACHE", str(tmp_path))
-    source = tmp_path / "src" / "cpu.cc"
-    source.parent.mkdir()
-    source.write_text('extern "C" int colibri_answer() { return 42; }\n')
-    first = kernels.build(source)
+    folder = tmp_path / "src"
+    folder.mkdir()
+    source, header = folder / "cpu.cc", folder / "answer.h"
+    header.write_text("constexpr int kAnswer = 42;\n")
+    source.write_text('#include "answer.h"\nextern "C" int colibri_answer() { return kAnswer; }\n')
+    first = kernels.build(folder)
     assert first.parent == tmp_path and first.suffix == ".so"
     assert ctypes.CDLL(str(first)).colibri_answer() == 42
     built = first.stat().st_mtime_ns
-    assert kernels.build(source) == first and first.stat().st_mtime_ns == built  # found
-    source.write_text(source.read_text() + "// another revision\n")
-    second = kernels.build(source)
+    (folder / "notes.txt").write_text("not a source file\n")
+    assert kernels.build(folder) == kernels.build(source) == first  # found
+    assert first.stat().st_mtime_ns == built
+    header.write_text("constexpr int kAnswer = 43;\n")
+    second = kernels.build(folder)
     assert second.parent == tmp_path and second != first
+    assert ctypes.CDLL(str(second)).colibri_answer() == 43
+    source.write_text(source.read_text() + "// another revision\n")
+    third = kernels.build(source)
+    assert third not in (first, second)
     source.write_text("not C++\n")
     with pytest.raises(RuntimeError, match="failed"):
-        kernels.build(source)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, second.name, "src"])
+        kernels.build(folder)
+    with pytest.raises(FileNotFoundError):
+        kernels.build(tmp_path / "nowhere")
+    kept = [first.name, second.name, third.name, "src"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+# ffi::DataType of a held format's buffers (cpu/formats.h) -> the dtype colibri stores it as.
+_BUFFER_DTYPES = {"F32": "<f4", "U16": "<u2", "U8": "u1", "S8": "i1", "U32": "<u4", "S32": "<i4"}
+
+
+def _held_formats_in_cpp() -> list[tuple[str, str, str, str]]:
+    """The lines X(Name, suffix, buffer, T) of COLIBRI_HELD_FORMATS in cpu/formats.h."""
+    text = (kernels.SOURCE_DIR / "formats.h").read_text()
+    found = re.search(r"#define COLIBRI_HELD_FORMATS\(X\)((?:.*\\\n)*.*)", text)
+    assert found, "no COLIBRI_HELD_FORMATS in cpu/formats.h"
+    return re.findall(r"X\(\s*(\w*)\s*,\s*(\w*)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)", found.group(1))
+
+
+def test_the_kernels_hold_the_formats_colibri_formats_lists():
+    """The C++ list of held formats, from which cpu.cc defines each one's handlers, is
+    colibri.formats.FORMATS in its order: the same target suffixes, the symbol names the
+    Python side derives from them, buffers of the dtype each format is stored in."""
+    cpp = _held_formats_in_cpp()
+    assert len(cpp) == len(FORMATS)
+    assert [(name, suffix) for name, suffix, _, _ in cpp] == [
+        (kernels._symbol(f.suffix), f.suffix) for f in FORMATS
+    ]
+    assert [np.dtype(_BUFFER_DTYPES[buffer]) for _, _, buffer, _ in cpp] == [
+        f.storage for f in FORMATS
+    ]
+
+
+def test_the_registered_targets_are_those_the_formats_make():
+    """An expert and a linear target per held format, attention and the cut flag: each one a
+    handler the library exports, and it exports no handler that is not registered."""
+    made = {"colibri_attend", "colibri_cut_requested"}
+    made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 2
+    lib = kernels._library()
+    assert lib is not None
+    assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the library's symbols")
+    listed = subprocess.run(
+        [nm, "-D", "--defined-only", lib._name], capture_output=True, text=True, check=True
+    ).stdout
+    exported = {line.split()[-1] for line in listed.splitlines() if line.strip()}
+    assert {s for s in exported if s.startswith("Colibri")} == set(kernels._TARGETS.values())
 
 
 @settings(max_examples=12, deadline=None)

@@ -11,16 +11,11 @@ import numpy as np
 import pytest
 import tiny
 
-from colibri.checkpoint import (
-    INT4_ROWS,
-    Checkpoint,
-    CheckpointError,
-    quantize_packed,
-    write_safetensors,
-)
+from colibri.checkpoint import Checkpoint, CheckpointError, quantize_packed, write_safetensors
 from colibri.config import ConfigError, config_from_dict
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
+from colibri.formats import INT4_ROWS, Holding
 from colibri.synth import SynthSpec, hf_config, packed_quantization, synthesize
 
 KINDS = {"packed": "I32", "shape": "I64"}
@@ -226,9 +221,7 @@ def test_placement_never_changes_packed_logits(checkpoints, dtype, held):
     "dtype, tiered, rows, nbytes",  # bytes a weight held: tests/tiny.py's groups of 8 columns
     [("int4", False, np.int8, 1), ("int4", True, np.int8, 1), ("int8", True, np.int32, 2)],
 )
-def test_packed_rows_decode_what_dequantized_weights_do(
-    dtype, tiered, rows, nbytes, checkpoints, monkeypatch
-):
+def test_packed_rows_decode_what_dequantized_weights_do(dtype, tiered, rows, nbytes, checkpoints):
     """A pack-quantized checkpoint's int4 (int8) matrices are held as int4 (int8) rows: bytes
     of values and group scales, here under a quarter (a half) of the bytes of float32, about
     an eighth (a quarter) with groups of 128; the routed experts in every tier, and the
@@ -237,7 +230,7 @@ def test_packed_rows_decode_what_dequantized_weights_do(
     float32 at load (COLIBRI_INT4=0, COLIBRI_INT8=0); a longer prefill, in XLA's products,
     the same to float32 rounding."""
     d = checkpoints("deepseek_v3", dtype)
-    got = tiny.held_and_dequantized(d, f"COLIBRI_{dtype.upper()}", tiered, monkeypatch)
+    got = tiny.held_and_dequantized(d, f"COLIBRI_{dtype.upper()}", tiered)
     (h4, d4, eb4, pre4, dec4), (h32, d32, eb32, pre32, dec32) = got
     assert (h4, h32) == (rows, np.float32)
     assert d4 == (rows, np.float32, np.float32)  # attention's matrices too; norms, lm_head
@@ -253,7 +246,7 @@ def test_packed_rows_decode_what_dequantized_weights_do(
     assert np.argmax(pre4[2]) == np.argmax(pre32[2])
 
 
-def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path, monkeypatch):
+def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path):
     """Groups of 4 columns (not a multiple of 8) or in activation order (g_idx) cannot be held
     as int4 rows: those checkpoints are dequantized to float32 at load and decode bitwise
     what COLIBRI_INT4=0 gives."""
@@ -265,8 +258,7 @@ def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path, monkey
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
     got = []
     for int4 in ("1", "0"):
-        monkeypatch.setenv("COLIBRI_INT4", int4)
-        model = load_model(d, progress=False)
+        model = load_model(d, progress=False, holding=Holding.from_env({"COLIBRI_INT4": int4}))
         assert model.store.held == np.float32
         assert model.params["layers"][0]["attn"]["qkv"].dtype == np.float32
         got.append(tiny.prefill_then_decode(model, prompts))
@@ -275,7 +267,7 @@ def test_groups_the_kernels_cannot_take_are_dequantized_at_load(tmp_path, monkey
     np.testing.assert_array_equal(got[0][1], got[1][1])
 
 
-def test_int4_experts_mode_keeps_only_the_routed_experts_as_int4_rows(checkpoints, monkeypatch):
+def test_int4_experts_mode_keeps_only_the_routed_experts_as_int4_rows(checkpoints):
     """COLIBRI_INT4=experts: the routed experts stay int4 rows, the attention's and shared
     experts' matrices are dequantized to float32 at load; every computation on the kernels
     still gives bitwise what all of them dequantized give."""
@@ -283,8 +275,7 @@ def test_int4_experts_mode_keeps_only_the_routed_experts_as_int4_rows(checkpoint
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7]]
     got = {}
     for mode in ("experts", "0"):
-        monkeypatch.setenv("COLIBRI_INT4", mode)
-        model = load_model(d, progress=False)
+        model = load_model(d, progress=False, holding=Holding.from_env({"COLIBRI_INT4": mode}))
         attn, moe = model.params["layers"][1]["attn"], model.params["layers"][1]["moe"]
         got[mode] = (model.store.held, attn["o"].dtype, moe["shared"]["down"].dtype)
         got[mode] += tiny.prefill_then_decode(model, prompts)

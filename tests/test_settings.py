@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from colibri.engine.settings import WIRES, EngineSettings, child_env
 from colibri.experts.budget import POLICIES, GiB, TierConfig
+from colibri.formats import Holding
 
 PACKAGE = Path(__file__).resolve().parent.parent / "colibri"
 SCHEMA = {PACKAGE / "engine" / "settings.py", PACKAGE / "experts" / "budget.py"}
+SCHEMA |= {PACKAGE / "formats.py"}
 
 budgets = st.one_of(st.none(), st.integers(0, 64 * GiB))
 tiers = st.builds(
@@ -43,6 +45,13 @@ settings = st.builds(
     profile=st.booleans(),
     state_dir=st.one_of(st.none(), st.sampled_from(["/tmp/state", "rel/dir"])),
     tiers=tiers,
+    holding=st.builds(
+        Holding,
+        bf16=st.booleans(),
+        fp8=st.booleans(),
+        int4=st.sampled_from(["all", "experts", "none"]),
+        int8=st.sampled_from(["all", "experts", "none"]),
+    ),
 )
 
 

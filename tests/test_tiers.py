@@ -14,6 +14,7 @@ from colibri.engine.runner import Row, Runner, _decode_burst
 from colibri.experts.budget import TierConfig
 from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM
 from colibri.experts.usage import read_usage, write_usage
+from colibri.formats import Holding
 
 PROMPTS = [
     "def add(a, b):",
@@ -210,9 +211,7 @@ def test_greedy_identical_under_every_policy_and_budget(family, checkpoints, tmp
 
 
 @pytest.mark.parametrize("tiered", [False, True])
-def test_bfloat16_weights_held_as_such_decode_what_float32_ones_do(
-    tiered, checkpoints, monkeypatch
-):
+def test_bfloat16_weights_held_as_such_decode_what_float32_ones_do(tiered, checkpoints):
     """A bfloat16 checkpoint's matrices, routed experts and dense ones, are held as bfloat16
     bits (half the bytes, in memory and per token read). Wherever the CPU kernels compute
     (decode, and prefill of up to 16 tokens) the logits are bitwise those of the same weights
@@ -222,8 +221,7 @@ def test_bfloat16_weights_held_as_such_decode_what_float32_ones_do(
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
     got = {}
     for bf16 in ("1", "0"):
-        monkeypatch.setenv("COLIBRI_BF16", bf16)
-        model, probe = tiny.load_placed(d, tiered)
+        model, probe = tiny.load_placed(d, tiered, Holding.from_env({"COLIBRI_BF16": bf16}))
         logits, steps = tiny.prefill_then_decode(model, prompts)
         dense = (model.params["lm_head"].dtype, model.params["final_norm"].dtype)
         got[bf16] = (model.store.held, dense, model.store.expert_bytes, logits, steps)

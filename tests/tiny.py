@@ -332,32 +332,37 @@ def _float32_copy(model_dir: Path, out: Path, cfg: dict, save) -> Path:
     return out
 
 
-def load_placed(model_dir: Path, tiered: bool):
+def load_placed(model_dir: Path, tiered: bool, holding=None):
     """(model, probe): the checkpoint loaded with every routed expert resident (model is probe),
-    or tiered: 3 device slots a layer and 4 experts' room in RAM, the rest read from disk."""
+    or tiered: 3 device slots a layer and 4 experts' room in RAM, the rest read from disk;
+    matrices held as `holding` (a formats.Holding; default: every format) allows."""
     from colibri.engine.model import load_model
     from colibri.experts.budget import TierConfig
+    from colibri.formats import HOLD_ALL
 
-    probe = load_model(model_dir, progress=False)
+    holding = holding or HOLD_ALL
+
+    probe = load_model(model_dir, progress=False, holding=holding)
     if not tiered:
         return probe, probe
     eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
     tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb)
-    model = load_model(model_dir, tiers=tiers, progress=False)
+    model = load_model(model_dir, tiers=tiers, progress=False, holding=holding)
     assert not model.store.all_resident
     return model, probe
 
 
-def held_and_dequantized(model_dir: Path, switch: str, tiered: bool, monkeypatch) -> list:
+def held_and_dequantized(model_dir: Path, switch: str, tiered: bool) -> list:
     """A quantized DeepSeek-style checkpoint loaded with `switch` (COLIBRI_FP8, COLIBRI_INT4)
     on, then off (dequantized at load), resident or tiered; for each: (how the routed experts
     are held, the dtypes of layer 0's o projection, kv_a norm and lm_head, an expert's bytes,
     and `prefill_then_decode`'s logits for two short prompts and one of 40 tokens)."""
+    from colibri.formats import Holding
+
     prompts = [[5, 9, 300, 17], [44, 2, 2, 81, 6, 7], list(range(3, 43))]
     got = []
     for on in ("1", "0"):
-        monkeypatch.setenv(switch, on)
-        model, probe = load_placed(model_dir, tiered)
+        model, probe = load_placed(model_dir, tiered, Holding.from_env({switch: on}))
         logits, steps = prefill_then_decode(model, prompts)
         attn = model.params["layers"][0]["attn"]
         dense = (attn["o"].dtype, attn["kv_a_norm"].dtype, model.params["lm_head"].dtype)

@@ -8,17 +8,8 @@ from functools import partial
 
 import numpy as np
 
-from colibri.checkpoint import (
-    FP8_ROWS,
-    INT4_ROWS,
-    INT4Z_ROWS,
-    INT8_ROWS,
-    Fp8Scales,
-    GroupScales,
-    integer_grid,
-    quantize_fp8,
-    quantize_packed,
-)
+from colibri.checkpoint import Fp8Scales, GroupScales, integer_grid, quantize_fp8, quantize_packed
+from colibri.formats import FP8_ROWS, INT4_ROWS, INT4Z_ROWS, INT8_ROWS, Holding
 
 BLOCK = 128  # fp8: the side of a block sharing one scale
 GROUP = 128  # int4, int8: the columns sharing one scale
@@ -63,12 +54,12 @@ def awq4_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(rows), np.stack(wide)
 
 
-# Per format: the held rows, the switch that dequantizes at load instead, how random experts
-# are quantized, the synth changes, the scale block widths, and what the report says of it.
+# Per format: the held rows, the holding that dequantizes at load instead (`off`), how random
+# experts are quantized, the synth changes, the scale block widths, and what the report says of it.
 FORMATS = {
     "fp8": dict(
         held=FP8_ROWS,
-        env="COLIBRI_FP8",
+        off=Holding(fp8=False),
         pair=fp8_pair,
         synth=dict(fp8_block=BLOCK),
         blocks=(BLOCK, BLOCK),
@@ -77,7 +68,7 @@ FORMATS = {
     ),
     "int4": dict(
         held=INT4_ROWS,
-        env="COLIBRI_INT4",
+        off=Holding(int4="none"),
         pair=packed_pair,
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),
@@ -85,11 +76,11 @@ FORMATS = {
         note=f"Pack-quantized int4 (compressed-tensors W4A16), a scale per {GROUP} columns; "
         "at the engine level also with only the routed experts as int4 rows "
         "(COLIBRI_INT4=experts: attention dequantized at load).",
-        modes={"int4, dense float32": "experts"},
+        modes={"int4, dense float32": Holding(int4="experts")},
     ),
     "awq4": dict(
         held=INT4Z_ROWS,
-        env="COLIBRI_INT4",
+        off=Holding(int4="none"),
         pair=awq4_pair,
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),
@@ -98,7 +89,7 @@ FORMATS = {
     ),
     "int8": dict(
         held=INT8_ROWS,
-        env="COLIBRI_INT8",
+        off=Holding(int8="none"),
         pair=partial(packed_pair, bits=8),
         synth=dict(group=GROUP),
         blocks=(GROUP, GROUP),

@@ -1,5 +1,5 @@
 """A build of colibri's CPU kernels called under names of its own, so that two builds (two
-revisions of colibri/kernels/cpu.cc, or one build twice) run side by side in one process."""
+revisions of colibri/kernels/cpu/, or one build twice) run side by side in one process."""
 
 from __future__ import annotations
 

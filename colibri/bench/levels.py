@@ -4,7 +4,6 @@ the weights against float32."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -13,20 +12,17 @@ import numpy as np
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
+from colibri.formats import Holding
 
 PROMPT = 128
 BURSTS = 24  # per pass and rows, engine level
 
 
-def engine_under(ckpt: Path, env: dict[str, str]):
-    """(runner, first tokens of 16 conversations) of the checkpoint loaded with `env` set."""
-    os.environ.update(env)
-    try:
-        model = load_model(ckpt, progress=False)
-        runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
-    finally:
-        for k in env:
-            os.environ.pop(k)
+def engine_under(ckpt: Path, holding: Holding):
+    """(runner, first tokens of 16 conversations) of the checkpoint loaded with its matrices
+    held as `holding` allows."""
+    model = load_model(ckpt, progress=False, holding=holding)
+    runner = Runner(model, slots=16, capacity=PROMPT + 2 * BURSTS * BURST + 8)
     prompt = prompt_ids(model.cfg.vocab_size, PROMPT)
     logits, _ = runner.prefill(0, prompt)
     return runner, [int(np.argmax(logits)), *other_conversations(runner, prompt, 16)]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import jax
 
-from colibri import hugepages
-from colibri.checkpoint import FP8_ROWS, INT4_ROWS, INT4Z_ROWS, INT8_ROWS, PACKED_BITS, Checkpoint
+from colibri import formats, hugepages
+from colibri.checkpoint import PACKED_BITS, Checkpoint
 from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
@@ -47,18 +47,20 @@ def load_model(
     tiers: TierConfig | None = None,
     usage_path: str | Path | None = None,
     progress: bool = True,
+    holding: formats.Holding = formats.HOLD_ALL,
 ) -> LoadedModel:
-    """Open a Hugging Face MoE checkpoint folder; routed experts placed as `tiers` says."""
+    """Open a Hugging Face MoE checkpoint folder; routed experts placed as `tiers` says,
+    matrices kept in the held formats `holding` allows."""
     enable_compilation_cache()
     model_dir = Path(model_dir)
     cfg = load_config(model_dir)
     ckpt = Checkpoint(model_dir)
     tok_path = model_dir / "tokenizer.json"
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
-    bf16 = holds_bf16(ckpt)
-    dense = fuse_qkv(load_dense(ckpt, cfg))
+    bf16 = holds_bf16(ckpt, holding)
+    dense = fuse_qkv(load_dense(ckpt, cfg, holding))
     params = jax.device_put(hold_bf16(dense) if bf16 else dense)
-    store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress=progress)
+    store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress, holding)
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)
         for name, t in ckpt.tensors.items()
@@ -69,14 +71,9 @@ def load_model(
     n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
     packed = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype in PACKED_BITS})
-    if store.held == FP8_ROWS:
-        how += ", routed experts as fp8 rows"
-    elif store.held == INT4_ROWS:
-        how += ", routed experts as int4 rows"
-    elif store.held == INT4Z_ROWS:
-        how += ", routed experts as int4 rows with zero points"
-    elif store.held == INT8_ROWS:
-        how += ", routed experts as int8 rows"
+    held = formats.of(store.held)
+    if held.scaled:
+        how += f", routed experts as {held.what}"
     elif packed:
         bits = "/".join(f"int{PACKED_BITS[k]}" for k in packed)
         kind = {"PACK": "pack-quantized", "GPTQ": "GPTQ", "AWQ": "AWQ"}[packed[0].rstrip("48")]

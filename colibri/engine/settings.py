@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from colibri.experts.budget import TierConfig
+from colibri.formats import Holding, HoldingError
 
 MAX_SLOTS = 16
 WIRES = ("full", "upstream")  # WIRE profiles: which line kinds the mux engine writes
@@ -39,11 +40,13 @@ class EngineSettings:
     profile: bool = False  # PROFILE=1: layer by layer, so PERF phases are timed when resident
     state_dir: str | None = None  # STATE_DIR: `.coli_usage` and KV files; None = the model's
     tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
+    holding: Holding = Holding()  # COLIBRI_BF16, COLIBRI_FP8, COLIBRI_INT4, COLIBRI_INT8
 
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
         *("BURST", "BURST_MS", "WIRE", "PROFILE", "STATE_DIR", *TierConfig.VARIABLES),
+        *Holding.VARIABLES,
     )
 
     @classmethod
@@ -67,6 +70,7 @@ class EngineSettings:
             profile=r.flag("PROFILE", d.profile),
             state_dir=r.text("STATE_DIR") or d.state_dir,
             tiers=TierConfig.from_env(env),
+            holding=_holding(env),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -85,6 +89,7 @@ class EngineSettings:
             "PROFILE": _bit(self.profile),
             "STATE_DIR": self.state_dir,
             **self.tiers.to_env(),
+            **self.holding.to_env(),
         }
         return {k: v for k, v in values.items() if v is not None}
 
@@ -95,6 +100,13 @@ def child_env(settings: EngineSettings, base: Mapping[str, str] | None = None) -
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items() if k not in EngineSettings.VARIABLES}
     return env | settings.to_env()
+
+
+def _holding(env: Mapping[str, str]) -> Holding:
+    try:
+        return Holding.from_env(env)
+    except HoldingError as err:
+        raise SettingsError(str(err)) from None
 
 
 def _bit(flag: bool) -> str:

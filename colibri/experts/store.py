@@ -21,6 +21,7 @@ from colibri.experts.ram import RamCache, Weights
 from colibri.experts.slots import ExpertSlots
 from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
 from colibri.experts.usage import read_usage, write_usage
+from colibri.formats import HOLD_ALL, Holding
 from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts, row_blocks
 
 log = logging.getLogger("colibri")
@@ -41,12 +42,13 @@ class ExpertStore:
         tiers: TierConfig,
         usage_path: str | Path | None = None,
         progress: bool = False,
+        holding: Holding = HOLD_ALL,
     ):
         self.ckpt, self.cfg, self.tiers = ckpt, cfg, tiers
         self.layer_ids = cfg.moe_layer_ids
         m = cfg.moe
         self.E = m.num_experts
-        self.held = expert_dtype(ckpt, cfg)  # float32, bfloat16 bits, FP8 or int4 rows
+        self.held = expert_dtype(ckpt, cfg, holding)  # a formats.HeldFormat's storage dtype
         self.blocks = row_blocks(ckpt, cfg, self.held)
         self.shapes = expert_shapes(cfg, self.held, self.blocks)
         self.expert_bytes = sum(r * c for r, c in self.shapes.values()) * self.held.itemsize

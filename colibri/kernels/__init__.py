@@ -3,7 +3,7 @@
 `moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32,
 bfloat16 bits, FP8, int4 or int8 rows, widened exactly as they are loaded) and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
-the KV cache (see cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
+the KV cache (see cpu/cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
 `request_cut(True)` raises to end the bursts running in this process after their current step.
 The shared library is compiled once per source, JAX version and CPU into the user's cache
 folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written to a temporary name
@@ -29,25 +29,38 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from colibri import formats
+
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu.cc")  # the kernels, compiled on first use
-_TARGETS = {
-    "colibri_moe_experts": "ColibriMoeExperts",
-    "colibri_moe_experts_bf16": "ColibriMoeExpertsBf16",
-    "colibri_moe_experts_fp8": "ColibriMoeExpertsFp8",
-    "colibri_moe_experts_int4": "ColibriMoeExpertsInt4",
-    "colibri_moe_experts_int4z": "ColibriMoeExpertsInt4z",
-    "colibri_moe_experts_int8": "ColibriMoeExpertsInt8",
-    "colibri_linear": "ColibriLinear",
-    "colibri_linear_bf16": "ColibriLinearBf16",
-    "colibri_linear_fp8": "ColibriLinearFp8",
-    "colibri_linear_int4": "ColibriLinearInt4",
-    "colibri_linear_int4z": "ColibriLinearInt4z",
-    "colibri_linear_int8": "ColibriLinearInt8",
-    "colibri_attend": "ColibriAttend",
-    "colibri_cut_requested": "ColibriCutRequested",
-}
+SOURCE_DIR = Path(__file__).with_name("cpu")  # the kernels' source: headers and cpu.cc
+SOURCE = SOURCE_DIR / "cpu.cc"  # its one translation unit, compiled on first use
+_SOURCE_SUFFIXES = (".cc", ".h")  # the files of a source folder a build depends on
+
+
+def _symbol(suffix: str) -> str:
+    """What the handler symbols of a held format's kernels end in, from the suffix of its
+    targets: "_int4z" -> "Int4z" (ColibriMoeExpertsInt4z), "" -> "" (ColibriMoeExperts). It is
+    the Name of the format's line in cpu/formats.h's COLIBRI_HELD_FORMATS."""
+    return suffix[1:].capitalize()
+
+
+def _targets() -> dict[str, str]:
+    """XLA target -> the library's handler symbol: an expert and a linear kernel for each held
+    format of colibri/formats.py, then attention and the cut flag."""
+    kernels = {"colibri_moe_experts": "ColibriMoeExperts", "colibri_linear": "ColibriLinear"}
+    targets = {
+        target + f.suffix: handler + _symbol(f.suffix)
+        for target, handler in kernels.items()
+        for f in formats.FORMATS
+    }
+    targets["colibri_attend"] = "ColibriAttend"
+    targets["colibri_cut_requested"] = "ColibriCutRequested"
+    return targets
+
+
+_TARGETS = _targets()
+
 # How SOURCE is compiled (benchmarks that build programs around it use these too), and made a
 # shared library.
 CXX_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
@@ -77,15 +90,32 @@ def compiler() -> str | None:
     return None
 
 
+def source_files(source: Path | None = None) -> tuple[Path, list[Path]]:
+    """(the file to compile, every file of its folder a build depends on) for `source`: a
+    folder of the kernels' source (its cpu.cc), or the file itself; None: the engine's own."""
+    source = Path(source or SOURCE_DIR)
+    unit = source / "cpu.cc" if source.is_dir() else source
+    if not unit.is_file():
+        raise FileNotFoundError(f"no kernel source at {unit}")
+    files = {p for p in unit.parent.iterdir() if p.is_file() and p.suffix in _SOURCE_SUFFIXES}
+    return unit, sorted(files | {unit})
+
+
 def build(source: Path | None = None) -> Path:
     """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
-    version of cpu.cc (benchmarks compare revisions; the engine always uses its own)."""
-    source = source or SOURCE
+    version of the kernels, a folder like cpu/ or the cpu.cc in one (benchmarks compare
+    revisions; the engine always uses its own). The library is keyed by every .cc and .h file
+    of that folder: a change to any of them builds anew."""
+    unit, files = source_files(source)
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++; or set CXX)")
     key = hashlib.sha256()
-    for part in (source.read_bytes(), jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
+    for path in files:
+        content = path.read_bytes()
+        key.update(f"{path.name}\0{len(content)}\0".encode())
+        key.update(content)
+    for part in (jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
         key.update(part)
     key.update(" ".join([*CXX_FLAGS, *_LIBRARY_FLAGS]).encode())
     out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
@@ -94,7 +124,7 @@ def build(source: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, *_LIBRARY_FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, *_LIBRARY_FLAGS, f"-I{jax.ffi.include_dir()}", str(unit), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
@@ -150,18 +180,8 @@ def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
     """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32,
     all bfloat16 bits (uint16), all FP8 rows (uint8), all int4 rows (int8), all int4 rows
     with zero points (uint32) or all int8 rows (int32), on CPU, kernels built."""
-    return len({w.dtype for w in weights}) == 1 and weights[0].dtype in _HELD and usable(x)
-
-
-# Weights as the kernels take them -> the suffix of their targets.
-_HELD = {
-    jnp.dtype(jnp.float32): "",
-    jnp.dtype(jnp.uint16): "_bf16",
-    jnp.dtype(jnp.uint8): "_fp8",
-    jnp.dtype(jnp.int8): "_int4",
-    jnp.dtype(jnp.uint32): "_int4z",
-    jnp.dtype(jnp.int32): "_int8",
-}
+    one = len({w.dtype for w in weights}) == 1
+    return one and formats.held(weights[0].dtype) is not None and usable(x)
 
 
 def moe_experts(
@@ -179,7 +199,7 @@ def moe_experts(
     N, K = ids.shape
     D = x.shape[1]
     call = jax.ffi.ffi_call(
-        "colibri_moe_experts" + _HELD[jnp.dtype(gate.dtype)],
+        "colibri_moe_experts" + formats.of(gate.dtype).suffix,
         jax.ShapeDtypeStruct((N, K, D), jnp.float32),
         vmap_method="sequential",
     )
@@ -194,7 +214,7 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(
-        "colibri_linear" + _HELD[jnp.dtype(w.dtype)],
+        "colibri_linear" + formats.of(w.dtype).suffix,
         jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
         vmap_method="sequential",
     )

@@ -7,8 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from colibri import kernels
-from colibri.checkpoint import E4M3, UNPACK4
+from colibri import formats, kernels
 from colibri.config import RopeConfig
 
 
@@ -27,49 +26,14 @@ NATIVE_ROWS = 16
 def widen(w: jax.Array) -> jax.Array:
     """Float32 weights as they are; bfloat16 bits (uint16, as colibri holds a bfloat16
     checkpoint's matrices: weights.hold_bf16) as the float32s they stand for."""
-    if w.dtype != jnp.uint16:
-        return w
-    return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
+    return formats.BF16.unpack(w, w.shape[-1]) if w.dtype == formats.BF16_BITS else w
 
 
 def widen_rows(w: jax.Array, cols: int) -> jax.Array:
-    """`widen`, and FP8 rows (uint8 [..., cols + 4 * blocks]: each row's cols float8_e4m3fn
-    values, then its float32 block scales; checkpoint.FP8_ROWS) or int4 rows (int8
-    [..., cols / 2 + 4 * blocks]: each row's four-bit values two a byte, then its float32
-    group scales; checkpoint.INT4_ROWS) as the float32 [..., cols] they stand for: each value
-    times its block's scale, rounded once, as the checkpoint dequantizes them; or int4 rows
-    with zero points (uint32 [..., cols / 8 + 2 * blocks]: values eight a word, scales s,
-    offsets -z s; checkpoint.INT4Z_ROWS) and int8 rows (int32 [..., cols / 4 + 2 * blocks]:
-    values four a word; checkpoint.INT8_ROWS) as (q - z) s, z = -offset / s exactly."""
-    if w.dtype == jnp.uint32:
-        return _widen_zero_point_rows(w, cols, 4)
-    if w.dtype == jnp.int32:
-        return _widen_zero_point_rows(jax.lax.bitcast_convert_type(w, jnp.uint32), cols, 8)
-    if w.dtype == jnp.uint8:
-        n, table = cols, jnp.asarray(E4M3)
-    elif w.dtype == jnp.int8:
-        n, table = cols // 2, jnp.asarray(UNPACK4)
-        w = jax.lax.bitcast_convert_type(w, jnp.uint8)
-    else:
-        return widen(w)
-    lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
-    values = table[w[..., :n]].reshape(*lead, blocks, cols // blocks)
-    scales = jax.lax.bitcast_convert_type(
-        w[..., n:].reshape(*lead, blocks, 4), jnp.float32
-    )  # [..., blocks]
-    return (values * scales[..., None]).reshape(*lead, cols)
-
-
-def _widen_zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
-    n = cols * bits // 32
-    lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 2
-    shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
-    q = ((w[..., :n, None] >> shifts) & (2**bits - 1)).astype(jnp.float32)  # [..., n, 32 / bits]
-    q = q.reshape(*lead, blocks, cols // blocks)
-    scales = jax.lax.bitcast_convert_type(w[..., n : n + blocks], jnp.float32)[..., None]
-    offsets = jax.lax.bitcast_convert_type(w[..., n + blocks :], jnp.float32)[..., None]
-    zeros = jnp.where(scales != 0, offsets / scales, 0.0)  # -z exactly (the offset is exact)
-    return ((q + zeros) * scales).reshape(*lead, cols)
+    """Weights held in any format (`formats.FORMATS`: rows of `cols` weights) as the float32
+    [..., cols] they stand for."""
+    fmt = formats.held(w.dtype)
+    return w if fmt is None else fmt.unpack(w, cols)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:

@@ -1,0 +1,146 @@
+// colibri_attend: decode attention of one new token per row, read straight from the KV
+// cache.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "gang.h"
+#include "simd.h"
+#include "tiles.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Decode attention, one new token per row, straight from the KV cache:
+//   out[b, h] = softmax_t(scale * q[b, h] . k[slot_b, t, h / G]) . v[slot_b, t, h / G]
+// over t = 0 .. pos[b] (the new token's own key is already in the cache). q [B, H, Dh],
+// k and v [S, Hkv, C, Dh], slots and pos [B] int32 -> [B, H, Dh]; G = H / Hkv query heads
+// share a KV head. Rows whose slot is outside [0, S) (batch padding) get zeros. One work item
+// is one row's KV head: its keys and values, each one contiguous block, are read once for its
+// G query heads.
+struct AttendCall : Gang {
+  const float *q, *k, *v;
+  const int32_t *slot, *pos;
+  float* out;
+  int64_t B, H, Hkv, Dh, S, C;
+  float scale;
+  std::atomic<int64_t> next{0};
+
+  void drain() override {
+    const int64_t G = H / Hkv, items = B * Hkv;
+    std::vector<float> p;
+    std::vector<const float*> qs(G);
+    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t b = item / Hkv, g = item % Hkv, s = slot[b];
+      float* o = out + (b * H + g * G) * Dh;
+      std::fill(o, o + G * Dh, 0.0f);
+      if (s < 0 || s >= S || pos[b] < 0) continue;
+      const int64_t n = std::min<int64_t>(pos[b], C - 1) + 1;
+      for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
+      const int64_t ld = Dh;  // floats from one position's key to the next
+      const float* kb = k + (s * Hkv + g) * C * Dh;
+      const float* vb = v + (s * Hkv + g) * C * Dh;
+      const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
+      p.resize(G * np);
+      matvecs(kb, n, Dh, qs.data(), G, [&](int64_t t, int64_t j, float d) { p[j * np + t] = d; },
+              ld);
+      for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * np, n, np, scale);
+      // o[j] = sum over t of p[j, t] * v[t], in order of t: per head, Dh floats at a time in
+      // registers (the value rows are re-read from cache for each head of the group).
+      for (int64_t j = 0; j < G; ++j) {
+        const float* pj = p.data() + j * np;
+        float* oj = o + j * Dh;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= Dh; d0 += 64) accumulate<8>(pj, vb + d0, ld, n, oj + d0);
+        for (; d0 + 8 <= Dh; d0 += 8) accumulate<1>(pj, vb + d0, ld, n, oj + d0);
+        for (; d0 < Dh; ++d0) {
+          float acc = 0.0f;
+          for (int64_t t = 0; t < n; ++t) acc = std::fma(pj[t], vb[t * ld + d0], acc);
+          oj[d0] = acc;
+        }
+      }
+    }
+  }
+
+  // out[0 .. 8 * NV) = sum over t < n of p[t] * v[t * ld + ...], one FMA chain per lane.
+  // Not inlined: inside drain() GCC keeps acc in memory and stores all NV sums at every
+  // position.
+  template <int NV>
+  __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld,
+                                                    int64_t n, float* out) {
+    v8 acc[NV];
+    for (int i = 0; i < NV; ++i) acc[i] = v8{};
+    for (int64_t t = 0; t < n; ++t) {
+      const v8 w = v8{} + p[t];
+      for (int i = 0; i < NV; ++i) acc[i] = fma8(w, load8(v + t * ld + 8 * i), acc[i]);
+    }
+    std::memcpy(out, acc, sizeof acc);
+  }
+
+  // s[0 .. n) <- softmax(scale * s) in place; s has room for np (a multiple of 8) floats.
+  static void softmax(float* s, int64_t n, int64_t np, float scale) {
+    std::fill(s + n, s + np, -INFINITY);
+    const v8 sc = v8{} + scale;
+    v8 mv = v8{} - INFINITY;
+    for (int64_t t = 0; t < np; t += 8) mv = max8(mv, load8(s + t) * sc);
+    float m = mv[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
+    const v8 mm = v8{} + m;
+    v8 sum{};
+    for (int64_t t = 0; t < np; t += 8) {
+      const v8 e = exp8(load8(s + t) * sc - mm);
+      std::memcpy(s + t, &e, sizeof e);
+      sum += e;
+    }
+    const v8 inv = v8{} + 1.0f / hsum(sum);
+    for (int64_t t = 0; t < np; t += 8) {
+      const v8 e = load8(s + t) * inv;
+      std::memcpy(s + t, &e, sizeof e);
+    }
+  }
+};
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const auto sd = slots.dimensions(), pd = pos.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
+      od.size() != 3)
+    return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
+  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], Hkv = kd[1], C = kd[2];
+  if (kd[3] != Dh || vd[0] != S || vd[1] != Hkv || vd[2] != C || vd[3] != Dh || sd[0] != B ||
+      pd[0] != B || od[0] != B || od[1] != H || od[2] != Dh || Hkv == 0 || H % Hkv != 0)
+    return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
+  auto call = std::make_shared<AttendCall>();
+  call->q = q.typed_data();
+  call->k = k.typed_data();
+  call->v = v.typed_data();
+  call->slot = slots.typed_data();
+  call->pos = pos.typed_data();
+  call->out = out->typed_data();
+  call->B = B;
+  call->H = H;
+  call->Hkv = Hkv;
+  call->Dh = Dh;
+  call->S = S;
+  call->C = C;
+  call->scale = scale;
+  int64_t bytes = 0;  // keys and values read
+  for (int64_t b = 0; b < B; ++b)
+    if (call->slot[b] >= 0 && call->slot[b] < S && call->pos[b] >= 0)
+      bytes += (std::min<int64_t>(call->pos[b], C - 1) + 1) * Hkv * Dh * 8;
+  run(pool, call, B * Hkv, bytes);
+  return ffi::Error::Success();
+}
+
+}  // namespace

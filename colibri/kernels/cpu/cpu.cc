@@ -1,0 +1,81 @@
+// CPU kernels for decode, called from XLA through the typed FFI: the routed experts of a
+// layer, a plain linear layer for a few rows, and attention of one new token per row. This
+// one translation unit (what colibri/kernels/__init__.py compiles) includes them and defines
+// their handlers, those of the experts and linears once per held format:
+//
+//   simd.h     eight-lane float32 vectors: loads, multiply-adds, horizontal sums, e^x, silu
+//   formats.h  the held formats (COLIBRI_HELD_FORMATS) and how their weights are widened
+//   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs
+//   gang.h     a call's work shared out among XLA's intra-op threads
+//   experts.h  colibri_moe_experts (one target per held format)
+//   linear.h   colibri_linear (one target per held format)
+//   attend.h   colibri_attend
+//   cut.h      colibri_cut_requested
+//
+// Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
+// a fixed horizontal sum and then the scalar tail, whatever tile it is computed in, and the
+// element-wise exp (softmax, SwiGLU) is one 8-lane routine whatever lane a value falls in.
+// A row's output therefore depends only on its input and the expert's weights, never on how
+// many other rows chose the same expert or which slot holds it: batched, chunked and staged
+// results are bitwise those of the row alone.
+//
+// The design, and the measurements behind the choices below: docs/kernels.md.
+
+#include <atomic>
+#include <cstdint>
+
+#include "attend.h"
+#include "cut.h"
+#include "experts.h"
+#include "formats.h"
+#include "linear.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+extern "C" void colibri_request_cut(int32_t on) {
+  cut_flag.store(on, std::memory_order_release);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriCutRequested, CutRequested,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttend, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+// ColibriLinear##Name: x float32, w held as the format says.
+#define COLIBRI_LINEAR_HANDLER(Name, suffix, WT, T)                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear##Name, (Linear<ffi::WT, T>), \
+                                ffi::Ffi::Bind()                          \
+                                    .Ctx<ffi::ThreadPool>()               \
+                                    .Arg<ffi::Buffer<ffi::F32>>()         \
+                                    .Arg<ffi::Buffer<ffi::WT>>()          \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+// ColibriMoeExperts##Name: gate, up and down held as the format says, x float32, ids int32.
+#define COLIBRI_EXPERTS_HANDLER(Name, suffix, WT, T)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMoeExperts##Name, (MoeExperts<ffi::WT, T>), \
+                                ffi::Ffi::Bind()                                   \
+                                    .Ctx<ffi::ThreadPool>()                        \
+                                    .Arg<ffi::Buffer<ffi::WT>>()                   \
+                                    .Arg<ffi::Buffer<ffi::WT>>()                   \
+                                    .Arg<ffi::Buffer<ffi::WT>>()                   \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                  \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+COLIBRI_HELD_FORMATS(COLIBRI_LINEAR_HANDLER)
+COLIBRI_HELD_FORMATS(COLIBRI_EXPERTS_HANDLER)
+
+#undef COLIBRI_LINEAR_HANDLER
+#undef COLIBRI_EXPERTS_HANDLER

@@ -1,0 +1,259 @@
+// colibri_moe_experts: the routed experts of a layer,
+//   y[n, k] = down[s] @ (silu(gate[s] @ x[n]) * (up[s] @ x[n])),  s = ids[n, k]
+//
+// gate, up [S, F, D], down [S, D, F], x [N, D], ids [N, K] int32 -> y [N, K, D], float32.
+// Entries of ids outside [0, S) are experts that are not staged: their rows of y are 0.
+// colibri_moe_experts_bf16, _fp8, _int4, _int4z, _int8: the same over weights held in those
+// formats (formats.h), widened as they are loaded.
+//
+// Decode is bound by memory traffic: every weight row an expert owns is read once per call
+// and multiplied against all the rows routed to that expert while it is in registers. The
+// work is shared out among XLA's intra-op threads in slices of ~256-512 KiB of weights:
+// first the hidden rows (gate and up) of every chosen expert, then their down projections.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "formats.h"
+#include "gang.h"
+#include "simd.h"
+#include "tiles.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+template <typename T>
+struct Problem {
+  const T* gate;
+  const T* up;
+  const T* down;
+  float* y;
+  int64_t F, D;
+  int64_t ldg = 0, ldd = 0;  // row strides of gate/up and down, in T (D and F but for FP8)
+  int64_t bg = 0, bd = 0;    // FP8 rows: block widths of gate/up and down
+  std::vector<int32_t> slot;   // the distinct staged experts, most rows first
+  std::vector<int64_t> first;  // their assignments: assign[first[i] .. first[i + 1])
+  std::vector<int64_t> assign;
+  std::vector<const float*> xrow;  // by sorted assignment: its input row
+  std::vector<const float*> hrow;  // and its hidden row in h
+  float* h = nullptr;              // [assignments, F]: the hidden rows
+  float* u = nullptr;              // [assignments, F]: up projections, before the product
+  int64_t fchunk, dchunk;          // weight rows per work item in each phase
+  int64_t fitems, ditems;          // work items per expert in each phase
+
+  int64_t phase1() const { return static_cast<int64_t>(slot.size()) * fitems; }
+  int64_t total() const { return static_cast<int64_t>(slot.size()) * (fitems + ditems); }
+
+  // Phase 1, item (expert i, chunk c): h = silu(gate . x) * (up . x) over its share of F.
+  void hidden(int64_t i, int64_t c) {
+    const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    float* hq = h + q * F + f0;
+    const T* G = gate + (s * F + f0) * ldg;
+    const T* U = up + (s * F + f0) * ldg;
+    float* uq = u + q * F + f0;
+    matvecs(
+        G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; }, ldg,
+        bg);
+    matvecs(
+        U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; }, ldg,
+        bg);
+    for (int64_t j = 0; j < r; ++j) swiglu(hq + j * F, uq + j * F, nf);
+  }
+
+  // h[0 .. n) <- silu(h) * u, 8 lanes at a time (the tail too, so every element is computed
+  // the same way wherever it falls).
+  static void swiglu(float* h, const float* u, int64_t n) {
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const v8 y = silu8(load8(h + t)) * load8(u + t);
+      std::memcpy(h + t, &y, sizeof y);
+    }
+    if (t < n) {
+      v8 hv{}, uv{};
+      std::memcpy(&hv, h + t, sizeof(float) * (n - t));
+      std::memcpy(&uv, u + t, sizeof(float) * (n - t));
+      const v8 y = silu8(hv) * uv;
+      std::memcpy(h + t, &y, sizeof(float) * (n - t));
+    }
+  }
+
+  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
+  void output(int64_t i, int64_t c) {
+    const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    const int64_t* a = assign.data() + q;
+    const T* Dn = down + (s * D + d0) * ldd;
+    matvecs(
+        Dn, nd, F, &hrow[q], r, [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
+        ldd, bd);
+  }
+};
+
+// The expert call, in small items so that the threads finish together: every expert's
+// phase-1 items, then every expert's phase-2 items (each once its expert's phase 1 is done;
+// the ends below meet experts whose phase 1 they did themselves first). The items of a
+// phase are in expert order, most rows first; the first thread to arrive takes them from the
+// front, the second from the back (and so on, alternating), until the two ends meet. While
+// one thread computes on the weights of experts many rows chose, the other streams those of
+// experts few rows chose, so that arithmetic and memory traffic overlap.
+template <typename T>
+struct ExpertCall : Gang {
+  Problem<T> p;
+  std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
+  std::unique_ptr<std::atomic<int64_t>[]> hidden_done;  // per expert: phase-1 items done
+  std::atomic<int64_t> arrivals{0};
+
+  void drain() override {
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
+    const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
+    const int64_t n1 = p.phase1(), n2 = p.total() - n1;
+    for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
+      p.hidden(k / p.fitems, k % p.fitems);
+      hidden_done[k / p.fitems].fetch_add(1, std::memory_order_release);
+    }
+    // An expert's phase-2 items wait for its own hidden rows only, not for the other thread's
+    // last phase-1 item.
+    for (int64_t k; (k = take(taken[1], n2, back)) >= 0;) {
+      const int64_t e = k / p.ditems;
+      wait_until([&] { return hidden_done[e].load(std::memory_order_acquire) >= p.fitems; });
+      p.output(e, k % p.ditems);
+    }
+  }
+
+  // The next of n items from the front (or the back); -1 once the ends have met.
+  static int64_t take(std::atomic<int64_t>& ends, int64_t n, bool back) {
+    int64_t s = ends.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t front = s & 0xffffffff, from_back = s >> 32;
+      if (front + from_back >= n) return -1;
+      const int64_t next = back ? s + (int64_t{1} << 32) : s + 1;
+      if (ends.compare_exchange_weak(s, next, std::memory_order_relaxed))
+        return back ? n - 1 - from_back : front;
+    }
+  }
+};
+
+// At least n floats, not initialised, for the call this thread is making: the buffer is kept
+// from call to call (it grows, never shrinks). A vector made per call was zeroed every time
+// and, from a few MiB (the hidden rows of a prefill), mapped fresh from the kernel. It holds
+// the hidden and up rows: 2 x rows x top-k x F floats (a 256-token prefill of top-8 experts
+// with F = 2048: 32 MiB), on each thread that makes expert calls. No helper touches it once
+// the call has returned (Gang::finish).
+float* scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local int64_t size = 0;
+  if (n > size) {
+    buf.reset(new float[n]);
+    size = n;
+  }
+  return buf.get();
+}
+
+// The expert call over weights of element type T (float, uint16_t: bfloat16 bits, uint8_t:
+// FP8 rows, Int4: int4 rows, Int4Z: int4 rows with zero points, Int8Z: int8 rows).
+template <ffi::DataType WT, typename T>
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT> up,
+                      ffi::Buffer<WT> down, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
+  const auto xd = x.dimensions(), id = ids.dimensions(), yd = y->dimensions();
+  if (gd.size() != 3 || ud.size() != 3 || dd.size() != 3 || xd.size() != 2 || id.size() != 2 ||
+      yd.size() != 3)
+    return ffi::Error::InvalidArgument("colibri_moe_experts: wrong ranks");
+  const int64_t S = gd[0], F = gd[1], D = xd[1], N = xd[0], K = id[1];
+  // Row lengths as held, in T (Int4Z and Int8Z rows come in 32-bit words: four T a word).
+  const int64_t unit = sizeof(*gate.typed_data()) / sizeof(T);
+  const int64_t ldg = gd[2] * unit, ldd = dd[2] * unit;
+  if (ud[0] != S || ud[1] != F || ud[2] != gd[2] || dd[0] != S || dd[1] != D || id[0] != N ||
+      yd[0] != N || yd[1] != K || yd[2] != D)
+    return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
+  int64_t bg = 0, bd = 0;
+  if constexpr (kScaled<T>) {  // rows of L values and L / b scales
+    const T* kind = nullptr;
+    bg = scale_width(kind, D, ldg);
+    bd = scale_width(kind, F, ldd);
+    if (bg == 0 || bd == 0)
+      return ffi::Error::InvalidArgument(
+          "colibri_moe_experts_fp8/int4/int8: rows are not L values and L / b scales (and "
+          "offsets), b of 8");
+  } else if (ldg != D || ldd != F) {
+    return ffi::Error::InvalidArgument("colibri_moe_experts: shapes disagree");
+  }
+
+  auto call = std::make_shared<ExpertCall<T>>();
+  Problem<T>& p = call->p;
+  p.gate = reinterpret_cast<const T*>(gate.typed_data());
+  p.up = reinterpret_cast<const T*>(up.typed_data());
+  p.down = reinterpret_cast<const T*>(down.typed_data());
+  p.y = y->typed_data();
+  p.F = F;
+  p.D = D;
+  p.ldg = ldg;
+  p.ldd = ldd;
+  p.bg = bg;
+  p.bd = bd;
+  const int32_t* sid = ids.typed_data();
+  const int64_t NK = N * K;
+
+  // Counting sort of the assignments by expert; unstaged ones get zero rows.
+  std::vector<int64_t> count(S + 1, 0);
+  for (int64_t a = 0; a < NK; ++a) {
+    const int32_t s = sid[a];
+    if (s >= 0 && s < S) {
+      ++count[s];
+    } else {
+      std::memset(p.y + a * D, 0, sizeof(float) * D);
+    }
+  }
+  std::vector<int32_t> used;
+  for (int32_t s = 0; s < S; ++s)
+    if (count[s]) used.push_back(s);
+  std::stable_sort(used.begin(), used.end(),
+                   [&](int32_t a, int32_t b) { return count[a] > count[b]; });
+  std::vector<int64_t> at(S, 0);
+  p.first.push_back(0);
+  for (int32_t s : used) {
+    at[s] = p.first.back();
+    p.first.push_back(p.first.back() + count[s]);
+  }
+  p.assign.resize(p.first.back());
+  for (int64_t a = 0; a < NK; ++a) {
+    const int32_t s = sid[a];
+    if (s >= 0 && s < S) p.assign[at[s]++] = a;
+  }
+  p.slot = std::move(used);
+  const int64_t staged = p.first.back();
+  p.h = scratch(2 * staged * F);
+  p.u = p.h + staged * F;
+  p.xrow.resize(staged);
+  p.hrow.resize(staged);
+  for (int64_t q = 0; q < staged; ++q) {
+    p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
+    p.hrow[q] = p.h + q * F;
+  }
+  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower.
+  const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
+  p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, 512 << 10);
+  p.dchunk = chunk_rows(value_bytes(kind, F), D, 256 << 10);
+  p.fitems = (F + p.fchunk - 1) / p.fchunk;
+  p.ditems = (D + p.dchunk - 1) / p.dchunk;
+
+  const int64_t experts = static_cast<int64_t>(p.slot.size());
+  call->hidden_done.reset(new std::atomic<int64_t>[experts]());
+  const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
+  run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes);
+  return ffi::Error::Success();
+}
+
+}  // namespace

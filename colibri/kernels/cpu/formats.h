@@ -1,0 +1,263 @@
+// The held formats: how each one's weights sit in memory and are widened to float32 as they are
+// loaded, and the list (COLIBRI_HELD_FORMATS) from which cpu.cc defines the kernels of each.
+//
+// Held as gate, up [S, F, D] and down [S, D, F] for colibri_moe_experts (cpu/experts.h), as
+// w [O, I] for colibri_linear (cpu/linear.h); L below is a row's length (D, F or I):
+// float32 (no suffix): the weights as they are.
+// _bf16: bfloat16 bit patterns (uint16), widened exactly to float32 as they are loaded (half
+// the bytes read, the same results).
+// _fp8: FP8 rows (uint8): each row of a matrix is its L float8_e4m3fn values, then its L / b
+// float32 block scales (one per b columns; b a multiple of 8 dividing L), so gate and up are
+// [S, F, D + 4 D / b] and down [S, D, F + 4 F / b], w [O, I + 4 I / b]. A weight is widened and
+// times its block's scale (rounded once) as it is loaded: the float32 a block-quantized
+// checkpoint dequantizes to, at a quarter of the bytes.
+// _int4: int4 rows (int8 buffers of bytes): each row's L four-bit values packed two a byte (the
+// first in the low nibble, each offset by 8), then its L / g float32 group scales (g a multiple
+// of 8 dividing L), so gate and up are [S, F, D / 2 + 4 D / g], w [O, I / 2 + 4 I / g]; a
+// weight is its integer times its group's scale (rounded once): the float32 a pack-quantized
+// checkpoint dequantizes to, at an eighth of the bytes.
+// _int4z: int4 rows with zero points (uint32 buffers, whole words a row): each row's L four-bit
+// values as above, then its L / g float32 group scales s, then as many offsets -z s (z the
+// group's zero point, the product exact), w [O, I / 8 + 2 I / g] words: a weight is
+// fma(q, s, -z s), (q - z) s rounded once, the float32 GPTQ's and AWQ's asymmetric weights
+// dequantize to.
+// _int8: int8 rows (int32 buffers, whole words a row): each row's L values as stored, unsigned
+// bytes, then its L / g float32 group scales s, then as many offsets -z s (z the zero point,
+// 128 when symmetric), w [O, I / 4 + 2 I / g] words: a weight is fma(q, s, -z s), as for
+// int4z: 8-bit pack-quantized and GPTQ weights at about a quarter of the bytes of float32.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "simd.h"
+
+// X(Name, suffix, buffer, T) for each held format, in the order of colibri/formats.py's
+// FORMATS (tests/test_kernels.py checks that the two agree): Name ends its handlers' symbols
+// (ColibriMoeExperts##Name, ColibriLinear##Name), suffix (that format's HeldFormat.suffix) the
+// targets the Python side registers them as (colibri_moe_experts##suffix), buffer is the
+// ffi::DataType of the arrays that hold the weights and T the element type the kernels read
+// them as (float, uint16_t: bfloat16 bits, uint8_t: FP8 rows, Int4, Int4Z, Int8Z below).
+// Bfloat16 weights come as uint16 bit patterns: XLA CPU rewrites a whole bf16 buffer on every
+// in-place update, uint16 ones it updates in place. A new format is one line here (with its
+// loading below and its HeldFormat in colibri/formats.py).
+#define COLIBRI_HELD_FORMATS(X)   \
+  X(, , F32, float)               \
+  X(Bf16, _bf16, U16, uint16_t)   \
+  X(Fp8, _fp8, U8, uint8_t)       \
+  X(Int4, _int4, S8, Int4)        \
+  X(Int4z, _int4z, U32, Int4Z)    \
+  X(Int8, _int8, S32, Int8Z)
+
+namespace {
+
+// Weights are float32, or bfloat16 held as its bit patterns (uint16_t: the top half of a
+// float32). Loaded through loadw and widen, a bfloat16 weight becomes exactly the float32 it
+// stands for, so a product over bfloat16 weights reads half the bytes and gives bitwise what
+// the same weights widened to float32 beforehand give.
+inline v8 loadw(const float* p) { return load8(p); }
+
+inline v8 loadw(const uint16_t* p) {
+#if defined(__AVX2__)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8>(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = uint32_t{p[i]} << 16;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
+  return v;
+#endif
+}
+
+inline float widen(float w) { return w; }
+
+inline float widen(uint16_t w) {
+  const uint32_t bits = uint32_t{w} << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Eight float8_e4m3fn values (bias 7, no infinities) times 2^-120, exactly: each value's sign,
+// exponent and mantissa put in place in a float32 without the bias difference (127 - 7).
+// Exponent 0 (zeros, fp8 subnormals) lands on float32 subnormals, exact as long as they are
+// not taken as zero (`KeepSubnormals`); the caller's scale carries the 2^120 (a product of
+// exact operands, rounded once: bitwise the value times the scale). The one NaN pattern per
+// sign comes out as 480 (checkpoints have none).
+inline v8 e4m3x8(const uint8_t* p) {
+#if defined(__AVX2__)
+  int64_t eight;
+  std::memcpy(&eight, p, sizeof eight);
+  // Byte k into the top byte of lane k (b << 24), zeros elsewhere: in each 128-bit half the
+  // shuffle picks from the same eight bytes.
+  const __m256i top = _mm256_setr_epi8(
+      -1, -1, -1, 0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3,  //
+      -1, -1, -1, 4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7);
+  const __m256i b24 = _mm256_shuffle_epi8(_mm256_set1_epi64x(eight), top);
+  // Shifted back 4 with the sign copied: sign in bit 31, exponent and mantissa in bits
+  // 26..20; keep those.
+  const __m256i placed = _mm256_and_si256(_mm256_srai_epi32(b24, 4),
+                                          _mm256_set1_epi32(static_cast<int32_t>(0x87f00000u)));
+  return reinterpret_cast<v8>(_mm256_castsi256_ps(placed));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t bits = (uint32_t{p[i]} & 0x80) << 24 | (uint32_t{p[i]} & 0x7f) << 20;
+    std::memcpy(&v[i], &bits, sizeof bits);
+  }
+  return v;
+#endif
+}
+
+// A byte of int4 rows (two four-bit values, the first in the low nibble, each offset by 8).
+struct Int4 {
+  uint8_t byte;
+};
+
+// A byte of int4 rows with zero points: the same values, each group's scale and then its
+// offset (-zero point x scale) after them.
+struct Int4Z {
+  uint8_t byte;
+};
+
+// A byte of int8 rows: one value, unsigned as stored; each group's scale and then its offset
+// (-zero point x scale) after the row's values.
+struct Int8Z {
+  uint8_t byte;
+};
+
+// Weights held with per-block scales after each row's values (FP8, int4 and int8 rows).
+template <typename T>
+constexpr bool kScaled =
+    std::is_same_v<T, uint8_t> || std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z> ||
+    std::is_same_v<T, Int8Z>;
+
+// Rows that keep an offset per block after their scales (int4 rows with zero points, int8).
+template <typename T>
+constexpr bool kOffsets = std::is_same_v<T, Int4Z> || std::is_same_v<T, Int8Z>;
+
+// float32s a block of scaled rows keeps after the values: its scale, and for Int4Z and Int8Z
+// its offset.
+inline int64_t block_floats(const void*) { return 1; }
+inline int64_t block_floats(const Int4Z*) { return 2; }
+inline int64_t block_floats(const Int8Z*) { return 2; }
+
+// Bytes of L values of a row: L for FP8 and int8 (one a byte), L / 2 for int4, L * sizeof(T)
+// else.
+template <typename T>
+inline int64_t value_bytes(const T*, int64_t L) {
+  return L * static_cast<int64_t>(sizeof(T));
+}
+inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
+inline int64_t value_bytes(const Int4Z*, int64_t L) { return L / 2; }
+inline int64_t value_bytes(const Int8Z*, int64_t L) { return L; }
+
+// The eight nibbles of four bytes (0 to 15, the stored values before their offset),
+// exactly, as float32: each lane shifts the word right to its nibble and masks it.
+inline v8 nibbles8(const void* p) {
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+#if defined(__AVX2__)
+  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shift),
+                                       _mm256_set1_epi32(15));
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(nib));
+#else
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>((word >> (4 * i)) & 15);
+  return v;
+#endif
+}
+
+// Eight unsigned bytes, exactly, as float32.
+inline v8 bytes8(const void* p) {
+#if defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+#else
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  v8 v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(b[i]);
+  return v;
+#endif
+}
+
+// Eight weights of a scaled row from column c: widened, times their block's scale (`scale`,
+// and for FP8 the 2^120 its widening leaves out, folded into the scale unless Huge).
+template <bool Huge>
+inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale, v8) {
+  return Huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
+}
+
+// An int4 weight is (q - z) s rounded once; as q s - z s in one fused multiply-add (z s
+// exact: 8 s, or for Int4Z the stored offset, checked exact when the rows are made) it is
+// that same rounding of the same exact value, one instruction fewer. (The int4 offset is
+// made here from the scale: an offset vector of its own was slower.)
+template <bool Huge>
+inline v8 scaled8(const Int4* w, int64_t c, v8 scale, v8) {
+  return fma8(nibbles8(w + c / 2), scale, scale * -8.0f);
+}
+template <bool Huge>
+inline v8 scaled8(const Int4Z* w, int64_t c, v8 scale, v8 offset) {
+  return fma8(nibbles8(w + c / 2), scale, offset);
+}
+template <bool Huge>
+inline v8 scaled8(const Int8Z* w, int64_t c, v8 scale, v8 offset) {
+  return fma8(bytes8(w + c), scale, offset);
+}
+
+// Block k's stored offset in an Int4Z or Int8Z row (its values take vb bytes, its nb scales
+// follow them); only kOffsets rows have one (int4's, -8 s, scaled8 makes from the scale).
+template <typename Q>
+inline float block_offset(const Q* w, int64_t vb, int64_t nb, int64_t k) {
+  float o;
+  std::memcpy(&o, reinterpret_cast<const char*>(w) + vb + 4 * (nb + k), sizeof o);
+  return o;
+}
+
+// What scaled8 takes as a block's scale: an FP8 scale times the 2^120 its widening leaves
+// out (`folded`), unless the scale is 2^8 or more (`too_big`: the product would overflow;
+// Huge, two exact steps instead); an int4 group's scale as it is.
+inline float folded(const uint8_t*) { return 0x1p120f; }
+inline float folded(const Int4*) { return 1.0f; }
+inline float folded(const Int4Z*) { return 1.0f; }
+inline float folded(const Int8Z*) { return 1.0f; }
+inline bool too_big(const uint8_t*, float s) { return !(std::fabs(s) < 256.0f); }
+inline bool too_big(const Int4*, float) { return false; }
+inline bool too_big(const Int4Z*, float) { return false; }
+inline bool too_big(const Int8Z*, float) { return false; }
+
+// Float32 subnormal inputs taken as they are (not as zero) while it lives, on this thread:
+// XLA's threads may run with denormals-are-zero set. (Results still flush as the thread
+// says: a dequantized weight below 2^-126 would, where numpy's dequantization keeps it.)
+struct KeepSubnormals {
+#if defined(__SSE__)
+  unsigned saved = _mm_getcsr();
+  KeepSubnormals() { _mm_setcsr(saved & ~0x0040u); }  // DAZ off
+  ~KeepSubnormals() { _mm_setcsr(saved); }
+#endif
+};
+
+// Scaled rows (FP8 or int4, as `w` says) of L values held as `held` bytes (their values,
+// then L / b float32 scales): the block width b, or 0 when they are not (b must be a multiple
+// of 8 dividing L).
+template <typename Q>
+int64_t scale_width(const Q* w, int64_t L, int64_t held) {
+  const int64_t extra = held - value_bytes(w, L), per = 4 * block_floats(w);
+  if (L <= 0 || L % 8 || extra <= 0 || extra % per) return 0;
+  const int64_t blocks = extra / per;
+  if (L % blocks) return 0;
+  const int64_t b = L / blocks;
+  return b % 8 == 0 ? b : 0;
+}
+
+}  // namespace

@@ -1,0 +1,85 @@
+// How a call's work is shared out among XLA's intra-op threads: a Gang of the caller and the
+// helpers it schedules, each taking work items until none is left.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Wait until done() holds: spin briefly, then give the core away between checks. The thread
+// waited for may itself be waiting for a core (XLA's threads, the Python thread that drives
+// the engine and other processes share few cores), and spinning on would starve it.
+template <typename Done>
+inline void wait_until(Done done) {
+  for (int spins = 0; !done(); ++spins) {
+#if defined(__x86_64__)
+    if (spins < 512) {
+      _mm_pause();
+      continue;
+    }
+#endif
+    std::this_thread::yield();
+  }
+}
+
+// One call's work, shared out among XLA's intra-op threads: the caller and the helpers it
+// schedules each run drain() until no item is left. A helper that starts after the caller
+// has closed the call returns at once (the pool may run tasks late, or inline). The caller
+// waits (wait_until) while a started helper finishes its last item, usually microseconds:
+// sleeping on a condition variable here cost more than the work of a small layer.
+struct Gang {
+  static constexpr int64_t kClosed = int64_t{1} << 40;
+  std::atomic<int64_t> state{0};  // helpers running, plus kClosed once the caller is done
+
+  virtual ~Gang() = default;
+  virtual void drain() = 0;
+
+  void help() {
+    int64_t s = state.load(std::memory_order_relaxed);
+    do {
+      if (s & kClosed) return;
+    } while (!state.compare_exchange_weak(s, s + 1, std::memory_order_acquire));
+    drain();
+    state.fetch_sub(1, std::memory_order_release);
+  }
+
+  void finish() {
+    drain();
+    state.fetch_or(kClosed, std::memory_order_acq_rel);
+    wait_until([&] { return (state.load(std::memory_order_acquire) & ~kClosed) == 0; });
+  }
+};
+
+// Calls with less work than this run on the caller alone: a helper costs more than it saves
+// there, and takes the core the engine's thread starts the next forward on. Work: bytes of
+// weights (or KV) read, times the passes over them (one per tile of four inputs).
+constexpr int64_t kSoloWork = 512 << 10;
+
+// Run `gang` on the caller and up to items - 1 helpers from the pool (none below kSoloWork).
+void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work) {
+  const int64_t most = work < kSoloWork ? 0 : std::max<int64_t>(pool.num_threads() - 1, 0);
+  const int64_t helpers = std::min<int64_t>(most, items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
+  gang->finish();
+}
+
+// Weight rows per work item: about `bytes` of weights, a multiple of 8 rows.
+int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
+  const int64_t n = std::max<int64_t>(8, bytes / std::max<int64_t>(row_bytes, 1) / 8 * 8);
+  return std::min(n, rows);
+}
+
+}  // namespace

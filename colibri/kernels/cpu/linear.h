@@ -1,0 +1,84 @@
+// colibri_linear: y [M, O] = x [M, I] . w [O, I]^T for a few rows; colibri_linear_bf16, _fp8,
+// _int4, _int4z, _int8: w held in those formats (formats.h), as the experts' weights.
+
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "formats.h"
+#include "gang.h"
+#include "tiles.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// y [M, O] = x [M, I] . w [O, I]^T, in slices of ~128 KiB of w shared out among the threads;
+// each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
+// w is float32, bfloat16 bits (T = uint16_t), FP8 rows (T = uint8_t: each row's I values,
+// then its I / blk float32 block scales, ld bytes in all), int4 rows (T = Int4: I / 2 bytes
+// of values, then I / blk scales) or int4 (Int4Z) or int8 (Int8Z) rows with offsets, widened
+// as it is loaded.
+template <typename T>
+struct LinearCall : Gang {
+  const T* w;
+  float* y;
+  int64_t M, O, I, ld, blk, chunk, items;
+  std::vector<const float*> xrow;
+  std::atomic<int64_t> next{0};
+
+  void drain() override {
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
+    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
+      matvecs(
+          w + o0 * ld, no, I, xrow.data(), M,
+          [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; }, ld, blk);
+    }
+  }
+};
+
+template <ffi::DataType WT, typename T>
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("colibri_linear: wrong ranks");
+  const int64_t unit = sizeof(*w.typed_data()) / sizeof(T);  // T a buffer element (Int4Z: 4)
+  const int64_t M = xd[0], I = xd[1], O = wd[0], ld = wd[1] * unit;
+  if (yd[0] != M || yd[1] != O)
+    return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
+  int64_t blk = 0;
+  const T* kind = nullptr;
+  if constexpr (kScaled<T>) {
+    blk = scale_width(kind, I, ld);
+    if (blk == 0)
+      return ffi::Error::InvalidArgument(
+          "colibri_linear_fp8/int4/int8: rows are not I values and I / b scales (and "
+          "offsets), b of 8");
+  } else if (ld != I) {
+    return ffi::Error::InvalidArgument("colibri_linear: shapes disagree");
+  }
+  auto call = std::make_shared<LinearCall<T>>();
+  call->w = reinterpret_cast<const T*>(w.typed_data());
+  call->y = y->typed_data();
+  call->M = M;
+  call->O = O;
+  call->I = I;
+  call->ld = ld;
+  call->blk = blk;
+  call->chunk = chunk_rows(value_bytes(kind, I), O, 128 << 10);
+  call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
+  call->xrow.resize(M);
+  for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
+  run(pool, call, call->items, O * value_bytes(kind, I) * ((M + 3) / 4));
+  return ffi::Error::Success();
+}
+
+}  // namespace

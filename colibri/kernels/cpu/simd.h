@@ -1,0 +1,115 @@
+// Eight-lane float32 vectors and the arithmetic every kernel shares: loads, spelled-out
+// multiply-adds, the fixed horizontal sums, and e^x and silu lane by lane.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
+// instantiation of a loop rounds the same way.
+#if defined(__FMA__)
+inline v8 fma8(v8 a, v8 b, v8 c) {
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a),
+                                              reinterpret_cast<__m256>(b),
+                                              reinterpret_cast<__m256>(c)));
+}
+#else
+inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }
+#endif
+
+// Pin a loaded vector in a register. Without it GCC folds the loads into the FMAs and repeats
+// them for every pair of the tile (12 loads instead of 6 for 8 FMAs in a 2x4 tile).
+inline void in_register(v8& v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#endif
+}
+
+inline float hsum(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
+
+// out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
+// eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
+// instead of lane by lane through memory, which cost as much as the products of a short dot.
+// Always inlined: with more kernels in this file GCC stopped inlining the small ones, which
+// slowed the 16-row calls.
+template <int N>
+__attribute__((always_inline)) inline void hsums(const v8* acc, float* out) {
+#if defined(__AVX__)
+  constexpr int P = (N + 7) / 8 * 8;
+  __m256 a[P];
+  for (int i = 0; i < P; ++i)
+    a[i] = i < N ? reinterpret_cast<const __m256&>(acc[i]) : _mm256_setzero_ps();
+  for (int g = 0; g < P; g += 8) {
+    __m256 h[4];  // h[k] = [a(2k): v0+v4, v1+v5, v2+v6, v3+v7 | a(2k+1): the same]
+    for (int k = 0; k < 4; ++k) {
+      const __m256 x = a[g + 2 * k], y = a[g + 2 * k + 1];
+      h[k] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                           _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    // ((v0+v4) + (v1+v5)) + ((v2+v6) + (v3+v7)) of a0 a2 a4 a6 | a1 a3 a5 a7.
+    const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+    float r[8];
+    _mm256_storeu_ps(r, q);
+    for (int i = 0; i < 8; ++i) {
+      const int at = g + (i < 4 ? 2 * i : 2 * (i - 4) + 1);
+      if (at < N) out[at] = r[i];
+    }
+  }
+#else
+  for (int i = 0; i < N; ++i) out[i] = hsum(acc[i]);
+#endif
+}
+
+// e^x, 8 lanes: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by a degree-6
+// polynomial (relative error ~1e-7), times 2^k put together in the exponent bits. Below -87,
+// where floats turn subnormal, the result is 0, as for -inf; above 88 it is e^88.
+inline v8 exp8(v8 x) {
+  typedef int32_t i8 __attribute__((vector_size(32)));
+  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
+  const i8 keep = x >= lo;
+  x = max8(x, lo);
+  x = x < hi ? x : hi;
+  v8 k = x * 1.44269504088896341f;
+#if defined(__AVX__)
+  k = reinterpret_cast<v8>(_mm256_round_ps(reinterpret_cast<__m256>(k),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int i = 0; i < 8; ++i) k[i] = std::nearbyint(k[i]);
+#endif
+  v8 r = fma8(k, v8{} - 0.693359375f, x);
+  r = fma8(k, v8{} + 2.12194440e-4f, r);
+  v8 q = v8{} + 1.9875691500e-4f;
+  q = fma8(q, r, v8{} + 1.3981999507e-3f);
+  q = fma8(q, r, v8{} + 8.3334519073e-3f);
+  q = fma8(q, r, v8{} + 4.1665795894e-2f);
+  q = fma8(q, r, v8{} + 1.6666665459e-1f);
+  q = fma8(q, r, v8{} + 5.0000001201e-1f);
+  const v8 y = fma8(q, r * r, r) + 1.0f;
+  const i8 two_k = (__builtin_convertvector(k, i8) + 127) << 23;
+  return reinterpret_cast<v8>(reinterpret_cast<i8>(y * reinterpret_cast<v8>(two_k)) & keep);
+}
+
+// silu(g) = g / (1 + e^-g), 8 lanes.
+inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
+
+}  // namespace

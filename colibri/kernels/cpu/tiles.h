@@ -1,0 +1,289 @@
+// The dot-product tiles: a few weight rows against a few input rows at a time, every weight
+// widened as its format says (formats.h) while it is in registers, and `matvecs`, which applies
+// a matrix's rows to a set of inputs in such tiles. Each dot product is computed the same way
+// whatever tile it falls in (cpu.cc, "Exactness").
+
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "formats.h"
+#include "simd.h"
+
+namespace {
+
+// acc[i][j] += wv_i * x[j][c .. c + 8) for the TW weight vectors of a tile, passed as
+// values: held in an array, GCC kept them in memory and stored every one to the stack at each
+// step (three stores per twelve multiply-adds).
+template <int TR, typename... V>
+__attribute__((always_inline)) inline void multiply_add(v8 (*acc)[TR], const float* const* x,
+                                                        int64_t c, V... wv) {
+  (in_register(wv), ...);
+  for (int j = 0; j < TR; ++j) {
+    v8 xv = load8(x[j] + c);
+    in_register(xv);
+    int i = 0;
+    ((acc[i][j] = fma8(wv, xv, acc[i][j]), ++i), ...);
+  }
+}
+
+// One step of `dots`: columns [c, c + 8) of every weight row against every input.
+template <int TR, typename T, size_t... I>
+__attribute__((always_inline)) inline void step(const T* const* w, const float* const* x,
+                                                int64_t c, v8 (*acc)[TR],
+                                                std::index_sequence<I...>) {
+  multiply_add<TR>(acc, x, c, loadw(w[I] + c)...);
+}
+
+// out[i * TR + j] = dot(w[i], x[j]) over L floats, for TW weight rows and TR input rows.
+// `blk`: FP8 rows' block width (unused for float and bfloat16 weights).
+template <int TW, int TR, typename T>
+inline void dots(const T* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk = 0) {
+  (void)blk;
+  v8 acc[TW][TR];
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  int64_t c = 0;
+  for (; c + 8 <= L; c += 8) {
+    // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream.
+    if constexpr (TR > 1) {
+      if (c % (64 / sizeof(T)) == 0)  // once a cache line
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
+    }
+    step(w, x, c, acc, std::make_index_sequence<TW>{});
+  }
+  hsums<TW * TR>(&acc[0][0], out);
+  if (c < L)
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < TR; ++j) {
+        float s = out[i * TR + j];
+        for (int64_t t = c; t < L; ++t) s = std::fma(widen(w[i][t]), x[j][t], s);
+        out[i * TR + j] = s;
+      }
+}
+
+// One step of `scaled_block`: the same over rows widened and scaled as they are loaded.
+template <bool Huge, int TR, typename Q, size_t... I>
+__attribute__((always_inline)) inline void scaled_step(const Q* const* w, const float* const* x,
+                                                       int64_t c, const v8* scale,
+                                                       const v8* offset, v8 (*acc)[TR],
+                                                       std::index_sequence<I...>) {
+  multiply_add<TR>(acc, x, c, scaled8<Huge>(w[I], c, scale[I], offset[I])...);
+}
+
+// Columns [c0, c0 + blk) of `dots` over scaled rows (FP8 or int4): each weight widened and
+// times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up).
+template <int TW, int TR, bool Huge, typename Q>
+inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
+                         const v8* scale, const v8* offset, v8 (*acc)[TR]) {
+  for (int64_t c = c0; c < c0 + blk; c += 8) {
+    {
+      // Once a cache line of values, 2 KiB ahead, as for the other weights, and here for a
+      // single input too: one-row calls over FP8 and int8 rows are much slower without it
+      // (float32 and bfloat16 rows, which stream fast alone, are slower with it).
+      const int64_t at = value_bytes(w[0], c);
+      if (at % 64 == 0)
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
+    }
+    scaled_step<Huge>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
+  }
+}
+
+// The same over scaled rows: w[i] is a row's L values (value_bytes of them), its L / blk
+// float32 block scales right after them (L a multiple of blk, blk of 8; Int4Z: then as many
+// offsets). Each weight is widened and scaled as it is loaded, then the same multiply-adds in
+// the same order: bitwise the dot of the dequantized float32 row.
+template <int TW, int TR, typename Q>
+inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, float* out,
+                        int64_t blk) {
+  v8 acc[TW][TR];
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  const int64_t vb = value_bytes(w[0], L), nb = L / blk;
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    v8 scale[TW], offset[TW];
+    bool huge = false;
+    for (int i = 0; i < TW; ++i) {
+      float s;
+      std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
+      huge = huge || too_big(w[i], s);
+      scale[i] = v8{} + s;
+      if constexpr (kOffsets<Q>) offset[i] = v8{} + block_offset(w[i], vb, nb, c0 / blk);
+    }
+    // Only Int4Z rows keep offsets: the others pass their scales in their place, unused.
+    const v8* off = kOffsets<Q> ? offset : scale;
+    if (huge) {
+      scaled_block<TW, TR, true>(w, x, c0, blk, scale, off, acc);
+    } else {
+      for (int i = 0; i < TW; ++i) scale[i] = scale[i] * folded(w[i]);
+      scaled_block<TW, TR, false>(w, x, c0, blk, scale, off, acc);
+    }
+  }
+  hsums<TW * TR>(&acc[0][0], out);
+}
+
+template <int TW, int TR>
+inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+template <int TW, int TR>
+inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+template <int TW, int TR>
+inline void dots(const Int4Z* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+template <int TW, int TR>
+inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float* out,
+                 int64_t blk) {
+  scaled_dots<TW, TR>(w, x, L, out, blk);
+}
+
+// out[0 .. L) = one scaled row (its values, then L / blk scales) as float32: each value times
+// its block's scale, exactly as `dots` widens it in registers.
+template <typename Q>
+inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
+  const int64_t vb = value_bytes(w, L), nb = L / blk;
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    float s;
+    std::memcpy(&s, reinterpret_cast<const char*>(w) + vb + 4 * (c0 / blk), sizeof s);
+    const bool huge = too_big(w, s);
+    const v8 scale = v8{} + (huge ? s : s * folded(w));
+    v8 offset = scale;
+    if constexpr (kOffsets<Q>) offset = v8{} + block_offset(w, vb, nb, c0 / blk);
+    for (int64_t c = c0; c < c0 + blk; c += 8) {
+      const v8 v = huge ? scaled8<true>(w, c, scale, offset) : scaled8<false>(w, c, scale, offset);
+      std::memcpy(out + c, &v, sizeof v);
+    }
+  }
+}
+
+// Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
+// (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
+// quarter (or a third) of the matrix apart, not neighbours: streams that far apart are
+// prefetched in parallel, and short rows stream faster than from TW adjacent rows.
+template <int TW, int TR, typename T, typename Emit>
+inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
+                         Emit emit, int64_t blk) {
+  float out[TW * TR];
+  const T* w[TW];
+  const int64_t gap = R / TW;
+  for (int64_t row = 0; row < gap; ++row) {
+    for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
+    dots<TW, TR>(w, x, L, out, blk);
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
+  }
+  for (int64_t row = gap * TW; row < R; ++row) {
+    w[0] = W + row * ld;
+    dots<1, TR>(w, x, L, out, blk);
+    for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
+  }
+}
+
+// out[i * TR + j] = dot(w[i], x[j0 + j]), emitted as emit(rows[i], j0 + j, ...).
+template <int TW, int TR, typename T, typename Emit>
+inline void tile(const T* const* w, const int64_t* rows, const float* const* x, int64_t j0,
+                 int64_t L, Emit& emit, int64_t blk) {
+  float out[TW * TR];
+  dots<TW, TR>(w, x + j0, L, out, blk);
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) emit(rows[i], j0 + j, out[i * TR + j]);
+}
+
+// Every input (more than four) against rows w[0..TW): in tiles of four and three inputs
+// (five: three and two), never of one or two where three can be had: a pass over the rows
+// then makes 12 or 9 sums instead of 3 or 6 (9 inputs as 3 + 3 + 3, not 4 + 4 + 1).
+template <int TW, typename T, typename Emit>
+inline void all_inputs(const T* const* w, const int64_t* rows, const float* const* x,
+                       int64_t r, int64_t L, Emit& emit, int64_t blk) {
+  if (r == 5) {
+    tile<TW, 3>(w, rows, x, 0, L, emit, blk);
+    tile<TW, 2>(w, rows, x, 3, L, emit, blk);
+    return;
+  }
+  const int64_t threes = (4 - r % 4) % 4;  // r = 4 * fours + 3 * threes
+  int64_t j0 = 0;
+  for (; j0 + 3 * threes < r; j0 += 4) tile<TW, 4>(w, rows, x, j0, L, emit, blk);
+  for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit, blk);
+}
+
+// Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
+// every input, four (or three) at a time, while it is in L1 (a pass over the matrix for every
+// four inputs would re-read the weights from L2).
+// Three weight rows by four inputs keep 12 sums, 3 weight vectors and 1 input vector in the 16
+// AVX registers.
+// `ld`: elements from one row of W to the next (default L); `blk`: FP8 rows' block width.
+template <typename T, typename Emit>
+void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r, Emit emit,
+             int64_t ld = 0, int64_t blk = 0) {
+  if (ld == 0) ld = L;
+  if (r <= 0) return;
+  if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit, blk);
+  if (r == 3) return matvecs_tile<3, 3>(W, R, L, ld, x, emit, blk);
+  if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
+  if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit, blk);
+  const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
+  if constexpr (kScaled<T>) {
+    // Scaled rows met by several tiles of inputs: each widened once, into float32 rows in L1,
+    // which the float32 tiles then read (the same values, the same multiply-adds).
+    thread_local std::vector<float> wide;
+    wide.resize(3 * L);
+    const float* w[3] = {wide.data(), wide.data() + L, wide.data() + 2 * L};
+    int64_t rows[3];
+    const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < 3; ++i) {
+        rows[i] = row + i * gap;
+        widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+      }
+      // The next three rows into L2 while the tiles compute on these: widen_row reads its
+      // rows once, before any arithmetic, and would otherwise wait on DRAM for each of them.
+      // (Float32 rows need no such step: their tiles prefetch as they go.)
+      if (row + 1 < gap)
+        for (int i = 0; i < 3; ++i) {
+          const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+        }
+      all_inputs<3>(w, rows, x, r, L, emit, 0);
+    }
+    for (int64_t row = gap * 3; row < R; ++row) {
+      widen_row(W + row * ld, L, blk, wide.data());
+      all_inputs<1>(w, &row, x, r, L, emit, 0);
+    }
+  } else {
+    const T* w[3];
+    int64_t rows[3];
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < 3; ++i) {
+        rows[i] = row + i * gap;
+        w[i] = W + rows[i] * ld;
+      }
+      all_inputs<3>(w, rows, x, r, L, emit, blk);
+    }
+    for (int64_t row = gap * 3; row < R; ++row) {
+      w[0] = W + row * ld;
+      all_inputs<1>(w, &row, x, r, L, emit, blk);
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,137 @@
+"""The held-formats registry: every format packs rows the way its kernels and XLA unpack them,
+its row length is what it packs, and the format switches are read once, where a command starts."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colibri import formats
+from colibri.checkpoint import E4M3 as CHECKPOINT_E4M3
+from colibri.checkpoint import Fp8Scales, GroupScales
+from colibri.engine.settings import EngineSettings, SettingsError
+from colibri.formats import FORMATS, Holding, HoldingError
+
+PACKAGE = Path(__file__).resolve().parent.parent / "colibri"
+SWITCHES = Holding.VARIABLES
+
+
+def test_each_format_has_its_own_storage_name_and_kernel_suffix():
+    for field in ("name", "storage", "suffix"):
+        values = [getattr(f, field) for f in FORMATS]
+        assert len(set(values)) == len(values), field
+    for f in FORMATS:
+        assert formats.of(f.storage) is f and formats.held(f.storage) is f
+    assert formats.held(np.float16) is None
+    with pytest.raises(ValueError, match="float16"):
+        formats.of(np.float16)
+    assert CHECKPOINT_E4M3 is formats.E4M3  # one table, wherever it is read from
+
+
+def _rows(fmt, rows: int, cols: int, block: int, rng):
+    """(held rows, the float32 they stand for, computed here from their parts) for `fmt`."""
+    blocks = cols // block
+    scales = (2.0 ** rng.integers(-6, 4, (rows, blocks))).astype(np.float32)
+    if fmt.name == "fp8":
+        bits = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+        bits[(bits & 0x7F) == 0x7F] = 0  # no NaNs
+        q = formats.E4M3[bits]
+        return fmt.pack(bits, scales), q * np.repeat(scales, block, axis=1)
+    vbits = fmt.value_bits
+    q = rng.integers(0, 2**vbits, (rows, cols)).astype(np.uint32)
+    shifts = np.arange(32 // vbits, dtype=np.uint32) * vbits
+    words = (q.reshape(rows, -1, 32 // vbits) << shifts).sum(axis=2, dtype=np.uint32)
+    zero = rng.integers(0, 2**vbits, (rows, blocks)).astype(np.float32)
+    if not fmt.zero_points:
+        zero[:] = 2 ** (vbits - 1)
+    offsets = -(zero * scales)
+    want = (q.astype(np.float32) - np.repeat(zero, block, axis=1)) * np.repeat(scales, block, 1)
+    return fmt.pack(words, scales, offsets), want
+
+
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scaled], ids=lambda f: f.name)
+@given(rows=st.integers(1, 4), blocks=st.integers(1, 3), block=st.sampled_from([8, 16]))
+@settings(deadline=None, max_examples=30)  # each new shape compiles
+def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks, block):
+    rng = np.random.default_rng(rows * 100 + blocks * 10 + block)
+    cols = blocks * block
+    held, want = _rows(fmt, rows, cols, block, rng)
+    assert held.dtype == fmt.storage
+    assert held.size == rows * fmt.row_elements(cols, block)
+    got = np.asarray(fmt.unpack(jnp.asarray(held.reshape(rows, -1)), cols))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_checkpoint_packers_lay_rows_out_as_the_registry_does():
+    """Fp8Scales.pack and GroupScales.pack are the registry's pack of the same parts."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 0x70, 2 * 16, dtype=np.uint8)
+    blocks = np.array([[0.5, 2.0]], np.float32)
+    fp8 = Fp8Scales(blocks, row0=0, b0=8, b1=8, cols=16)
+    assert fp8.pack(raw).tobytes() == formats.FP8.pack(raw.reshape(2, 16), blocks[[0, 0]]).tobytes()
+    scales = np.array([[0.25, 1.0], [2.0, 0.5]], np.float32)
+    group = GroupScales(scales, np.arange(16) // 8, 4, 16, 8)
+    words = rng.integers(0, 2**32, 4, dtype=np.uint64).astype("<u4")
+    want = formats.INT4.pack(words.reshape(2, 2), scales)
+    assert group.pack(words.view(np.uint8)).tobytes() == want.tobytes()
+
+
+def test_row_elements_need_blocks_for_scaled_formats():
+    assert formats.FLOAT32.row_elements(64) == formats.BF16.row_elements(64) == 64
+    scaled = [f.row_elements(64, 16) for f in FORMATS if f.scaled]
+    assert scaled == [64 + 16, 32 + 16, 8 + 8, 16 + 8]  # fp8, int4, int4z, int8
+    with pytest.raises(ValueError, match="int4 need scale blocks"):
+        formats.INT4.row_elements(64)
+
+
+holdings = st.builds(
+    Holding,
+    bf16=st.booleans(),
+    fp8=st.booleans(),
+    int4=st.sampled_from(["all", "experts", "none"]),
+    int8=st.sampled_from(["all", "experts", "none"]),
+)
+
+
+@given(holdings)
+def test_holding_round_trips_through_its_variables(h):
+    assert set(h.to_env()) == set(SWITCHES)
+    assert Holding.from_env(h.to_env()) == h
+    assert EngineSettings.from_env(h.to_env()).holding == h
+
+
+def test_holding_modes_decide_experts_and_dense_matrices_apart():
+    assert Holding.from_env({}) == formats.HOLD_ALL
+    h = Holding.from_env({"COLIBRI_INT4": "experts", "COLIBRI_INT8": "0"})
+    assert (h.packed(4), h.packed(4, dense=True)) == (True, False)
+    assert (h.packed(8), h.packed(8, dense=True)) == (False, False)
+    assert formats.HOLD_ALL.packed(8, dense=True)
+
+
+@pytest.mark.parametrize(
+    "env", [{"COLIBRI_BF16": "experts"}, {"COLIBRI_FP8": "yes"}, {"COLIBRI_INT4": "2"}]
+)
+def test_a_bad_switch_is_refused_naming_it(env):
+    name, value = next(iter(env.items()))
+    with pytest.raises(HoldingError, match=f"{name}='{value}'"):
+        Holding.from_env(env)
+    with pytest.raises(SettingsError, match=name):
+        EngineSettings.from_env(env)
+
+
+def test_only_the_registry_names_a_format_switch():
+    """Switches are read once where a command starts (Holding.from_env), never deep in loading."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "formats.py" and path.parent == PACKAGE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in SWITCHES:
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.value}")
+    assert found == []
