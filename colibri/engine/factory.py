@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 
 import jax
-import psutil
 
+from colibri import memlimit
 from colibri.config import ModelConfig, load_config
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
@@ -25,9 +25,11 @@ def make_runner(model_dir: str | Path, settings: EngineSettings, capacity: int) 
     folder at start and rewritten at every turn end. A KV cache larger than the memory
     available is refused (ValueError naming CTX) before the model is loaded."""
     kv = kv_cache_bytes(load_config(model_dir), settings.kv_slots, capacity)
-    check_kv_fits(kv, settings.kv_slots, capacity, psutil.virtual_memory().available, "memory")
+    check_kv_fits(kv, settings.kv_slots, capacity, memlimit.available(), "memory")
     usage = state_dir(model_dir, settings) / USAGE_FILE
-    model = load_model(model_dir, settings.tiers, usage_path=usage, progress=False)
+    model = load_model(
+        model_dir, settings.tiers, usage_path=usage, progress=False, holding=settings.holding
+    )
     device = jax.devices()[0]
     if device.platform != "cpu":  # the cache lives in the accelerator's memory
         stats = device.memory_stats() or {}

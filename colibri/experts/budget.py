@@ -1,4 +1,5 @@
-"""Expert tier budgets and policies, from env/flags, auto-sized from free memory when unset."""
+"""Expert tier budgets and policies, from env/flags, auto-sized from free memory when unset
+(the host's, or a memory cgroup's headroom where one caps this process: memlimit.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import psutil
+from colibri import memlimit
 
 POLICIES = ("lru", "lfru")
 GiB = 2**30
+# What automatic budgets leave to the process beyond the experts: compiled programs, the KV
+# cache and activations grow after the experts are placed. Under a tight memory cgroup this is
+# what keeps the engine from being OOM-killed (tests/test_memlimit.py).
+WORKSPACE = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -123,9 +128,10 @@ class Plan:
 
 
 def plan(tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int) -> Plan:
-    """Turn budgets into slot counts; unset budgets take a share of available memory."""
+    """Turn budgets into slot counts; unset budgets take a share of the memory available
+    beyond `WORKSPACE` (half to device slots, a quarter to the RAM cache)."""
     total = n_layers * num_experts * expert_bytes
-    avail = psutil.virtual_memory().available
+    avail = max(0, memlimit.available() - WORKSPACE)
     device = tc.device_bytes if tc.device_bytes is not None else min(total, avail // 2)
     slots = max(1, min(num_experts, device // max(1, n_layers * expert_bytes)))
     if tc.cap:
