@@ -102,9 +102,14 @@ def cases(expert_bytes: int, layers: int, experts: int, ram_budget: int) -> list
     pins = 4 * layers * expert_bytes
     return [
         Case("resident", TierConfig(), cold=False),
-        Case(
+        Case(  # on the CPU: unified memory, the RAM budget as device slots (the resident path)
             "ram-cached (all in RAM)",
             TierConfig(device_bytes=dev, ram_bytes=layers * experts * expert_bytes),
+            cold=False,
+        ),
+        Case(  # a RAM tier staged into 16 slots a layer, as on a GPU
+            "ram-cached, RAM tier (UNIFIED=0)",
+            TierConfig(device_bytes=dev, ram_bytes=layers * experts * expert_bytes, unified=False),
             cold=False,
         ),
         Case(

@@ -29,6 +29,7 @@ tiers = st.builds(
     pilot=st.booleans(),
     direct_io=st.booleans(),
     io_threads=st.integers(1, 16),
+    unified=st.one_of(st.none(), st.booleans()),
 )
 settings = st.builds(
     EngineSettings,
@@ -43,6 +44,7 @@ settings = st.builds(
     burst_ms=st.integers(0, 10_000),
     wire=st.sampled_from(WIRES),
     profile=st.booleans(),
+    warmup=st.booleans(),
     state_dir=st.one_of(st.none(), st.sampled_from(["/tmp/state", "rel/dir"])),
     tiers=tiers,
     holding=st.builds(

@@ -56,7 +56,11 @@ def test_store_invariants(ckpt_dir, truth, slots, ram, pins, policy, steps):
     cfg = load_config(ckpt_dir)
     eb = 3 * cfg.moe.moe_ff * cfg.hidden * 2  # bfloat16, held as such
     tiers = TierConfig(
-        device_bytes=2 * slots * eb, ram_bytes=ram * eb, pin_bytes=pins * eb, policy=policy
+        device_bytes=2 * slots * eb,
+        ram_bytes=ram * eb,
+        pin_bytes=pins * eb,
+        policy=policy,
+        unified=False,  # a RAM tier of its own, as on a GPU
     )
     store = ExpertStore(Checkpoint(ckpt_dir), cfg, tiers)
     store.stats.counts[:] = np.arange(E)[None]  # some history so pins have something to pick

@@ -168,11 +168,23 @@ def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
     return {
         "profiled-resident": (TierConfig(), True),
         "1-slot-no-ram": (TierConfig(device_bytes=per_layer, ram_bytes=0), False),
-        "2-slot-lru-ram": (TierConfig(device_bytes=2 * per_layer, ram_bytes=3 * eb), False),
+        "2-slot-lru-ram": (
+            TierConfig(device_bytes=2 * per_layer, ram_bytes=3 * eb, unified=False),
+            False,
+        ),
+        # on the CPU the RAM budget becomes two more slots a layer
+        "2+2-slot-unified": (
+            TierConfig(device_bytes=2 * per_layer, ram_bytes=2 * per_layer),
+            False,
+        ),
         "3-slot-lfru": (TierConfig(device_bytes=3 * per_layer, ram_bytes=0, policy="lfru"), False),
         "pins+repin": (
             TierConfig(
-                device_bytes=3 * per_layer, ram_bytes=2 * eb, pin_bytes=layers * eb, repin=4
+                device_bytes=3 * per_layer,
+                ram_bytes=2 * eb,
+                pin_bytes=layers * eb,
+                repin=4,
+                unified=False,
             ),
             False,
         ),
@@ -254,7 +266,9 @@ def test_pins_come_from_usage_history(checkpoints, tmp_path):
     usage = tmp_path / ".coli_usage"
     write_usage(usage, counts, engine_id=7)
     eb = probe.store.expert_bytes
-    tiers = TierConfig(device_bytes=3 * eb * rows, ram_bytes=eb * rows, pin_bytes=eb * rows)
+    tiers = TierConfig(
+        device_bytes=3 * eb * rows, ram_bytes=eb * rows, pin_bytes=eb * rows, unified=False
+    )
     model = load_model(d, tiers=tiers, usage_path=usage, progress=False)
     for s in model.store.slots:
         assert s.pinned.sum() == 1 and s.expert_in[s.pinned][0] == 5
@@ -293,3 +307,25 @@ def test_repin_swaps_cold_pin_for_hot_expert(checkpoints, tmp_path):
         pinned = s.expert_in[s.pinned][0]
         unpinned = [e for e in range(E) if e != pinned]
         assert counts_now[row, pinned] >= max(counts_now[row, e] for e in unpinned) - 8
+
+
+def test_on_the_cpu_experts_in_ram_are_computed_where_they_lie(checkpoints):
+    """The CPU's device memory is host RAM: a RAM budget becomes device slots (no RAM tier, no
+    copy into a slot), so all experts in RAM is the resident path itself; unified=False keeps a
+    RAM tier staged into slots, as on a GPU. Both decode the resident tokens."""
+    d = checkpoints("qwen3_moe")
+    base = load_model(d, progress=False)
+    prompts = [base.tokenizer.encode(p) for p in PROMPTS]
+    reference = batched_greedy(Runner(base, slots=len(prompts), capacity=64), prompts)
+    eb, layers = base.store.expert_bytes, len(base.cfg.moe_layer_ids)
+    total = eb * layers * base.store.E
+    for unified in (None, False):
+        tiers = TierConfig(device_bytes=eb * layers, ram_bytes=total, unified=unified)
+        model = load_model(d, tiers=tiers, progress=False)
+        assert model.store.all_resident == (unified is None)
+        assert model.store.plan.ram_bytes == (0 if unified is None else total)
+        runner = Runner(model, slots=len(prompts), capacity=64)
+        assert batched_greedy(runner, prompts) == reference
+        if unified is None:  # nothing staged: every expert was read once, at load
+            assert not hasattr(model.store, "slots")
+        model.store.close()

@@ -346,7 +346,7 @@ def load_placed(model_dir: Path, tiered: bool, holding=None):
     if not tiered:
         return probe, probe
     eb, layers = probe.store.expert_bytes, len(probe.cfg.moe_layer_ids)
-    tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb)
+    tiers = TierConfig(device_bytes=layers * 3 * eb, ram_bytes=4 * eb, unified=False)
     model = load_model(model_dir, tiers=tiers, progress=False, holding=holding)
     assert not model.store.all_resident
     return model, probe

@@ -31,10 +31,13 @@ class TierConfig:
     pilot: bool = False  # PILOT: layer L+1's router on layer L's output prefetches from disk
     direct_io: bool = False  # DIRECT_IO: read experts with O_DIRECT (bypass the page cache)
     io_threads: int = 4  # IO_THREADS: disk reader pool size
+    # UNIFIED: the RAM budget as more device slots, no RAM tier (None: on when the device is
+    # the CPU, whose "device" memory is host RAM, and PILOT is off; PILOT prefetches into RAM).
+    unified: bool | None = None
 
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("DEVICE_GB", "RAM_GB", "PIN_GB", "CAP", "POLICY", "REPIN", "PILOT", "DIRECT_IO"),
-        "IO_THREADS",
+        *("IO_THREADS", "UNIFIED"),
     )
 
     def __post_init__(self) -> None:
@@ -61,6 +64,7 @@ class TierConfig:
             pilot=_int(env, "PILOT", 0) > 0,
             direct_io=_int(env, "DIRECT_IO", 0) > 0,
             io_threads=_int(env, "IO_THREADS", 4),
+            unified=None if env.get("UNIFIED", "") == "" else _int(env, "UNIFIED", 0) > 0,
         )
 
     def to_env(self) -> dict[str, str]:
@@ -74,7 +78,7 @@ class TierConfig:
             "PILOT": str(int(self.pilot)),
             "DIRECT_IO": str(int(self.direct_io)),
             "IO_THREADS": str(self.io_threads),
-        }
+        } | ({} if self.unified is None else {"UNIFIED": str(int(self.unified))})
 
     @classmethod
     def of_gb(cls, device_gb=None, ram_gb=None, pin_gb=None, **rest: Any) -> TierConfig:
@@ -127,9 +131,13 @@ class Plan:
         return self.slots_per_layer >= num_experts
 
 
-def plan(tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int) -> Plan:
+def plan(
+    tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int, cpu: bool = False
+) -> Plan:
     """Turn budgets into slot counts; unset budgets take a share of the memory available
-    beyond `WORKSPACE` (half to device slots, a quarter to the RAM cache)."""
+    beyond `WORKSPACE` (half to device slots, a quarter to the RAM cache). Unified memory (the
+    device is the `cpu`, unless `tc.unified` says otherwise) gives the RAM budget to device
+    slots: an expert in RAM is then computed where it lies, with no copy into a slot."""
     total = n_layers * num_experts * expert_bytes
     avail = max(0, memlimit.available() - WORKSPACE)
     device = tc.device_bytes if tc.device_bytes is not None else min(total, avail // 2)
@@ -138,6 +146,11 @@ def plan(tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int) -> 
         slots = min(slots, tc.cap)
     left = max(0, total - n_layers * slots * expert_bytes)
     ram = tc.ram_bytes if tc.ram_bytes is not None else min(left, avail // 4)
+    if tc.unified if tc.unified is not None else (cpu and not tc.pilot):
+        more = min(ram, left) // max(1, n_layers * expert_bytes)
+        slots, ram = min(num_experts, slots + more), 0
+        if tc.cap:
+            slots = min(slots, tc.cap)
     pins = min(tc.pin_bytes // expert_bytes, n_layers * max(0, slots - 1))
     if slots >= num_experts:
         pins = 0  # everything is on device already: nothing to pin

@@ -52,7 +52,8 @@ class ExpertStore:
         self.blocks = row_blocks(ckpt, cfg, self.held)
         self.shapes = expert_shapes(cfg, self.held, self.blocks)
         self.expert_bytes = sum(r * c for r, c in self.shapes.values()) * self.held.itemsize
-        self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes)
+        cpu = jax.devices()[0].platform == "cpu"
+        self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes, cpu)
         self.stats = ExpertStats(len(self.layer_ids), self.E, self.expert_bytes)
         self.usage_path = Path(usage_path) if usage_path else None
         if self.usage_path:
