@@ -19,6 +19,8 @@ from colibri.model import attention, layers, transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
 _MIN_BUCKET = 8
+# The layer-by-layer path's router when tracing (`Runner.prefill_traced`).
+_route_traced = jax.jit(transformer.moe_route_traced, static_argnums=(0,))
 
 
 def bucket(n: int, lo: int = _MIN_BUCKET, hi: int | None = None) -> int:
@@ -198,6 +200,16 @@ class InFlight:
         return self.tokens()[-1]
 
 
+def _host_routing(ids: np.ndarray, traced: list, shape: tuple[int, int]) -> transformer.Routing:
+    """A host `Routing` from the layer-by-layer path: ids [n_moe, rows, width, K] and each
+    MoE layer's (weights [rows, width, K], entropy and margin [rows, width, 1])."""
+    if not traced:
+        empty = np.zeros((0, *shape), np.float32)
+        return transformer.Routing(ids, np.zeros(ids.shape, np.float32), empty, empty)
+    wts, ent, margin = (np.stack([e[j] for e in traced]).astype(np.float32) for j in range(3))
+    return transformer.Routing(ids, wts, ent[..., 0], margin[..., 0])
+
+
 @dataclass(frozen=True)
 class _Batch:
     """Padded inputs of one forward and which part of them is real."""
@@ -209,6 +221,7 @@ class _Batch:
     rows: int  # real rows
     width: int  # real tokens per row
     kv_len: int
+    lens: tuple[int, ...] | None = None  # real tokens of each row, where rows differ
 
 
 @partial(jax.jit, static_argnames=("size",))
@@ -274,6 +287,61 @@ class Runner:
             logits = out[0]
             routes.append(r[:, 0])  # [n_moe, T_real, K]
         return logits, np.concatenate(routes, axis=1)
+
+    def prefill_traced(
+        self, feeds: Sequence[tuple[int, Sequence[int], int]]
+    ) -> tuple[np.ndarray, list[transformer.Routing]]:
+        """Feed several slots at once, for analysis: each feed (slot, tokens, start) puts its
+        tokens at positions start.. of its slot; the feeds are the rows of one forward per
+        chunk of up to PREFILL_CHUNK positions (a chunk of single tokens is a decode-shaped
+        forward). Returns logits [n, V] after each feed's last token and each feed's routing
+        as host arrays (`transformer.Routing`: ids and gate weights [n_moe, T, K], the
+        router's entropy and margin [n_moe, T]). Its own program (`forward(trace=True)`, or
+        the traced router layer by layer): `prefill` and `decode` are untouched. The
+        selections of real tokens are counted in the statistics, as prefill's are."""
+        if not feeds:
+            raise ValueError("prefill_traced needs at least one feed")
+        if len({f[0] for f in feeds}) != len(feeds):
+            raise ValueError("each slot can be fed once per call")
+        for slot, toks, start in feeds:
+            if not 0 <= slot < self.slots:
+                raise IndexError(f"slot {slot} is not one of the {self.slots} KV slots")
+            if not len(toks):
+                raise ValueError("every feed needs at least one token")
+            if start + len(toks) > self.capacity:
+                raise ValueError(
+                    f"{start + len(toks)} positions exceed the context of {self.capacity}"
+                )
+        logits: list = [None] * len(feeds)
+        parts: list[list] = [[] for _ in feeds]
+        for at in range(0, max(len(f[1]) for f in feeds), PREFILL_CHUNK):
+            live = [i for i, f in enumerate(feeds) if len(f[1]) > at]
+            lens = [min(len(feeds[i][1]) - at, PREFILL_CHUNK) for i in live]
+            width = max(lens)
+            T = 1 if width == 1 else bucket(width, hi=PREFILL_CHUNK)
+            B = bucket(len(live), lo=1)
+            toks, pos = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
+            slots = np.full(B, self.slots, np.int32)  # padding rows: out of range, dropped
+            last = np.zeros(B, np.int32)
+            for r, (i, n) in enumerate(zip(live, lens, strict=True)):
+                slot, chunk, start = feeds[i][0], feeds[i][1][at : at + n], feeds[i][2]
+                toks[r, :n] = chunk
+                pos[r] = start + at + np.arange(T, dtype=np.int32)
+                slots[r], last[r] = slot, n - 1
+            ends = [feeds[i][2] + at + n - 1 for i, n in zip(live, lens, strict=True)]
+            batch = _Batch(
+                toks, pos, slots, last, len(live), width, self._kv_len(max(ends)), tuple(lens)
+            )
+            out, routing = self._forward_traced(batch)
+            for r, (i, n) in enumerate(zip(live, lens, strict=True)):
+                parts[i].append([a[:, r, :n] for a in routing])
+                if at + n == len(feeds[i][1]):
+                    logits[i] = out[r]
+        routings = [
+            transformer.Routing(*(np.concatenate(a, axis=1) for a in zip(*p, strict=True)))
+            for p in parts
+        ]
+        return np.stack(logits), routings
 
     def decode(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
         """One token for each row, all in one forward: logits [B, V], routes [n_moe, B, K]."""
@@ -428,6 +496,29 @@ class Runner:
         )
         return self._land(b, (logits, r))
 
+    def _forward_traced(self, b: _Batch) -> tuple[np.ndarray, transformer.Routing]:
+        """`_forward` of a traced prefill: host logits of the real rows and their `Routing`
+        (rows, width cut to the real ones); only real tokens are counted."""
+        if self.split:
+            logits, routing = self._forward_split(b, all_logits=False, trace=True)
+        else:
+            logits, self.cache, routing = transformer.forward(
+                self.cfg,
+                self.model.params,
+                self.store.resident,
+                self.cache,
+                b.tokens,
+                b.pos,
+                b.slots,
+                b.last,
+                kv_len=b.kv_len,
+                trace=True,
+            )
+            routing = transformer.Routing(*(np.asarray(a)[:, : b.rows, : b.width] for a in routing))
+            self._record(np.concatenate([routing.ids[:, r, :n] for r, n in enumerate(b.lens)], 1))
+        self.timers.total["t_edisk"] = self.store.disk.thread_seconds
+        return np.asarray(logits)[: b.rows], routing
+
     def _land(
         self, b: _Batch, out: tuple, keep: list[bool] | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -465,22 +556,26 @@ class Runner:
         if not self.split:
             self.stats.record_lookups(distinct, distinct)
 
-    def _forward_split(self, b: _Batch, all_logits: bool):
+    def _forward_split(self, b: _Batch, all_logits: bool, trace: bool = False):
         cfg, params, t = self.cfg, self.model.params, self.timers
         pos, slots = jnp.asarray(b.pos), jnp.asarray(b.slots)
         x = steps.embed(cfg, params, jnp.asarray(b.tokens))
-        routes, prediction = [], None
+        routes, traced, prediction = [], [], None
         for i, lw in enumerate(params["layers"]):
             x = self._attention(i, lw, x, pos, slots, b.kv_len)
             if "moe" not in lw:
                 x = steps.dense_mlp(cfg, lw, x)
                 continue
-            x, ids, prediction = self._moe(len(routes), lw, x, b, prediction)
+            x, ids, prediction, extra = self._moe(len(routes), lw, x, b, prediction, trace)
             routes.append(ids)
+            traced.append(extra)
         with t.phase("t_head"):
             logits = steps.head(cfg, params, x, jnp.asarray(b.last), all_logits=all_logits)
             logits.block_until_ready()
-        return logits, np.stack(routes) if routes else np.zeros((0, b.rows, b.width, 1), np.int32)
+        ids = np.stack(routes) if routes else np.zeros((0, b.rows, b.width, 1), np.int32)
+        if trace:
+            return logits, _host_routing(ids, traced, (b.rows, b.width))
+        return logits, ids
 
     def _attention(self, i: int, lw: dict, x, pos, slots, kv_len: int):
         cfg, t = self.cfg, self.timers
@@ -500,13 +595,25 @@ class Runner:
             x.block_until_ready()
         return x
 
-    def _moe(self, row: int, lw: dict, x, b: _Batch, prediction):
-        """Route, stage the union of chosen experts chunk by chunk, combine."""
+    def _moe(self, row: int, lw: dict, x, b: _Batch, prediction, trace: bool = False):
+        """Route, stage the union of chosen experts chunk by chunk, combine. Also returns,
+        where `trace`, the real rows' gate weights, router entropy and margin (else None)."""
         cfg, store, t = self.cfg, self.store, self.timers
-        h, ids, wts = steps.route(cfg, lw, x)
+        extra = None
+        if trace:
+            h, ids, wts, ent, margin = _route_traced(cfg, lw, x)
+            extra = tuple(
+                np.asarray(a).reshape(*b.tokens.shape, -1)[: b.rows, : b.width]
+                for a in (wts, ent, margin)
+            )
+        else:
+            h, ids, wts = steps.route(cfg, lw, x)
         ids_np = np.asarray(ids)  # [B*T, K]: the one host round trip of the layer
         real = ids_np.reshape(*b.tokens.shape, -1)[: b.rows, : b.width]  # [rows, width, K]
-        self.stats.record(row, real)
+        if b.lens is None:
+            self.stats.record(row, real)
+        else:  # rows of different lengths: their padding stays out of the statistics
+            self.stats.record(row, np.concatenate([real[r, :n] for r, n in enumerate(b.lens)]))
         union = np.unique(real)
         if prediction is not None:
             store.score_prediction(prediction, union)
@@ -526,7 +633,7 @@ class Runner:
         with t.phase("t_emm"):
             x = steps.combine(cfg, lw, x, h, y, wts)
             x.block_until_ready()
-        return x, real, prediction
+        return x, real, prediction, extra
 
     def _lookahead(self, row: int, h, b: _Batch) -> np.ndarray | None:
         """PILOT: predict the next MoE layer's experts from this layer's input; prefetch them."""

@@ -23,7 +23,33 @@ Experts = dict[str, jax.Array]
 
 def route(m: MoeConfig, w: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Choose K experts per row of x [N, D]: (ids [N, K] int32, mixing weights [N, K])."""
-    logits = linear(x.astype(jnp.float32), w["router"])  # [N, E]
+    return _choose(m, w, linear(x.astype(jnp.float32), w["router"]))  # logits [N, E]
+
+
+def route_traced(
+    m: MoeConfig, w: dict, x: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """`route` and, per row, the entropy (bits) and top-1 minus top-2 margin of the router's
+    probability distribution over all E experts: (ids, weights, entropy [N], margin [N]).
+
+    The distribution is softmax(logits) for softmax routers; for sigmoid routers (DeepSeek-V3,
+    GLM-4.5) it is the sigmoid scores normalised to sum to 1, without the selection bias (which
+    steers the choice, never the weights). Only these two numbers per row leave the program,
+    not the [N, E] distribution."""
+    logits = linear(x.astype(jnp.float32), w["router"])
+    ids, wts = _choose(m, w, logits)
+    if m.router == "softmax":
+        probs = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    plogp = jnp.where(probs > 0, probs * jnp.log2(jnp.where(probs > 0, probs, 1.0)), 0.0)
+    top2 = jax.lax.top_k(probs, min(2, probs.shape[-1]))[0]
+    margin = top2[:, 0] - (top2[:, 1] if top2.shape[1] > 1 else 0.0)
+    return ids, wts, -jnp.sum(plogp, axis=-1), margin
+
+
+def _choose(m: MoeConfig, w: dict, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     if m.router == "softmax":
         return _route_softmax(m, logits)
     return _route_sigmoid_group(m, logits, w["bias"])

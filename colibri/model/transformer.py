@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,18 @@ from colibri.model import attention, moe
 from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu, widen
 
 Cache = list[attention.Cache]
+
+
+class Routing(NamedTuple):
+    """What a traced forward reports per MoE layer and token (`forward(..., trace=True)`):
+    ids [n_moe, B, T, K] int32, the gate weights that mix those experts [n_moe, B, T, K]
+    float32, and the entropy (bits) and top-1 minus top-2 margin of the router's distribution
+    over all experts [n_moe, B, T] (`moe.route_traced`)."""
+
+    ids: jax.Array
+    weights: jax.Array
+    entropy: jax.Array
+    margin: jax.Array
 
 
 def init_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
@@ -43,6 +56,12 @@ def moe_route(cfg: ModelConfig, lw: dict, x: jax.Array) -> tuple[jax.Array, jax.
     return h, ids, wts
 
 
+def moe_route_traced(cfg: ModelConfig, lw: dict, x: jax.Array):
+    """`moe_route` with the router's entropy and margin by row: h, ids, weights, entropy, margin."""
+    h = rms_norm(x, lw["ln2"], cfg.rms_eps).reshape(-1, cfg.hidden)
+    return h, *moe.route_traced(cfg.moe, lw["moe"], h)
+
+
 def moe_outputs(cfg: ModelConfig, experts: moe.Experts, h: jax.Array, slot_ids: jax.Array):
     """Routed outputs y [N, K, D] from `experts` (a slot cache when slot_ids are slot numbers)."""
     return moe.expert_outputs(experts, h, slot_ids, cfg.moe.num_experts)
@@ -66,7 +85,10 @@ def head(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
 
 
 @partial(
-    jax.jit, static_argnums=(0,), static_argnames=("kv_len", "all_logits"), donate_argnums=(3,)
+    jax.jit,
+    static_argnums=(0,),
+    static_argnames=("kv_len", "all_logits", "trace"),
+    donate_argnums=(3,),
 )
 def forward(
     cfg: ModelConfig,
@@ -81,7 +103,8 @@ def forward(
     kv_len: int,
     all_logits: bool = False,
     rope: Rope | None = None,
-) -> tuple[jax.Array, Cache, jax.Array]:
+    trace: bool = False,
+) -> tuple[jax.Array, Cache, jax.Array | Routing]:
     """One forward with every routed expert resident.
 
     tokens, pos [B, T]; slots [B] (the KV slot of each row); last [B] (the row's last real token).
@@ -89,16 +112,22 @@ def forward(
     ([B, V] at `last`, or [B, T, V] with all_logits), the updated cache, and the routing
     ids [n_moe, B, T, K] for telemetry. `rope`: the rotary cos and sin of `pos`
     (`layers.rope_cos_sin`) when the caller has them; else computed here, once for all layers.
+    `trace` (a separate program: the engine's steps never set it): a `Routing` in place of
+    the ids, with the gate weights and the router's entropy and margin as well.
     """
     x = widen(params["embed"][tokens])
     if rope is None:
         rope = rope_cos_sin(cfg.rope, pos)
-    new_cache, routes = [], []
+    new_cache, routes, traced = [], [], []
     for i, lw in enumerate(params["layers"]):
         x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len, rope)
         new_cache.append(c)
         if "moe" in lw:
-            h, ids, wts = moe_route(cfg, lw, x)
+            if trace:
+                h, ids, wts, ent, margin = moe_route_traced(cfg, lw, x)
+                traced.append((wts, ent, margin))
+            else:
+                h, ids, wts = moe_route(cfg, lw, x)
             y = moe_outputs(cfg, experts[len(routes)], h, ids)
             x = moe_combine(cfg, lw, x, h, y, wts)
             routes.append(ids.reshape(*tokens.shape, -1))
@@ -107,4 +136,22 @@ def forward(
     if not all_logits:
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
     routes_arr = jnp.stack(routes) if routes else jnp.zeros((0, *tokens.shape, 1), jnp.int32)
+    if trace:
+        routes_arr = traced_routing(routes_arr, traced, tokens.shape)
     return head(cfg, params, x), new_cache, routes_arr
+
+
+def traced_routing(ids: jax.Array, traced: list, shape: tuple[int, int]) -> Routing:
+    """A `Routing` from stacked ids [n_moe, B, T, K] and each MoE layer's (weights [N, K],
+    entropy [N], margin [N]) by row."""
+    if not traced:
+        empty = jnp.zeros((0, *shape), jnp.float32)
+        return Routing(ids, jnp.zeros(ids.shape, jnp.float32), empty, empty)
+    wts, ent, margin = (jnp.stack([t[j] for t in traced]) for j in range(3))
+    n = len(traced)
+    return Routing(
+        ids,
+        wts.astype(jnp.float32).reshape(ids.shape),
+        ent.astype(jnp.float32).reshape(n, *shape),
+        margin.astype(jnp.float32).reshape(n, *shape),
+    )
