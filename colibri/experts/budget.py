@@ -71,14 +71,18 @@ class TierConfig:
         """The variables `from_env` reads back as this config (None budgets: left unset)."""
         gb = {"DEVICE_GB": self.device_bytes, "RAM_GB": self.ram_bytes, "PIN_GB": self.pin_bytes}
         env = {k: repr(v / GiB) for k, v in gb.items() if v is not None}  # exact: GiB is 2**30
-        return env | {
-            "CAP": str(self.cap),
-            "POLICY": self.policy,
-            "REPIN": str(self.repin),
-            "PILOT": str(int(self.pilot)),
-            "DIRECT_IO": str(int(self.direct_io)),
-            "IO_THREADS": str(self.io_threads),
-        } | ({} if self.unified is None else {"UNIFIED": str(int(self.unified))})
+        return (
+            env
+            | {
+                "CAP": str(self.cap),
+                "POLICY": self.policy,
+                "REPIN": str(self.repin),
+                "PILOT": str(int(self.pilot)),
+                "DIRECT_IO": str(int(self.direct_io)),
+                "IO_THREADS": str(self.io_threads),
+            }
+            | ({} if self.unified is None else {"UNIFIED": str(int(self.unified))})
+        )
 
     @classmethod
     def of_gb(cls, device_gb=None, ram_gb=None, pin_gb=None, **rest: Any) -> TierConfig:
