@@ -72,23 +72,23 @@ def _tiers(args: argparse.Namespace):
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from colibri.synth import SynthSpec, synthesize
+    from colibri.synth import SIZES, SynthSpec, synthesize, synthesize_config
 
-    spec = SynthSpec(
-        family=args.family,
-        layers=args.layers,
-        experts=args.experts,
-        top_k=args.top_k,
-        hidden=args.hidden,
-        moe_ff=args.moe_ff,
-        vocab=args.vocab,
-        dtype=args.dtype,
-        fp8_block=args.fp8_block,
-        group=args.group,
-        seed=args.seed,
-        shard_mb=args.shard_mb,
-    )
-    path = synthesize(spec, Path(args.out))
+    sizes = {k: getattr(args, k) for k in SIZES}
+    layout = {k: getattr(args, k) for k in ("dtype", "fp8_block", "group")}
+    common = dict(seed=args.seed, shard_mb=args.shard_mb)
+    if args.config:
+        if args.family:
+            raise ValueError("--family with --config: the config's model_type is the family")
+        path = synthesize_config(
+            args.config, Path(args.out), sets=args.set, **layout, **sizes, **common
+        )
+    else:
+        if args.set:
+            raise ValueError("--set needs --config (it sets a field of that config.json)")
+        given = {k: v for k, v in {**sizes, **layout}.items() if v is not None}
+        spec = SynthSpec(family=args.family or SynthSpec.family, **given, **common)
+        path = synthesize(spec, Path(args.out))
     print(path)
     return 0
 
@@ -168,25 +168,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(run=_generate)
 
     s = sub.add_parser("synth", help="write a random checkpoint in Hugging Face layout")
-    s.add_argument("--family", default="qwen3_moe")
-    s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--experts", type=int, default=16)
-    s.add_argument("--top-k", type=int, default=4)
-    s.add_argument("--hidden", type=int, default=128)
-    s.add_argument("--moe-ff", type=int, default=64)
-    s.add_argument("--vocab", type=int, default=512)
+    s.add_argument(
+        "--config",
+        help="a real model's config.json (or its folder, e.g. data/configs/*.json): every field"
+        " kept, the sizes given below override it",
+    )
+    s.add_argument("--family", help="without --config: qwen3_moe (default), ...")
+    s.add_argument("--layers", type=int, help="default 4 (with --config: the config's)")
+    s.add_argument("--experts", type=int, help="default 16")
+    s.add_argument("--top-k", type=int, help="default 4")
+    s.add_argument("--hidden", type=int, help="default 128")
+    s.add_argument("--moe-ff", type=int, help="routed expert's intermediate size, default 64")
+    s.add_argument("--vocab", type=int, help="default 512")
+    s.add_argument("--heads", type=int, help="default hidden/64, at least 2")
+    s.add_argument("--kv-heads", type=int, help="default heads/2 (--config: its grouping)")
+    s.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="--config: set any field, VALUE in JSON (--set kv_lora_rank=32); repeatable",
+    )
     s.add_argument(
         "--dtype",
-        default="f32",
+        default=None,
         choices=["f32", "bf16", "f16", "fp8", "int4", "int8", "gptq4", "gptq8", "awq4"],
         help="fp8: linear weights block-quantized to float8_e4m3fn (DeepSeek-V3's layout); "
         "int4, int8: symmetric integers packed as compressed-tensors stores W4A16/W8A16; "
         "gptq4, gptq8: GPTQ's layout (qweight, qzeros, scales, g_idx), awq4: AutoAWQ's GEMM "
-        "layout (zero points), the rest float16",
+        "layout (zero points), the rest float16; default f32 (--config: its quantization_config"
+        " when synth writes that layout, else its torch_dtype)",
     )
-    s.add_argument("--fp8-block", type=int, default=128, help="--dtype fp8: block side")
+    s.add_argument("--fp8-block", type=int, help="--dtype fp8: block side (default 128)")
     s.add_argument(
-        "--group", type=int, default=128, help="--dtype int*/gptq*/awq4: columns a scale (0: a row)"
+        "--group", type=int, help="--dtype int*/gptq*/awq4: columns a scale (0: a row; 128)"
     )
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--shard-mb", type=float, default=512, help="safetensors shard size")

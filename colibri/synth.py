@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -18,6 +22,8 @@ from colibri.checkpoint import (
     write_safetensors,
 )
 from colibri.config import FAMILIES
+
+log = logging.getLogger("colibri.synth")
 
 # fp8: the linear layers' weights block-quantized to float8_e4m3fn with float32 scales, as in
 # DeepSeek-V3's checkpoints; int4 and int8: quantized to symmetric integers with a bfloat16
@@ -127,19 +133,9 @@ def hf_config(s: SynthSpec) -> dict:
         num_experts_per_tok=s.top_k,
         initializer_range=0.02,
     )
-    if s.dtype == "fp8":
-        base["quantization_config"] = dict(
-            quant_method="fp8",
-            fmt="e4m3",
-            activation_scheme="dynamic",
-            weight_block_size=[s.fp8_block, s.fp8_block],
-        )
-    if s.dtype in _BITS:
-        base["quantization_config"] = packed_quantization(_BITS[s.dtype], s.group)
-    if s.dtype in _GPTQ_BITS:
-        base["quantization_config"] = gptq_quantization(_GPTQ_BITS[s.dtype], s.group)
-    if s.dtype == "awq4":
-        base["quantization_config"] = awq_quantization(s.group)
+    quant = weight_quantization(s)
+    if quant:
+        base["quantization_config"] = quant
     moe = {
         "qwen3_moe": dict(
             architectures=["Qwen3MoeForCausalLM"],
@@ -212,6 +208,24 @@ def hf_config(s: SynthSpec) -> dict:
         ),
     }[s.family]
     return {**base, **moe}
+
+
+def weight_quantization(s: SynthSpec) -> dict | None:
+    """The quantization_config that describes weights laid out as `s.dtype`, None if plain."""
+    if s.dtype == "fp8":
+        return dict(
+            quant_method="fp8",
+            fmt="e4m3",
+            activation_scheme="dynamic",
+            weight_block_size=[s.fp8_block, s.fp8_block],
+        )
+    if s.dtype in _BITS:
+        return packed_quantization(_BITS[s.dtype], s.group)
+    if s.dtype in _GPTQ_BITS:
+        return gptq_quantization(_GPTQ_BITS[s.dtype], s.group)
+    if s.dtype == "awq4":
+        return awq_quantization(s.group)
+    return None
 
 
 def packed_quantization(bits: int, group: int) -> dict:
@@ -320,6 +334,309 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     raw = hf_config(spec)
     cfg = config_from_dict(raw, source="synth")
+    _write_weights(out, cfg, spec, progress)
+    eos = write_tokenizer(out / "tokenizer.json", spec.vocab)
+    raw["eos_token_id"] = eos
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n"
+    )
+    return out
+
+
+# ---- synth --config: a real model's config.json with random weights ------------------------
+
+# model_types `synthesize_config` writes: colibri's families, and DeepSeek-V2 (MLA, softmax
+# routing without a score-correction bias), which transformers runs and colibri does not.
+CONFIG_FAMILIES = (*FAMILIES, "deepseek_v2")
+SIZES = ("layers", "experts", "top_k", "hidden", "moe_ff", "vocab", "heads", "kv_heads")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_FROM_TORCH = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# quantization_config fields that describe the layout synth writes, per quant_method
+_LAYOUT_KEYS = {
+    "fp8": ("quant_method", "fmt", "weight_block_size"),
+    "compressed-tensors": ("quant_method", "format", "config_groups", "ignore"),
+    "gptq": ("quant_method", "bits", "group_size", "sym", "desc_act", "checkpoint_format"),
+    "awq": ("quant_method", "bits", "group_size", "zero_point", "version"),
+}
+
+
+def size_fields(raw: dict) -> dict[str, str]:
+    """The config.json field each size override (SynthSpec's names) sets in this config."""
+    family = raw.get("model_type")
+    experts = next((k for k in _EXPERT_KEYS if k in raw), None)
+    if experts is None:
+        deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
+        experts = {"mixtral": "num_local_experts"}.get(
+            family, "n_routed_experts" if deepseek else "num_experts"
+        )
+    return dict(
+        layers="num_hidden_layers",
+        experts=experts,
+        top_k="num_experts_per_tok",
+        hidden="hidden_size",
+        moe_ff="intermediate_size" if family in ("olmoe", "mixtral") else "moe_intermediate_size",
+        vocab="vocab_size",
+        heads="num_attention_heads",
+        kv_heads="num_key_value_heads",
+    )
+
+
+def parse_set(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` of `synth --set`: VALUE read as JSON (32, 1e-5, null, [0, 3], true), else
+    as the string it is."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set {text!r}: expected KEY=VALUE (VALUE in JSON: 32, null, [0, 3])")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def read_config(config: dict | str | Path) -> tuple[dict, str]:
+    """A config dict and where it came from: a dict, a config.json, or a folder holding one."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config), "config"
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object of fields")
+    return raw, str(path)
+
+
+def synthesize_config(
+    config: dict | str | Path,
+    out: Path,
+    *,
+    sets: Iterable[str] | dict | None = None,
+    dtype: str | None = None,
+    fp8_block: int | None = None,
+    group: int | None = None,
+    seed: int = 0,
+    shard_mb: float = 512,
+    progress: bool = True,
+    **sizes: int | None,
+) -> Path:
+    """Write a random checkpoint shaped by a real model's config.json (a dict, the file or its
+    folder): config.json keeps every field of it, with the sizes given (`SIZES`, SynthSpec's
+    names; None: the config's) and `sets` ({field: value}, or "KEY=VALUE" texts) in place;
+    the weights have exactly the shapes these fields imply. `dtype` (SynthSpec's names) lays
+    the weights out; by default as the config's quantization_config says when synth writes
+    that layout (else it is dropped, with a warning), unquantized in its torch_dtype otherwise.
+    What had to change beyond the overrides (layer lists cut to the layers, token ids beyond
+    the vocabulary) is logged as a warning."""
+    raw, source = read_config(config)
+    new, spec = _plan_config(raw, source, sizes, sets, dtype, fp8_block, group, seed, shard_mb)
+    cfg = _shape_config(new, source)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(out, cfg, spec, progress)
+    eos = write_tokenizer(out / "tokenizer.json", spec.vocab)
+    for key, value in list(new.items()):  # special ids of the real tokenizer, past the vocab
+        if not key.endswith("_token_id") or value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, int) and i >= spec.vocab for i in ids):
+            fitted = [i if not isinstance(i, int) or i < spec.vocab else eos for i in ids]
+            new[key] = fitted if isinstance(value, list) else fitted[0]
+            log.warning(
+                "synth: %s=%s is outside vocab_size=%d: %s (the synthetic tokenizer's eos)",
+                key, value, spec.vocab, new[key],
+            )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(new, indent=2) + "\n")
+    gen = {k: new[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in new}
+    (out / "generation_config.json").write_text(
+        json.dumps({**gen, "do_sample": False}, indent=2) + "\n"
+    )
+    changed = [f"{k}={new.get(k)!r} (was {raw.get(k)!r})" for k in new if new[k] != raw.get(k)]
+    log.info("synth: %s with %s", source, ", ".join(changed) or "every field as it was")
+    from colibri.config import ConfigError, config_from_dict
+
+    try:
+        config_from_dict(new, source=str(out / "config.json"))
+    except ConfigError as e:
+        log.warning("synth: transformers runs this checkpoint, colibri does not: %s", e)
+    return out
+
+
+def _plan_config(raw, source, sizes, sets, dtype, fp8_block, group, seed, shard_mb):
+    """The config.json `synthesize_config` writes (token ids not yet fitted to the vocabulary),
+    and the SynthSpec whose dtype, block, group, seed and shard size lay out its weights."""
+    family = raw.get("model_type")
+    if family not in CONFIG_FAMILIES:
+        raise ValueError(
+            f"{source}: model_type={family!r}: synth writes {', '.join(CONFIG_FAMILIES)}"
+        )
+    unknown = set(sizes) - set(SIZES)
+    if unknown:
+        raise TypeError(f"unknown sizes {sorted(unknown)}: {', '.join(SIZES)}")
+    new = copy.deepcopy(raw)
+    keys = size_fields(raw)
+    given = {k: v for k, v in sizes.items() if v is not None}
+    for name, v in given.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+        new[keys[name]] = v
+    heads, kv = raw.get("num_attention_heads"), raw.get("num_key_value_heads")
+    if "heads" in given and "kv_heads" not in given and isinstance(heads, int):
+        per_kv = heads // kv if isinstance(kv, int) and kv > 0 else 1  # the config's GQA groups
+        n = max(1, given["heads"] // per_kv)
+        new["num_key_value_heads"] = next(k for k in range(n, 0, -1) if given["heads"] % k == 0)
+    for key, value in sets.items() if isinstance(sets, dict) else map(parse_set, sets or ()):
+        new[key] = value
+    _fit_layers(raw, new)
+    _check_sizes(new, keys, source)
+    layout = _layout(raw, new, dtype, fp8_block, group, source)
+    spec = SynthSpec(vocab=new["vocab_size"], seed=seed, shard_mb=shard_mb, **layout)
+    spec.check()
+    quant = weight_quantization(spec)
+    given_quant = new.pop("quantization_config", None)
+    if quant:
+        if isinstance(given_quant, dict) and dtype is None:  # honoured: the layout's fields set
+            keep = _LAYOUT_KEYS[quant["quant_method"]]
+            quant = {**quant, **{k: v for k, v in given_quant.items() if k not in keep}}
+            diff = sorted(k for k in given_quant if quant.get(k) != given_quant[k])
+            if diff:
+                log.warning("synth: quantization_config %s set as synth lays the weights", diff)
+        new["quantization_config"] = quant
+    dtype_key = "dtype" if "dtype" in new and "torch_dtype" not in new else "torch_dtype"
+    new[dtype_key] = _TORCH_DTYPES[spec.dtype]
+    return new, spec
+
+
+def _fit_layers(raw: dict, new: dict) -> None:
+    """Layer-indexed fields within a changed num_hidden_layers: mlp_only_layers keeps the
+    indices below it, max_window_layers at most it (all of them where it covered all),
+    layer_types cut or repeated to its length."""
+    was, L = raw.get("num_hidden_layers"), new.get("num_hidden_layers")
+    if was == L or not isinstance(L, int):
+        return
+    only = new.get("mlp_only_layers")
+    if isinstance(only, list):
+        new["mlp_only_layers"] = [i for i in only if not isinstance(i, int) or i < L]
+    window = new.get("max_window_layers")
+    if isinstance(window, int):
+        new["max_window_layers"] = L if isinstance(was, int) and window >= was else min(window, L)
+    types = new.get("layer_types")
+    if isinstance(types, list) and types:
+        new["layer_types"] = [types[i % len(types)] for i in range(L)]
+
+
+def _check_sizes(new: dict, keys: dict[str, str], source: str) -> None:
+    """What transformers and the tokenizer need of the sizes, said with the flag to give."""
+    vocab, experts, top_k = (new.get(keys[k]) for k in ("vocab", "experts", "top_k"))
+    if not isinstance(vocab, int) or vocab < 260:
+        raise ValueError(f"vocab_size={vocab!r}: at least 260 (256 bytes + specials)")
+    if isinstance(experts, int) and isinstance(top_k, int) and top_k > experts:
+        raise ValueError(
+            f"{source}: num_experts_per_tok={top_k} exceeds {keys['experts']}={experts}"
+            " (give --top-k)"
+        )
+    hidden, heads = new.get("hidden_size"), new.get("num_attention_heads")
+    no_head_dim = new.get("head_dim") is None or new.get("model_type") == "deepseek_v2"
+    if isinstance(hidden, int) and isinstance(heads, int) and no_head_dim and hidden % heads:
+        raise ValueError(
+            f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+            " (give --heads)"
+        )
+    if new.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported (synth writes no MLP biases)")
+
+
+def _layout(raw: dict, new: dict, dtype, fp8_block, group, source: str) -> dict:
+    """SynthSpec's dtype, fp8_block and group for the weights: `dtype` when given, else the
+    layout the config's quantization_config names when synth writes it, else the torch_dtype;
+    fp8_block and group when given override the config's."""
+    quant = new.get("quantization_config")
+    layout: dict = {}
+    if dtype is not None:
+        if quant:
+            log.warning("synth: quantization_config of %s replaced: --dtype %s", source, dtype)
+        layout = {"dtype": dtype}
+    elif quant:
+        layout = _quant_layout(quant) or {}
+        if not layout:
+            log.warning(
+                "synth: quantization_config %s of %s is not a layout synth writes: dropped,"
+                " the weights are unquantized",
+                json.dumps(quant, sort_keys=True)[:200], source,
+            )  # fmt: skip
+    if not layout:
+        torch_dtype = new.get("torch_dtype", new.get("dtype"))
+        layout = {"dtype": _FROM_TORCH.get(torch_dtype, "bf16" if torch_dtype else "f32")}
+        if torch_dtype and torch_dtype not in _FROM_TORCH:
+            log.warning("synth: torch_dtype=%r: the weights are written as bf16", torch_dtype)
+    if fp8_block is not None:
+        layout["fp8_block"] = fp8_block
+    if group is not None:
+        layout["group"] = group
+    return layout
+
+
+def _quant_layout(quant: Any) -> dict | None:
+    """SynthSpec's dtype, fp8_block and group for a quantization_config, None when synth does
+    not write what it describes."""
+    if not isinstance(quant, dict):
+        return None
+    method = quant.get("quant_method")
+
+    def cols(g: Any) -> int | None:  # columns a scale covers, 0 for a whole row
+        ok = isinstance(g, int) and not isinstance(g, bool) and (g == -1 or g > 0)
+        return (0 if g == -1 else g) if ok else None
+
+    if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
+        block = quant.get("weight_block_size")
+        if isinstance(block, list) and len(block) == 2 and block[0] == block[1]:
+            return {"dtype": "fp8", "fp8_block": block[0]} if cols(block[0]) else None
+    if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
+        groups = list((quant.get("config_groups") or {}).values())
+        w = groups[0].get("weights") or {} if len(groups) == 1 else {}
+        g = groups[0] if groups else {}
+        plain = not (g.get("input_activations") or g.get("output_activations"))
+        if plain and w.get("type", "int") == "int" and w.get("symmetric") and not w.get("dynamic"):
+            n = cols(w.get("group_size") or -1) if w.get("strategy") == "group" else 0
+            if w.get("num_bits") in (4, 8) and w.get("strategy") in ("group", "channel"):
+                return {"dtype": f"int{w['num_bits']}", "group": n} if n is not None else None
+    if method == "gptq" and quant.get("bits") in (4, 8) and quant.get("sym", True):
+        from colibri.config import gptq_format
+
+        plain = not quant.get("desc_act") and not quant.get("dynamic")
+        n = cols(quant.get("group_size", 128))
+        if plain and gptq_format(quant) == "gptq" and n is not None:
+            return {"dtype": f"gptq{quant['bits']}", "group": n}
+    if method == "awq" and quant.get("bits", quant.get("w_bit")) == 4:
+        n = cols(quant.get("group_size", quant.get("q_group_size", 128)))
+        gemm = str(quant.get("version", "gemm")).lower() == "gemm"
+        if gemm and quant.get("zero_point", True) and n is not None:
+            return {"dtype": "awq4", "group": n}
+    return None
+
+
+def _shape_config(raw: dict, source: str):
+    """colibri's reading of `raw`, for the shapes of the tensors only: fields that change no
+    shape and that colibri may refuse to run (the activation, rope, a sliding window, the
+    quantization) read as colibri's defaults, and DeepSeek-V2 read as DeepSeek-V3 (the same
+    tensors less the router's score-correction bias, which `_moe_shapes` leaves out)."""
+    import dataclasses
+
+    from colibri.config import config_from_dict
+
+    drop = ("quantization_config", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+    shaped = {k: v for k, v in raw.items() if k not in drop}
+    shaped.update(hidden_act="silu", use_sliding_window=False, rope_theta=10000.0)
+    if raw["model_type"] == "deepseek_v2":
+        shaped["model_type"] = "deepseek_v3"
+    cfg = config_from_dict(shaped, source=source)
+    return dataclasses.replace(cfg, family=raw["model_type"])
+
+
+def _write_weights(out: Path, cfg, spec: SynthSpec, progress: bool) -> None:
+    """Random weights of the shapes `cfg` implies, laid out as `spec.dtype` says, in shards."""
     rng = np.random.default_rng(spec.seed)
     writer = _ShardWriter(out, int(spec.shard_mb * 2**20), _DTYPES[spec.dtype])
     for name, shape in tqdm(
@@ -339,13 +656,6 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
         else:
             writer.add(name, w)
     writer.close()
-    eos = write_tokenizer(out / "tokenizer.json", spec.vocab)
-    raw["eos_token_id"] = eos
-    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": eos, "do_sample": False}, indent=2) + "\n"
-    )
-    return out
 
 
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -385,13 +695,22 @@ def _attn_shapes(cfg, a: str):
     D, H, Hkv, Dh = cfg.hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.attention == "mla":
         m = cfg.mla
-        yield f"{a}.q_a_proj.weight", (m.q_lora_rank, D)
-        yield f"{a}.q_a_layernorm.weight", (m.q_lora_rank,)
-        yield f"{a}.q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank)
+        if m.q_lora_rank is None:  # DeepSeek-V2-Lite: one query projection
+            yield f"{a}.q_proj.weight", (H * m.qk_head_dim, D)
+        else:
+            yield f"{a}.q_a_proj.weight", (m.q_lora_rank, D)
+            if cfg.qkv_bias:
+                yield f"{a}.q_a_proj.bias", (m.q_lora_rank,)
+            yield f"{a}.q_a_layernorm.weight", (m.q_lora_rank,)
+            yield f"{a}.q_b_proj.weight", (H * m.qk_head_dim, m.q_lora_rank)
         yield f"{a}.kv_a_proj_with_mqa.weight", (m.kv_lora_rank + m.qk_rope_head_dim, D)
+        if cfg.qkv_bias:
+            yield f"{a}.kv_a_proj_with_mqa.bias", (m.kv_lora_rank + m.qk_rope_head_dim,)
         yield f"{a}.kv_a_layernorm.weight", (m.kv_lora_rank,)
         yield f"{a}.kv_b_proj.weight", (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         yield f"{a}.o_proj.weight", (D, H * m.v_head_dim)
+        if cfg.o_bias:
+            yield f"{a}.o_proj.bias", (D,)
         return
     for n, rows in (("q", H * Dh), ("k", Hkv * Dh), ("v", Hkv * Dh)):
         yield f"{a}.{n}_proj.weight", (rows, D)
@@ -413,7 +732,7 @@ def _moe_shapes(cfg, i: int):
     mixtral = cfg.family == "mixtral"
     p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
     yield f"{p}.gate.weight", (m.num_experts, D)
-    if m.router == "sigmoid_group":
+    if m.router == "sigmoid_group" and cfg.family != "deepseek_v2":  # V2: softmax, no bias
         yield f"{p}.gate.e_score_correction_bias", (m.num_experts,)
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for e in range(m.num_experts):
