@@ -161,3 +161,42 @@ def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked
     for stats in (burst, one):
         np.testing.assert_array_equal(stats.counts, counts)
         np.testing.assert_array_equal(stats.hits_since, counts > 0)
+
+
+def test_experts_on_device_are_computed_while_the_misses_are_still_read(ckpt_dir, truth):
+    """A layer needing experts on device and experts on disk gets the ones on device alone
+    first, while the disk reads are in flight (held back here until that first chunk is out);
+    the misses come next, with the checkpoint's bytes."""
+    import threading
+    from concurrent.futures import Future
+
+    cfg = load_config(ckpt_dir)
+    eb = 3 * cfg.moe.moe_ff * cfg.hidden * 2
+    tiers = TierConfig(device_bytes=2 * 4 * eb, ram_bytes=0, unified=False)  # 4 slots a layer
+    store = ExpertStore(Checkpoint(ckpt_dir), cfg, tiers)
+    timers = Timers()
+    for _ in store.chunks(0, np.array([0, 1]), timers):  # experts 0 and 1 now on device
+        pass
+    gate = threading.Event()
+    submit = store.disk.submit
+
+    def held_back(layer: int, expert: int, urgent: bool = True) -> Future:
+        inner, outer = submit(layer, expert, urgent), Future()
+        threading.Thread(
+            target=lambda: (gate.wait(30), outer.set_result(inner.result())), daemon=True
+        ).start()
+        return outer
+
+    store.disk.submit = held_back
+    chunks = store.chunks(0, np.array([0, 1, 5, 6]), timers)
+    first = next(chunks)
+    assert sorted(np.nonzero(first >= 0)[0]) == [0, 1]  # computed while 5 and 6 are read
+    gate.set()
+    rest = [m for m in chunks]
+    assert [sorted(np.nonzero(m >= 0)[0]) for m in rest] == [[5, 6]]
+    slots = store.slots[0]
+    for e in (5, 6):
+        for k in ("gate", "up", "down"):
+            got = np.asarray(slots.bufs[k][rest[0][e]])
+            np.testing.assert_array_equal(got, truth[0][k][e])
+    store.close()

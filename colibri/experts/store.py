@@ -142,10 +142,16 @@ class ExpertStore:
         }
         self.stats.record_lookups(len(needed), len(on_device) + len(in_ram), len(futures))
         pending = sorted(needed, key=lambda e: s.slot_of[e] < 0)  # resident ones first
+        # While reads are in flight, the experts already on device are computed first, alone:
+        # the forward waits only for what it truly lacks, after computing what it has.
+        overlap = bool(on_device) and any(not f.done() for f in futures.values())
         while pending:
             protect = {int(s.slot_of[e]) for e in pending if s.slot_of[e] >= 0}
             chunk = [e for e in pending if s.slot_of[e] >= 0]
-            for e in [e for e in pending if s.slot_of[e] < 0]:
+            missing = [e for e in pending if s.slot_of[e] < 0]
+            # those in RAM or read already first, then those still being read
+            missing.sort(key=lambda e: e in futures and not futures[e].done())
+            for e in [] if overlap else missing:
                 slot = s.victim(protect, self.tiers.policy, self.stats.counts[row])
                 if slot is None:
                     break
@@ -156,6 +162,7 @@ class ExpertStore:
                 self._stage(row, slot, e, w)
                 protect.add(slot)
                 chunk.append(e)
+            overlap = False
             if not chunk:
                 raise RuntimeError(f"MoE row {row}: no device slot to stage into (all pinned)")
             slots = s.slot_of[chunk]
