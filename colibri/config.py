@@ -15,7 +15,15 @@ class ConfigError(ValueError):
     """A config.json that colibri cannot run, with the field and value that are wrong."""
 
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe")
+FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+)
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,8 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MlaConfig:
-    """Multi-head latent attention sizes (DeepSeek-V3): K/V are cached as one compressed latent."""
+    """Multi-head latent attention sizes (DeepSeek-V2, -V3): K/V are cached as one compressed
+    latent."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -53,7 +62,9 @@ class MoeConfig:
     num_experts: int
     top_k: int
     moe_ff: int  # F of one routed expert
-    router: str  # "softmax" (Qwen, OLMoE, Mixtral) or "sigmoid_group" (DeepSeek-V3, GLM-4.5)
+    # "softmax" (Qwen, OLMoE, Mixtral), "softmax_group" (DeepSeek-V2: softmax, top groups by
+    # their best expert, scaled weights) or "sigmoid_group" (DeepSeek-V3, GLM-4.5)
+    router: str
     norm_topk_prob: bool
     n_group: int = 1
     topk_group: int = 1
@@ -176,6 +187,7 @@ def _config_from_dict(raw: dict[str, Any], gen: dict[str, Any], source: str) -> 
         "qwen2_moe": _qwen_like,
         "olmoe": _qwen_like,
         "mixtral": _mixtral,
+        "deepseek_v2": _deepseek_like,
         "deepseek_v3": _deepseek_like,
         "glm4_moe": _deepseek_like,
     }[family]
@@ -386,6 +398,15 @@ class _Fields:
             raise self.fail(key, "a positive number")
         return float(v)
 
+    def choice(self, key: str, options: tuple[str, ...], default: Any = _REQUIRED) -> Any:
+        """One of `options` (strings), `default` when absent."""
+        if self._absent(key, default, False):
+            return default
+        v = self.raw.get(key)
+        if v not in options:
+            raise self.fail(key, "one of " + ", ".join(repr(o) for o in options))
+        return v
+
     def indices(self, key: str) -> tuple[int, ...]:
         """A list of non-negative integers (layer indices); () when absent or null."""
         v = self.raw.get(key)
@@ -549,19 +570,25 @@ def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
 
 
 def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
-    """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary): grouped sigmoid routing."""
+    """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary): grouped sigmoid routing.
+    DeepSeek-V2 (MLA): softmax routing (`_deepseek_v2_routing`)."""
     raw = c.raw
     experts_key = "n_routed_experts" if raw.get("n_routed_experts") else "num_local_experts"
-    moe = MoeConfig(
-        num_experts=c.opt_int(experts_key, 0, lo=0, null=True),
-        top_k=c.int("num_experts_per_tok"),
-        moe_ff=c.int("moe_intermediate_size"),
+    routing = dict(
         router="sigmoid_group",
         norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         n_group=c.opt_int("n_group", 1, null=True),
         topk_group=c.opt_int("topk_group", 1, null=True),
+    )
+    if family == "deepseek_v2":
+        routing = _deepseek_v2_routing(c)
+    moe = MoeConfig(
+        num_experts=c.opt_int(experts_key, 0, lo=0, null=True),
+        top_k=c.int("num_experts_per_tok"),
+        moe_ff=c.int("moe_intermediate_size"),
         routed_scaling_factor=c.number("routed_scaling_factor", 1.0),
         shared_ff=c.int("moe_intermediate_size") * c.opt_int("n_shared_experts", 0, 0, null=True),
+        **routing,
     )
     L = c.int("num_hidden_layers")
     first_dense = c.opt_int("first_k_dense_replace", 0, lo=0, null=True)
@@ -571,7 +598,7 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
         dense_ff=c.int("intermediate_size"),
         qkv_bias=bool(raw.get("attention_bias", False)),
     )
-    if family == "deepseek_v3":
+    if family in ("deepseek_v2", "deepseek_v3"):
         mla = MlaConfig(
             q_lora_rank=c.opt_int("q_lora_rank", None, null=True),
             kv_lora_rank=c.int("kv_lora_rank"),
@@ -579,7 +606,8 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
             qk_rope_head_dim=c.int("qk_rope_head_dim"),
             v_head_dim=c.int("v_head_dim"),
         )
-        interleave = bool(raw.get("rope_interleave", True))
+        # DeepSeek-V2 always rotates interleaved pairs (transformers reads no rope_interleave)
+        interleave = family == "deepseek_v2" or bool(raw.get("rope_interleave", True))
         out.update(
             attention="mla",
             mla=mla,
@@ -592,6 +620,22 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
             qk_norm="head" if raw.get("use_qk_norm") else "none",
         )
     return out
+
+
+def _deepseek_v2_routing(c: _Fields) -> dict[str, Any]:
+    """DeepSeek-V2's router as transformers' DeepseekV2TopkRouter computes it: softmax over
+    every routed expert (float32), top-k of all of them ("greedy") or of the `topk_group`
+    groups (of `n_group`) whose best expert scores highest ("group_limited_greedy"), the
+    weights times routed_scaling_factor and never renormalised: transformers reads
+    norm_topk_prob and leaves it unused."""
+    method = c.choice("topk_method", ("greedy", "group_limited_greedy"), "greedy")
+    grouped = method == "group_limited_greedy"
+    return dict(
+        router="softmax_group",
+        norm_topk_prob=False,
+        n_group=c.int("n_group") if grouped else 1,
+        topk_group=c.int("topk_group") if grouped else 1,
+    )
 
 
 def _eos_ids(c: _Fields, gen: _Fields) -> tuple[int, ...]:
@@ -615,7 +659,7 @@ def _validate(cfg: ModelConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: num_experts_per_tok={m.top_k} must be in 1..{m.num_experts} experts"
         )
-    if m.router == "sigmoid_group":
+    if m.router in ("sigmoid_group", "softmax_group"):
         if m.num_experts % m.n_group:
             raise ConfigError(f"{source}: n_group={m.n_group} does not divide {m.num_experts}")
         if not 0 < m.topk_group <= m.n_group:

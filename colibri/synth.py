@@ -190,6 +190,25 @@ def hf_config(s: SynthSpec) -> dict:
             rope_interleave=True,
             num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
         ),
+        "deepseek_v2": dict(
+            architectures=["DeepseekV2ForCausalLM"],
+            n_routed_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            n_group=_groups(s.experts),
+            topk_group=max(1, _groups(s.experts) // 2),
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=False,
+            kv_lora_rank=max(16, s.hidden // 4),
+            q_lora_rank=None,  # DeepSeek-V2-Lite: one query projection
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=32,
+            num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
+        ),
         "glm4_moe": dict(
             architectures=["Glm4MoeForCausalLM"],
             head_dim=s.head_dim,
@@ -346,9 +365,8 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
 
 # ---- synth --config: a real model's config.json with random weights ------------------------
 
-# model_types `synthesize_config` writes: colibri's families, and DeepSeek-V2 (MLA, softmax
-# routing without a score-correction bias), which transformers runs and colibri does not.
-CONFIG_FAMILIES = (*FAMILIES, "deepseek_v2")
+# model_types `synthesize_config` writes: colibri's families.
+CONFIG_FAMILIES = FAMILIES
 SIZES = ("layers", "experts", "top_k", "hidden", "moe_ff", "vocab", "heads", "kv_heads")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 _FROM_TORCH = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
@@ -620,19 +638,19 @@ def _quant_layout(quant: Any) -> dict | None:
 def _shape_config(raw: dict, source: str):
     """colibri's reading of `raw`, for the shapes of the tensors only: fields that change no
     shape and that colibri may refuse to run (the activation, rope, a sliding window, the
-    quantization) read as colibri's defaults, and DeepSeek-V2 read as DeepSeek-V3 (the same
-    tensors less the router's score-correction bias, which `_moe_shapes` leaves out)."""
-    import dataclasses
-
+    quantization, DeepSeek-V2's topk_method) read as colibri's defaults."""
     from colibri.config import config_from_dict
 
-    drop = ("quantization_config", "rope_scaling", "rope_parameters", "partial_rotary_factor")
+    drop = (
+        "quantization_config",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "topk_method",
+    )
     shaped = {k: v for k, v in raw.items() if k not in drop}
     shaped.update(hidden_act="silu", use_sliding_window=False, rope_theta=10000.0)
-    if raw["model_type"] == "deepseek_v2":
-        shaped["model_type"] = "deepseek_v3"
-    cfg = config_from_dict(shaped, source=source)
-    return dataclasses.replace(cfg, family=raw["model_type"])
+    return config_from_dict(shaped, source=source)
 
 
 def _write_weights(out: Path, cfg, spec: SynthSpec, progress: bool) -> None:
@@ -732,7 +750,7 @@ def _moe_shapes(cfg, i: int):
     mixtral = cfg.family == "mixtral"
     p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
     yield f"{p}.gate.weight", (m.num_experts, D)
-    if m.router == "sigmoid_group" and cfg.family != "deepseek_v2":  # V2: softmax, no bias
+    if m.router == "sigmoid_group":  # DeepSeek-V2 (softmax) has no score-correction bias
         yield f"{p}.gate.e_score_correction_bias", (m.num_experts,)
     names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     for e in range(m.num_experts):

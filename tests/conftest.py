@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import tiny  # noqa: E402
 
 FAMILIES = list(tiny.FAMILY_CONFIGS)
+VARIANTS = list(tiny.VARIANTS)  # checkpoints(name) of a family built with other settings
 
 
 def pytest_configure(config):
@@ -26,7 +27,8 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised);
+    """checkpoints(family, dtype="float32") -> folder of a tiny random checkpoint (memoised;
+    family: one of FAMILIES or VARIANTS);
     dtype "fp8": the float32 one with its linear layers block-quantized (8 x 8 blocks); "int4",
     "int8": pack-quantized (compressed-tensors, a scale per 8 columns); "gptq4", "gptq8": GPTQ
     (symmetric, a scale per 8 columns); "awq4": AWQ (zero points, a scale per 8 columns)."""

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 import tiny
-from conftest import FAMILIES
+from conftest import FAMILIES, VARIANTS
 
 from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
@@ -36,7 +36,7 @@ EXTRA = [
 ]
 
 
-@pytest.fixture(scope="module", params=FAMILIES + EXTRA, ids=str)
+@pytest.fixture(scope="module", params=FAMILIES + VARIANTS + EXTRA, ids=str)
 def case(request, checkpoints):
     family, dtype = (
         request.param if isinstance(request.param, tuple) else (request.param, "float32")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from conftest import FAMILIES
 
 from colibri.checkpoint import Checkpoint
 from colibri.config import FAMILIES as FAMILIES_RUN
-from colibri.config import ConfigError
+from colibri.config import ConfigError, config_from_dict
 from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
 from colibri.synth import SynthSpec, size_fields, synthesize, synthesize_config
@@ -127,19 +128,34 @@ def test_synth_config_keeps_every_field_transformers_reads(path, tmp_path):
     assert type(model).__name__ == raw["architectures"][0]
     assert not any(info.values()), info
 
-    # colibri runs what it supports, with transformers' logits; names what it does not
-    if raw["model_type"] not in FAMILIES_RUN:
-        with pytest.raises(ConfigError, match=f"model_type='{raw['model_type']}'"):
-            load_model(d, progress=False)
-        with torch.no_grad():
-            assert torch.isfinite(model(torch.tensor([[5, 17, 40, 99]])).logits).all()
-        return
+    # colibri runs every one of them (DeepSeek-V2-Lite too), with transformers' logits
+    assert raw["model_type"] in FAMILIES_RUN
     ours_model = load_model(d, progress=False)
     assert ours_model.cfg.num_layers == 2 and ours_model.cfg.moe.num_experts == 8
     ids = ours_model.tokenizer.encode("def forward(x): The router sends")
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(Runner(ours_model, capacity=64).full_logits(ids), ref, atol=1e-4)
+
+
+def test_deepseek_v2_routing_fields_checked():
+    """DeepSeek-V2's topk_method, and n_group and topk_group when it limits groups, are read
+    and checked: a value transformers cannot run is one error naming the file and field."""
+    raw = json.loads(CONFIGS[[p.stem for p in CONFIGS].index("DeepSeek-V2-Lite")].read_text())
+    grouped = dict(topk_method="group_limited_greedy", n_group=8, topk_group=3)
+    cfg = config_from_dict({**raw, **grouped}, source="v2.json")
+    assert (cfg.moe.router, cfg.moe.n_group, cfg.moe.topk_group) == ("softmax_group", 8, 3)
+    assert not cfg.moe.norm_topk_prob and cfg.rope.interleave and cfg.attention == "mla"
+    bad = [
+        (dict(topk_method="noaux_tc"), "topk_method='noaux_tc' must be one of 'greedy'"),
+        (dict(topk_method=None), "topk_method=None must be one of"),
+        ({**grouped, "n_group": None}, "n_group=None must be a positive integer"),
+        ({**grouped, "n_group": 5}, "n_group=5 does not divide 64"),
+        ({**grouped, "topk_group": 9}, "topk_group=9 must be in 1..8"),
+    ]
+    for change, message in bad:
+        with pytest.raises(ConfigError, match=f"^v2.json: {re.escape(message)}"):
+            config_from_dict({**raw, **change}, source="v2.json")
 
 
 def test_synth_config_cli(tmp_path):

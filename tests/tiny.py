@@ -72,6 +72,34 @@ FAMILY_CONFIGS = {
         num_key_value_heads=4,
         rope_interleave=True,
     ),
+    # DeepSeek-V2-Lite's way: greedy top-k of the softmax, weights scaled and not renormalised,
+    # one query projection, YaRN (mscale and mscale_all_dim apart: both corrections show)
+    "deepseek_v2": dict(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        first_k_dense_replace=1,
+        routed_scaling_factor=1.5,
+        kv_lora_rank=32,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        rope_scaling=dict(
+            type="yarn",
+            factor=8.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
     "glm4_moe": dict(
         head_dim=16,
         intermediate_size=96,
@@ -90,6 +118,25 @@ FAMILY_CONFIGS = {
 }
 
 
+# Variants of a family: (family, overrides of its FAMILY_CONFIGS), built as checkpoints(name).
+VARIANTS = {
+    # DeepSeek-V2's way: the top 2 of 4 groups by their best expert, a query LoRA; with
+    # norm_topk_prob true, which transformers reads and leaves unused (never renormalised)
+    "deepseek_v2-grouped": (
+        "deepseek_v2",
+        dict(
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            q_lora_rank=24,
+            routed_scaling_factor=2.5,
+            rope_scaling=None,
+        ),
+    ),
+}
+
+
 def train_tokenizer(out_dir: Path, vocab: int = VOCAB) -> None:
     """Byte-level BPE over a few languages and code."""
     from colibri.synth import write_tokenizer
@@ -98,11 +145,15 @@ def train_tokenizer(out_dir: Path, vocab: int = VOCAB) -> None:
 
 
 def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **overrides) -> Path:
-    """Save a random `family` checkpoint with transformers into out_dir; returns out_dir."""
+    """Save a random `family` checkpoint (or one of VARIANTS) with transformers into out_dir;
+    returns out_dir."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if family in VARIANTS:
+        family, changed = VARIANTS[family]
+        overrides = {**changed, **overrides}
     kw = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
     cfg = AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""Routers (softmax top-k, grouped sigmoid) and routed-expert mixing from stacked weights."""
+"""Routers (softmax top-k, grouped softmax, grouped sigmoid) and routed-expert mixing from stacked
+weights."""
 
 from __future__ import annotations
 
@@ -32,13 +33,13 @@ def route_traced(
     """`route` and, per row, the entropy (bits) and top-1 minus top-2 margin of the router's
     probability distribution over all E experts: (ids, weights, entropy [N], margin [N]).
 
-    The distribution is softmax(logits) for softmax routers; for sigmoid routers (DeepSeek-V3,
-    GLM-4.5) it is the sigmoid scores normalised to sum to 1, without the selection bias (which
-    steers the choice, never the weights). Only these two numbers per row leave the program,
-    not the [N, E] distribution."""
+    The distribution is softmax(logits) for softmax routers (DeepSeek-V2's too: before its
+    group limit); for sigmoid routers (DeepSeek-V3, GLM-4.5) it is the sigmoid scores
+    normalised to sum to 1, without the selection bias (which steers the choice, never the
+    weights). Only these two numbers per row leave the program, not the [N, E] distribution."""
     logits = linear(x.astype(jnp.float32), w["router"])
     ids, wts = _choose(m, w, logits)
-    if m.router == "softmax":
+    if m.router in ("softmax", "softmax_group"):
         probs = jax.nn.softmax(logits, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits)
@@ -52,6 +53,8 @@ def route_traced(
 def _choose(m: MoeConfig, w: dict, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     if m.router == "softmax":
         return _route_softmax(m, logits)
+    if m.router == "softmax_group":
+        return _route_softmax_group(m, logits)
     return _route_sigmoid_group(m, logits, w["bias"])
 
 
@@ -61,6 +64,22 @@ def _route_softmax(m: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Arra
     if m.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return top_i.astype(jnp.int32), top_w
+
+
+def _route_softmax_group(m: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V2 rule (transformers' DeepseekV2TopkRouter): softmax over all E experts; with
+    groups, only the topk_group groups whose best expert scores highest stay in the running
+    (the others' scores set to 0, not -inf, as transformers masks them); top-k of what stays,
+    times routed_scaling_factor, never renormalised. "greedy" is one group."""
+    N, E = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    if m.n_group > 1:
+        grouped = probs.reshape(N, m.n_group, E // m.n_group)
+        _, top_groups = jax.lax.top_k(jnp.max(grouped, axis=-1), m.topk_group)  # [N, topk_group]
+        keep = jnp.zeros((N, m.n_group), bool).at[jnp.arange(N)[:, None], top_groups].set(True)
+        probs = jnp.where(jnp.repeat(keep, E // m.n_group, axis=1), probs, 0.0)
+    top_w, top_i = jax.lax.top_k(probs, m.top_k)
+    return top_i.astype(jnp.int32), top_w * m.routed_scaling_factor
 
 
 def _route_sigmoid_group(
