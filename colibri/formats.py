@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+if TYPE_CHECKING:  # JAX is imported where rows are unpacked: the gateway reads Holding only
+    import jax
 
 # float8_e4m3fn bits -> the float32 each stands for (a table: twice as fast as converting).
 E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -107,10 +108,16 @@ def of(dtype) -> HeldFormat:
 
 
 def _widen_bf16(w: jax.Array, cols: int) -> jax.Array:
+    import jax
+    import jax.numpy as jnp
+
     return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
 
 
 def _table_rows(w: jax.Array, cols: int, n: int, table: np.ndarray) -> jax.Array:
+    import jax
+    import jax.numpy as jnp
+
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
     values = jnp.asarray(table)[w[..., :n]].reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n:].reshape(*lead, blocks, 4), jnp.float32)
@@ -118,6 +125,9 @@ def _table_rows(w: jax.Array, cols: int, n: int, table: np.ndarray) -> jax.Array
 
 
 def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
+    import jax
+    import jax.numpy as jnp
+
     n = cols * bits // 32
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 2
     shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
@@ -129,15 +139,25 @@ def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
     return ((q + zeros) * scales).reshape(*lead, cols)
 
 
+def _bitcast(w: jax.Array, dtype) -> jax.Array:
+    import jax
+
+    return jax.lax.bitcast_convert_type(w, dtype)
+
+
+def _bitcast(w: jax.Array, dtype) -> jax.Array:
+    import jax
+
+    return jax.lax.bitcast_convert_type(w, dtype)
+
+
 _UNPACK = {
     "float32": lambda w, cols: w,
     "bf16": _widen_bf16,
     "fp8": lambda w, cols: _table_rows(w, cols, cols, E4M3),
-    "int4": lambda w, cols: _table_rows(
-        jax.lax.bitcast_convert_type(w, jnp.uint8), cols, cols // 2, UNPACK4
-    ),
+    "int4": lambda w, cols: _table_rows(_bitcast(w, np.uint8), cols, cols // 2, UNPACK4),
     "int4z": lambda w, cols: _zero_point_rows(w, cols, 4),
-    "int8": lambda w, cols: _zero_point_rows(jax.lax.bitcast_convert_type(w, jnp.uint32), cols, 8),
+    "int8": lambda w, cols: _zero_point_rows(_bitcast(w, np.uint32), cols, 8),
 }
 assert set(_UNPACK) == {f.name for f in FORMATS}
 

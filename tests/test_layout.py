@@ -142,6 +142,13 @@ def test_the_wire_formats_import_no_jax():
     assert out.stdout.strip() == "False"
 
 
+def test_the_gateway_imports_no_jax():
+    """The gateway only talks to an engine process: JAX there would cost ~150 MB of RSS."""
+    code = "import sys, colibri.gateway.server, colibri.gateway.app\nprint('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_the_docs_and_a_short_readme():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
     for page in DOC_PAGES:
