@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -240,10 +241,13 @@ class Gateway:
         if declared.isdigit() and int(declared) > cap:
             raise ApiError(413, f"request body over {cap} bytes")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > cap:
-                raise ApiError(413, f"request body over {cap} bytes")
+        try:
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > cap:
+                    raise ApiError(413, f"request body over {cap} bytes")
+        except ClientDisconnect:  # left (or timed out: `deadline`) before the body was whole
+            raise ClientGone() from None
         try:
             data = json.loads(body)
             json.dumps(data, ensure_ascii=False).encode("utf-8")

@@ -33,6 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--web", default=str(DEFAULT_WEB), help="static site folder ('' = none)")
     p.add_argument("--experts-json", default=str(DEFAULT_EXPERTS_JSON), help="/experts.json file")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for READY")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request once begun (then 408, closed)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -49,6 +55,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         web_root=Path(args.web) if args.web else None,
         experts_json=Path(args.experts_json) if args.experts_json else None,
         bind_host=args.host,
+        request_timeout=args.request_timeout,
     )
 
 
@@ -78,7 +85,9 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
     import uvicorn
 
     from colibri.gateway.app import create_app
+    from colibri.gateway.deadline import deadline_protocol
     from colibri.gateway.engine_client import EngineClient
+    from colibri.gateway.schema import ApiError
 
     # the environment's engine settings, the slots and context the gateway was given
     engine_settings = replace(EngineSettings.from_env(os.environ), kv_slots=settings.kv_slots)
@@ -91,8 +100,15 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
         supervisor = asyncio.create_task(engine.supervise(args.start_timeout))  # restarts it
         app = create_app(engine, settings)
         level = "info" if log.isEnabledFor(logging.DEBUG) else "warning"
+        late = f"the request did not arrive whole within {settings.request_timeout:g} s"
+        late_body = ApiError(408, late, code="request_timeout").body()
         config = uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=level, timeout_graceful_shutdown=5
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=level,
+            timeout_graceful_shutdown=5,
+            http=deadline_protocol(settings.request_timeout, late_body),  # half-sent: 408
         )
         server = uvicorn.Server(config)
         log.info("gateway: %s on http://%s:%d", settings.model_id, args.host, args.port)

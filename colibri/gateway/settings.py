@@ -25,6 +25,7 @@ class GatewaySettings:
     web_root: Path | None = DEFAULT_WEB  # static site; None = none
     experts_json: Path | None = DEFAULT_EXPERTS_JSON  # served as /experts.json if present
     bind_host: str = "127.0.0.1"  # on a loopback address only these Host names are served
+    request_timeout: float = 30.0  # seconds a begun request has to arrive whole (408, closed)
 
     def __post_init__(self) -> None:
         if not 1 <= self.kv_slots <= MAX_SLOTS:
@@ -33,6 +34,8 @@ class GatewaySettings:
             raise ValueError(f"max_waiting={self.max_waiting}: expected >= 0")
         if self.max_body < 1024:
             raise ValueError(f"max_body={self.max_body}: expected >= 1024 bytes")
+        if not 0 < self.request_timeout <= 3600:
+            raise ValueError(f"request_timeout={self.request_timeout}: expected 0 < s <= 3600")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty")
 
