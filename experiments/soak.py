@@ -1,11 +1,12 @@
-"""python experiments/soak.py [--seconds 600] [--clients 16] [--model DIR]
+"""python experiments/soak.py [--seconds 600] [--clients 16] [--model DIR] [--no-warmup]
 
 A soak of the gateway and its engine: `--clients` streaming clients for `--seconds`, each
 leaving some streams midway, with malformed requests mixed in (lone surrogates, huge integers,
 oversize and deeply nested bodies, foreign Host and Origin, wrong content types). Every few
 seconds it samples the resident memory of both processes. At the end no slot may be held (all
 free once the clients stop) and each process's memory should stay within 10% of where it was
-after the first minute. Prints a table and writes experiments/results/soak.md. Not part of CI.
+after the first minute. The engine warms up (WARMUP=1: every program compiled after READY)
+unless --no-warmup. Prints a table and writes experiments/results/soak.md. Not part of CI.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -49,11 +51,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_gateway(model: Path, port: int, slots: int, log: Path) -> subprocess.Popen:
+def start_gateway(
+    model: Path, port: int, slots: int, log: Path, warmup: bool = True
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "colibri.cli", "gateway", "--model", str(model)]
     cmd += ["--port", str(port), "--kv-slots", str(slots), "--max-queue", "64"]
+    env = {**os.environ, "WARMUP": "1" if warmup else "0"}
     with open(log, "wb") as err:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -105,12 +110,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--stem", default="soak", help="result file names in experiments/results")
+    ap.add_argument("--no-warmup", action="store_true", help="WARMUP=0: compile as traffic comes")
     args = ap.parse_args()
     model = args.model or default_model()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = Path(tempfile.mkdtemp(prefix="colibri-soak-")) / "gateway.log"
-    gateway = start_gateway(model, port, min(args.clients, 16), log)
+    gateway = start_gateway(model, port, min(args.clients, 16), log, not args.no_warmup)
     gw = psutil.Process(gateway.pid)
     engine = gw.children()[0]
     counts: Counter = Counter()
@@ -134,6 +140,7 @@ def main() -> None:
     samples.append((time.monotonic() - start, rss_mb(gw), rss_mb(engine)))
     gateway.terminate()
     gateway.wait(timeout=60)
+    warm = re.search(r"warm-up: (\d+) programs compiled in ([\d.]+) s", log.read_text())
 
     settled = [s for s in samples if s[0] >= min(60.0, args.seconds / 3)] or samples
     base_gw, base_engine = settled[0][1], settled[0][2]
@@ -150,6 +157,7 @@ def main() -> None:
         "engine RSS drift (max over settled)": f"{100 * drift_engine:+.1f}%",
         "engine RSS drift over the second half": f"{100 * late_engine:+.1f}%",
         "engine restarts": health.get("restarts", 0),
+        "engine warm-up": f"{warm[1]} programs in {float(warm[2]):.0f} s" if warm else "none",
     }
     table = markdown_table(pd.DataFrame({"value": summary}).rename_axis("measure"))
     detail = markdown_table(pd.DataFrame({"count": dict(sorted(counts.items()))}))
@@ -157,7 +165,8 @@ def main() -> None:
     lines = [
         f"# Soak: {args.clients} clients, {args.seconds:.0f} s",
         "",
-        f"`python experiments/soak.py --seconds {args.seconds:.0f} --clients {args.clients}` on"
+        f"`python experiments/soak.py --seconds {args.seconds:.0f} --clients {args.clients}"
+        f"{' --no-warmup' if args.no_warmup else ''}` on"
         f" {os.path.relpath(model)}; {psutil.cpu_count()} cores. Targets: no slot held after,"
         " each process's RSS within 10% of its level after the first minute.",
         "",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -255,6 +255,11 @@ class Runner:
         self._no_tokens = jnp.zeros((bucket(slots, lo=1),), jnp.int32)  # unchained decode
         # (params, resident experts) as the decode forward takes them, flattened once
         self._weights, self._weights_def = jax.tree.flatten((model.params, self.store.resident))
+        # A decode step attends through the CPU kernel where it can (`attention.gqa`), over
+        # each slot's cache in place: what it reads does not depend on kv_len, so one program
+        # serves every context length instead of one per kv bucket (~10 MB of RSS each).
+        leaves = jax.tree.leaves(self.cache)
+        self._decode_kv_free = self.cfg.attention != "mla" and kernels.usable(*leaves)
 
     # -- public steps --------------------------------------------------------------------
 
@@ -391,7 +396,7 @@ class Runner:
             np.zeros((B,), np.int32),
             rows=len(rows),
             width=1,
-            kv_len=self._kv_len(last),
+            kv_len=self.capacity if self._decode_kv_free else self._kv_len(last),
         )
         if self.split:
             logits, routes = self._forward_split(batch, all_logits=False)
@@ -437,6 +442,68 @@ class Runner:
     def end_turn(self) -> None:
         """Persist `.coli_usage` (called at every turn end)."""
         self.store.save_usage()
+
+    # -- warm-up -------------------------------------------------------------------------
+
+    def warmup(self, steps: int = 1, export: bool = False) -> Iterator[str]:
+        """Compile every program traffic can reach, one each `next()` (which yields its name):
+        prefill chunks of every width bucket with every context bucket they can meet, decode
+        steps of every row bucket (and context bucket, where decode reads them), bursts of
+        `steps` (cuttable ones too, where `cuts`) and, with `export`, KVSAVE's export sizes.
+        Each runs once, as `prefill` and `decode_async` call it, on padding rows: their slot is
+        out of range, so the cache is unchanged and no statistic counts them. Compiled as
+        traffic first reaches them instead, each would add its few MB of resident memory then
+        (and stall the steps behind it). Only where every expert is resident and there is no
+        profile: the layer-by-layer path is left to compile as it goes."""
+        if self.split:
+            return
+        kvs = self.kv_buckets(self.capacity)
+        S, top = self.slots, bucket(min(self.capacity, PREFILL_CHUNK), hi=PREFILL_CHUNK)
+        T = _MIN_BUCKET
+        while T <= top:  # a chunk of T columns holds more than T/2 tokens (or at least one)
+            least = self._kv_len(T // 2 if T > _MIN_BUCKET else 0)
+            for kv in (kv for kv in kvs if kv >= least):
+                toks, last = np.zeros((1, T), np.int32), np.zeros((1,), np.int32)
+                pos = np.arange(T, dtype=np.int32)[None]
+                _, self.cache, _ = transformer.forward(
+                    self.cfg,
+                    self.model.params,
+                    self.store.resident,
+                    self.cache,
+                    toks,
+                    pos,
+                    np.asarray([S], np.int32),
+                    last,
+                    kv_len=kv,
+                    all_logits=False,
+                )
+                yield f"prefill {T} x {kv}"
+            T *= 2
+        bursts = [False, True] if steps > 1 and self.cuts else [False] if steps > 1 else []
+        for B in sorted({bucket(n, lo=1) for n in range(1, S + 1)}):
+            packed = np.zeros((4, B), np.int32)
+            packed[2], packed[3] = S, -1
+            args = (self.cfg, self._weights_def, self._weights)
+            for kv in [self.capacity] if self._decode_kv_free else kvs:
+                out = _decode_forward(*args, self.cache, packed, self._no_tokens, kv_len=kv)
+                self.cache = out[1]
+                yield f"decode {B} x {kv}"
+                for cut in bursts:
+                    self.cache, *_ = _decode_burst(
+                        *args, self.cache, packed, out[3], kv_len=kv, steps=steps, cuttable=cut
+                    )
+                    yield f"burst {B} x {kv} x {steps}{' cuttable' if cut else ''}"
+        for size in kvs if export else []:
+            _export_positions(self.cache, 0, size=size)
+            yield f"export {size}"
+
+    @staticmethod
+    def kv_buckets(capacity: int) -> list[int]:
+        """Every `kv_bucket` of a context of `capacity` positions, smallest first."""
+        out = [Runner.kv_bucket(0, capacity)]
+        while out[-1] < capacity:
+            out.append(Runner.kv_bucket(out[-1], capacity))
+        return out
 
     # -- KV persistence ------------------------------------------------------------------
 

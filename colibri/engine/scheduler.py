@@ -16,7 +16,7 @@ import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol, TypeVar
@@ -338,6 +338,16 @@ class Scheduler:
 
     def stop_all(self) -> list[Event]:
         return [ev for rid in self.in_flight() for ev in self.stop(rid)]
+
+    def warmup(self) -> Iterator[str]:
+        """The runner's warm-up (`Runner.warmup`: every program traffic can reach, one a
+        `next()`) for this scheduler's bursts and KV store; none where the runner has none."""
+        warm = getattr(self.runner, "warmup", None)
+        if warm is None:
+            return iter(())
+        n = min(self.config.burst, self.config.hits_every)
+        bursts = n > 1 and self.runner.chains and not self.config.topk
+        return warm(steps=n if bursts else 1, export=self.kv_store is not None)
 
     def step(self) -> list[Event]:
         """One decode step: land the forward in flight and choose its tokens, admit waiting

@@ -38,6 +38,7 @@ class EngineSettings:
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
     wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
     profile: bool = False  # PROFILE=1: layer by layer, so PERF phases are timed when resident
+    warmup: bool = False  # WARMUP=1: after READY, compile every program traffic can reach
     state_dir: str | None = None  # STATE_DIR: `.coli_usage` and KV files; None = the model's
     tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
     holding: Holding = Holding()  # COLIBRI_BF16, COLIBRI_FP8, COLIBRI_INT4, COLIBRI_INT8
@@ -45,7 +46,7 @@ class EngineSettings:
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
-        *("BURST", "BURST_MS", "WIRE", "PROFILE", "STATE_DIR", *TierConfig.VARIABLES),
+        *("BURST", "BURST_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
     )
 
@@ -68,6 +69,7 @@ class EngineSettings:
             burst_ms=r.int("BURST_MS", d.burst_ms, lo=0, hi=10_000),
             wire=r.choice("WIRE", WIRES, d.wire),
             profile=r.flag("PROFILE", d.profile),
+            warmup=r.flag("WARMUP", d.warmup),
             state_dir=r.text("STATE_DIR") or d.state_dir,
             tiers=TierConfig.from_env(env),
             holding=_holding(env),
@@ -87,6 +89,7 @@ class EngineSettings:
             "BURST_MS": str(self.burst_ms),
             "WIRE": self.wire,
             "PROFILE": _bit(self.profile),
+            "WARMUP": _bit(self.warmup),
             "STATE_DIR": self.state_dir,
             **self.tiers.to_env(),
             **self.holding.to_env(),

@@ -60,7 +60,9 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
     stdin = sys.stdin.buffer
     try:
         if settings.serve_batch:
-            status = mux.serve(sched, tokenizer, settings.kv_slots, stdin, out, settings.wire)
+            status = mux.serve(
+                sched, tokenizer, settings.kv_slots, stdin, out, settings.wire, settings.warmup
+            )
         else:
             status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
     except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the engine too (`colibri chat`)

@@ -14,6 +14,7 @@ finish, then `serve` returns 0. SIGTERM stops every in-flight request through DO
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -75,10 +76,14 @@ def serve(
     stdin: ByteStream,
     out: LineWriter,
     wire: str = "full",
+    warmup: bool = False,
 ) -> int:
-    """Run the mux protocol until input ends and every request is done; the exit status."""
+    """Run the mux protocol until input ends and every request is done; the exit status.
+    `warmup`: after READY, compile the programs traffic can reach (`Scheduler.warmup`), one
+    after each step, while input is read."""
     loop = _Loop(sched, tokenizer, out, WIRE_KINDS[wire])
     loop.send(*handshake(sched.runner.stats))
+    warm = Warmup(sched) if warmup else None
     prepare = Preparer(tokenizer, sched.runner.capacity)
 
     def read() -> Item | None:  # on the reader thread: prompts are tokenized there
@@ -93,10 +98,36 @@ def serve(
             loop.reading = False
             loop.emit(sched.stop_all())
         if loop.reading:
-            for item in inbox.take(0.0 if sched.busy else IDLE_POLL_S):
+            for item in inbox.take(0.0 if sched.busy or warm else IDLE_POLL_S):
                 loop.handle(item)
         loop.emit(sched.step())
+        if warm and loop.reading:
+            warm.one()
     return 0
+
+
+class Warmup:
+    """`Scheduler.warmup` run one program at a time between steps; false once it is done (or
+    failed: then traffic compiles what it reaches, as without it)."""
+
+    def __init__(self, sched: Scheduler):
+        self.programs, self.done, self.t0 = sched.warmup(), 0, time.perf_counter()
+
+    def __bool__(self) -> bool:
+        return self.programs is not None
+
+    def one(self) -> None:
+        assert self.programs is not None
+        try:
+            next(self.programs)
+            self.done += 1
+            return
+        except StopIteration:
+            took = time.perf_counter() - self.t0
+            log.info("warm-up: %d programs compiled in %.1f s", self.done, took)
+        except Exception:
+            log.exception("warm-up failed after %d programs; traffic compiles the rest", self.done)
+        self.programs = None
 
 
 def handshake(stats: ExpertStats) -> list[codec.Event]:
