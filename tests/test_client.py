@@ -261,7 +261,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    e = Engine(model, slots=4, ctx=128)
+    e = Engine(model, slots=4, ctx=1024)  # room for a turn long enough to STOP mid-way
     yield e
     assert e.close() == 0, e.stderr()
 
@@ -324,13 +324,14 @@ def test_engine_errors_and_stop(engine):
         engine.generate("x", slot=99, timeout=60)
     with pytest.raises(RequestError, match="EMPTY_PROMPT"):
         engine.generate("", slot=0, timeout=60)
-    r = engine.submit("jumps over the lazy", slot=1, max_tokens=100)
+    # ~1,000 tokens: long enough that the STOP lands mid-turn even on a loaded machine
+    r = engine.submit("jumps over the lazy", slot=1, max_tokens=1000)
     for ev in r:
         if isinstance(ev, Data):
             r.stop()
             break
     turn = r.wait(60)
-    assert turn.ok and 1 <= turn.done.emitted < 100 and not turn.done.length_limited
+    assert turn.ok and 1 <= turn.done.emitted < 1000 and not turn.done.length_limited
     c = engine.submit("to any person", slot=2, max_tokens=100)
     c.cancel()
     assert c.wait(60).error.code == "CANCELLED"
