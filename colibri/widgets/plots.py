@@ -7,9 +7,11 @@ and returns its figure; `subplots` makes a grid of axes to draw several into.
 
 Palettes are fixed so figures compare across runs:
 
-- tiers (`TIER_COLORS`): device blue, RAM green, disk red. In the tier map an expert's heat
-  (bit length of its cumulative selection count) sets how deep its tier colour is: the hottest
-  expert of the map gets the full colour, a never-selected one a pale tint (`MIN_DEPTH`).
+- tiers (`TIER_COLORS`): device blue, RAM orange, disk grey (Okabe-Ito: told apart under the
+  common colour-vision deficiencies; the gateway's page, web/dist/palette.js, uses the same).
+  In the tier map an expert's heat (bit length of its cumulative selection count) sets how
+  deep its tier colour is: the hottest expert of the map gets the full colour, a
+  never-selected one a pale tint (`MIN_DEPTH`).
   Experts routed in the HITS window carry a black dot.
 - PERF parts (`PERF_COLORS`), bottom to top: disk wait, expert matmul, attention, kv expansion,
   head, other; each turn's stack is exactly its dt (see `colibri.client.perf_parts`).
@@ -39,7 +41,7 @@ from colibri.client import (
 )
 from colibri.protocol.codec import Emap, Entropy, Hits
 
-TIER_COLORS = {2: "#2c7bb6", 1: "#1a9641", 0: "#d7191c"}  # device, RAM, disk
+TIER_COLORS = {2: "#0072B2", 1: "#E69F00", 0: "#999999"}  # device, RAM, disk
 PERF_COLORS = dict(
     zip(PERF_PARTS, ("#d7191c", "#2c7bb6", "#fdae61", "#abd9e9", "#7b3294", "#bababa"), strict=True)
 )
