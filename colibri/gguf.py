@@ -14,9 +14,9 @@ from colibri.checkpoint import Checkpoint
 from colibri.config import ModelConfig, _rope_params, load_config
 
 ARCHS = {"qwen3_moe": "qwen3moe", "olmoe": "olmoe"}  # colibri family -> llama.cpp architecture
-DTYPES = ("f32", "bf16", "q8_0")
-# llama.cpp's LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_BF16, LLAMA_FTYPE_MOSTLY_Q8_0
-_FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7}
+DTYPES = ("f32", "bf16", "q8_0", "q4_0")
+# llama.cpp's LLAMA_FTYPE_ALL_F32, LLAMA_FTYPE_MOSTLY_BF16, _MOSTLY_Q8_0, _MOSTLY_Q4_0
+_FILE_TYPE = {"f32": 0, "bf16": 32, "q8_0": 7, "q4_0": 2}
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER, _TOKEN_UNUSED = 1, 3, 4, 5
 
 # One GGUF tensor: its name, its numpy shape, and how to read it as float32.
@@ -37,8 +37,10 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> P
     """Write `out`, a GGUF file llama.cpp runs, from the checkpoint in `model_dir`.
 
     dtype "f32" copies every tensor bit for bit; "bf16" stores the matrices in bfloat16 (rounded
-    to nearest even: a bf16 checkpoint's bit for bit) and "q8_0" in llama.cpp's 8-bit blocks,
-    both keeping norms and routers in f32, as llama.cpp's own quantizer does."""
+    to nearest even: a bf16 checkpoint's bit for bit), "q8_0" in llama.cpp's 8-bit blocks and
+    "q4_0" in its 4-bit ones (32 values and an f16 scale a block; the nearest GGUF format to an
+    int4 checkpoint, whose weights are dequantized and quantized again), all keeping norms and
+    routers in f32, as llama.cpp's own quantizer does."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: one of {', '.join(DTYPES)}")
     gguf = _gguf()
@@ -200,11 +202,11 @@ def _attn_plan(cfg: ModelConfig, one: Callable, hf: str, blk: str) -> Iterator[P
 
 
 def _qtype(gguf: Any, name: str, shape: tuple[int, ...], dtype: str) -> Any:
-    """BF16 for matrices, or Q8_0 for those whose rows fill whole 32-value blocks; f32 for
+    """BF16 for matrices, or Q8_0 / Q4_0 for those whose rows fill whole 32-value blocks; f32 for
     norms and routers (llama.cpp's quantizer skips 1-D, `*_norm` and `ffn_gate_inp` tensors
     too)."""
     Q = gguf.GGMLQuantizationType
-    qtype = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0}[dtype]
+    qtype = {"f32": Q.F32, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}[dtype]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     small = len(shape) == 1 or "ffn_gate_inp" in name or shape[-1] % block
     return Q.F32 if small else qtype

@@ -36,13 +36,13 @@ import json
 import os
 import platform
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from colibri.bench.bandwidth import pread_bandwidth
 from colibri.checkpoint import Checkpoint
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
@@ -68,24 +68,6 @@ SPEC = SynthSpec(
 PROMPT = "The router sends every token to a few experts; the rest stay cold on disk."
 RESULTS = Path(__file__).parent / "results"
 STREAMING = "disk-streaming O_DIRECT"  # the run the load-bandwidth target is read from
-
-
-def pread_bandwidth(files: list[Path], threads: int, chunk: int = 4 << 20) -> float:
-    """GB/s of cold os.pread over the whole files with `threads` readers."""
-    drop_page_cache(files)
-    jobs = [(p, off) for p in files for off in range(0, p.stat().st_size, chunk)]
-
-    def read(job):
-        fd = os.open(job[0], os.O_RDONLY)
-        try:
-            return len(os.pread(fd, chunk, job[1]))
-        finally:
-            os.close(fd)
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        total = sum(pool.map(read, jobs))
-    return total / (time.perf_counter() - t0) / 1e9
 
 
 @dataclass

@@ -140,6 +140,31 @@ def test_q8_0_quantises_matrices_and_keeps_norms_and_routers(exported):
     assert np.all(np.abs(back - ref).reshape(-1, 32) <= (0.5 + 127 * 2**-11) * step)
 
 
+def test_q4_0_quantises_matrices_within_a_step_and_keeps_norms_and_routers(exported):
+    d, path = exported("qwen3_moe", "q4_0")
+    reader = gguf.GGUFReader(path)
+    ckpt = Checkpoint(d)
+    Q = gguf.GGMLQuantizationType
+    assert _field(reader, "general.file_type") == 2
+    for t in reader.tensors:
+        small = len(t.shape) == 1 or "ffn_gate_inp" in t.name
+        assert t.tensor_type == (Q.F32 if small else Q.Q4_0), t.name
+    for name, hf in (
+        ("blk.1.attn_q.weight", ["model.layers.1.self_attn.q_proj.weight"]),
+        ("blk.0.ffn_down_exps.weight", _hf_source("blk.0.ffn_down_exps.weight", 8)),
+    ):
+        q = next(t for t in reader.tensors if t.name == name)
+        ref = np.stack([ckpt.read(n) for n in hf]) if len(hf) > 1 else ckpt.read(hf[0])
+        back = gguf.quants.dequantize(q.data, Q.Q4_0)
+        assert back.shape == ref.shape, name
+        # A block's step d is its largest-magnitude value over -8 (f16): values round to
+        # within d / 2, except at the end opposite that value, where +8 steps clip to +7.
+        step = np.abs(ref.reshape(-1, 32)).max(axis=1, keepdims=True) / 8
+        err = np.abs(back - ref).reshape(-1, 32)
+        assert np.all(err <= (1 + 2**-7) * step), name
+        assert np.mean(err <= (0.5 + 2**-7) * step) > 0.95, name
+
+
 def test_bf16_export_keeps_a_bf16_checkpoints_matrices_bit_for_bit(exported):
     d, path = exported("qwen3_moe", "bf16", stored="bf16")
     reader = gguf.GGUFReader(path)
@@ -229,6 +254,20 @@ def test_llama_cpp_runs_the_q8_0_file(exported):
     # 8-bit weights move the logits by a few percent of their range, not more.
     ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(q8, ids, n_threads=2)
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_llama_cpp_runs_the_q4_0_file(exported):
+    pytest.importorskip("llama_cpp")
+    _, f32 = exported("olmoe")
+    _, q4 = exported("olmoe", "q4_0")
+    ids = list(range(10, 30))
+    tokens, timings = llama_generate(q4, ids, 8, n_threads=2)
+    assert len(tokens) == 8 and all(0 <= t < SMALL["vocab"] for t in tokens)
+    assert timings["decode_tok_s"] > 0
+    # 4-bit weights move the logits more than 8-bit ones, yet they follow the f32 ones.
+    ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(q4, ids, n_threads=2)
+    assert np.isfinite(got).all()
+    assert np.corrcoef(got.ravel(), ref.ravel())[0, 1] > 0.8
 
 
 def test_llama_cpp_runs_the_bf16_file(exported):

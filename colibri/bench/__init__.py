@@ -7,7 +7,7 @@ from here and never from one another.
   tokens, and BURST, the greedy steps the engine takes a forward.
 - accounting.py: the roofline's accounting: bytes of weights and of keys and values one
   decode step reads, and its FLOPs.
-- bandwidth.py: the memory bandwidth probe.
+- bandwidth.py: the memory bandwidth probe, and the disk's (a cold pread of a checkpoint).
 - workers.py: each peers configuration (colibri, transformers, llama.cpp, the probe) in a
   process of its own (`python -m colibri.bench.workers`), and the parent's side of it.
 - sidebyside.py: colibri against a peer on one model, batch 1, in alternating rounds.
@@ -18,6 +18,10 @@ from here and never from one another.
   in turn; and the table rows of each way of holding the weights.
 - formats.py: the quantized formats (fp8, int4, awq4, int8) and how random experts are
   quantized into them.
+- capped.py: one engine (colibri with automatic budgets, or llama.cpp with mmap) in a process
+  of its own inside a memory cgroup capped below the model's size, from a cold page cache
+  (`python -m colibri.bench.capped`), and the parent's side, which turns a crash or an OOM kill
+  into an outcome.
 - atlas_files.py: the expert atlas's probes and data/experts.json, made again.
 
 This package sits at the top layer, beside client and gateway: nothing else in colibri imports

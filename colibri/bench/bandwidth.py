@@ -1,16 +1,19 @@
-"""The machine's memory bandwidth, probed as the peers benchmark's roofline reads it."""
+"""The machine's memory bandwidth, probed as the peers benchmark's roofline reads it, and the
+disk's: a cold pread of a checkpoint's files, as the offload benchmarks' bounds read it."""
 
 from __future__ import annotations
 
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from colibri import hugepages, kernels
+from colibri.experts.disk import drop_page_cache
 
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
@@ -73,3 +76,28 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         "gb_s": max(best_sum, best_gemv, best_xla, best_kernel),
         "kernel_16_gflop_s": best_16,
     }
+
+
+def pread_bandwidth(
+    files: list[Path], threads: int, chunk: int = 4 << 20, max_bytes: int | None = None
+) -> float:
+    """GB/s of cold os.pread over the files with `threads` readers, in `chunk`-byte requests.
+    `max_bytes`: read at most about this many bytes, whole chunks spread evenly over the files
+    (None: every byte of them)."""
+    drop_page_cache(files)
+    jobs = [(p, off) for p in files for off in range(0, p.stat().st_size, chunk)]
+    if max_bytes is not None and len(jobs) * chunk > max_bytes:
+        keep = max(1, max_bytes // chunk)
+        jobs = [jobs[i * len(jobs) // keep] for i in range(keep)]
+
+    def read(job):
+        fd = os.open(job[0], os.O_RDONLY)
+        try:
+            return len(os.pread(fd, chunk, job[1]))
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(read, jobs))
+    return total / (time.perf_counter() - t0) / 1e9
