@@ -182,6 +182,31 @@ def perf_parts(perf: Perf) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class Clock:
+    """When this client saw a request's milestones, `time.monotonic()` seconds (None: not
+    seen): `submit` its SUBMIT written, `accept` its ACCEPT read, `first` and `last` its first
+    and latest DATA read, `end` its DONE or ERROR read. The engine's own times are PERF's `dt`
+    and DONE's `tok_s` (`TURN_COLUMNS` says which column comes from which)."""
+
+    submit: float
+    accept: float | None = None
+    first: float | None = None
+    last: float | None = None
+    end: float | None = None
+
+    @property
+    def queue_s(self) -> float | None:
+        """SUBMIT written to ACCEPT read: waiting for the engine (reading, tokenizing, a free
+        slot or prefill budget, other work of its loop such as a WARMUP compile); not in dt."""
+        return None if self.accept is None else self.accept - self.submit
+
+    @property
+    def wall_s(self) -> float | None:
+        """SUBMIT written to DONE (or ERROR) read: what the caller waited."""
+        return None if self.end is None else self.end - self.submit
+
+
+@dataclass(frozen=True)
 class Turn:
     """One finished request: its text and everything the engine reported about it."""
 
@@ -204,10 +229,23 @@ class Turn:
     hwinfo: HwInfo | None
     repins: tuple[Repin, ...]  # REPIN swaps while in flight
     prof: Prof | None = None  # the turn's PROF line (colibrì's profiling numbers)
+    clock: Clock | None = None  # when this client saw its milestones
 
     @property
     def ok(self) -> bool:
         return self.done is not None
+
+    @property
+    def decode_s(self) -> float:
+        """Engine seconds from the first token to the end (`decode_seconds`); NaN without DONE."""
+        return decode_seconds(self.done) if self.done is not None else float("nan")
+
+    @property
+    def prefill_s(self) -> float:
+        """Engine seconds from acceptance to the first token: dt - decode_s (`prefill_seconds`)."""
+        if self.done is None or self.perf is None:
+            return float("nan")
+        return prefill_seconds(self.perf.dt, self.done)
 
     def routed(self) -> np.ndarray | None:
         """bool [L, E]: experts the HITS windows of this turn saw routed (any request)."""
@@ -250,6 +288,11 @@ class Request:
         self._topk: list[TopK] = []
         self._hits: list[Hits] = []
         self._repins: list[Repin] = []
+        self.t_submit = time.monotonic()  # milestones as `Clock` names them (Engine.submit
+        self.t_accept: float | None = None  # sets t_submit again just before it writes)
+        self.t_first: float | None = None
+        self.t_last: float | None = None
+        self.t_end: float | None = None
 
     def __repr__(self) -> str:
         state = "done" if self.done else "in flight"
@@ -263,6 +306,32 @@ class Request:
     @property
     def done(self) -> bool:
         return self._finished.is_set()
+
+    @property
+    def emitted(self) -> int:
+        """Tokens (DATA frames) received so far."""
+        with self._lock:
+            return len(self._tokens)
+
+    def clock(self) -> Clock:
+        """The milestones seen so far."""
+        return Clock(self.t_submit, self.t_accept, self.t_first, self.t_last, self.t_end)
+
+    def running_s(self, now: float | None = None) -> float | None:
+        """Client seconds since its ACCEPT (to its end once it ended); None before ACCEPT."""
+        if self.t_accept is None:
+            return None
+        end = self.t_end if self.t_end is not None else time.monotonic() if now is None else now
+        return end - self.t_accept
+
+    def live_tok_s(self) -> float | None:
+        """Decode rate so far on this client's clock: (tokens - 1) over first to latest DATA
+        (DONE's `tok_s` is the engine's figure for the whole turn); None before two tokens."""
+        with self._lock:
+            n = len(self._tokens)
+        if n < 2 or self.t_first is None or self.t_last is None or self.t_last <= self.t_first:
+            return None
+        return (n - 1) / (self.t_last - self.t_first)
 
     def wait(self, timeout: float | None = None) -> Turn:
         """The finished turn (DONE or ERROR); TimeoutError if it takes longer than timeout."""
@@ -302,8 +371,14 @@ class Request:
     # -- fed by the session (reader thread) ----------------------------------------------
 
     def _add(self, ev: codec.Event) -> None:
+        now = time.monotonic()
         with self._lock:
+            if isinstance(ev, Accept) and self.t_accept is None:
+                self.t_accept = now
             if isinstance(ev, Data):
+                if self.t_first is None:
+                    self.t_first = now
+                self.t_last = now
                 self._tokens.append(ev.payload)
                 self._text.append(self._asm.feed(ev.payload))
             elif isinstance(ev, TopK):
@@ -318,6 +393,7 @@ class Request:
 
     def _finish(self, ev: Done | Error) -> Turn:
         with self._lock:
+            self.t_end = time.monotonic()
             self._text.append(self._asm.flush())
             g = self._got
             entropy = g.get("Entropy")
@@ -341,6 +417,7 @@ class Request:
                 hwinfo=g.get("HwInfo"),
                 repins=tuple(self._repins),
                 prof=g.get("Prof"),
+                clock=Clock(self.t_submit, self.t_accept, self.t_first, self.t_last, self.t_end),
             )
         self.events.put(ev)
         self._finished.set()
@@ -485,50 +562,99 @@ class Session:
 
 # ---------------------------------------------------------------------------- tables
 
-_TURN_COLUMNS = [
-    "turn",
-    "id",
-    "slot",
-    "tag",
-    "prompt_tokens",
-    "reused_tokens",
-    "emitted",
-    "tok_s",
-    "hit_pct",
-    "rss_gb",
-    "length_limited",
-    "dt",
-    "t_edisk",
-    "t_ewait",
-    "t_emm",
-    "t_attn",
-    "t_kvb",
-    "t_head",
-]
+# The turn table's columns and what each one means: the one place where dt, tok_s and the
+# prefill time are defined (`Engine.turns_df`, `turns_frame`; `turn_columns()` as a table).
+TURN_COLUMNS: dict[str, str] = {
+    "turn": "index of the turn among this session's finished (DONE) turns",
+    "id": "request id",
+    "slot": "KV slot",
+    "tag": "the caller's label (submit's tag)",
+    "prompt_tokens": "prompt length, tokens (DONE)",
+    "reused_tokens": "prompt tokens taken from the slot's KV cache, not prefilled (ACCEPT)",
+    "emitted": "tokens sent, DATA frames (DONE)",
+    "dt": "engine: wall seconds from acceptance to the end, prefill + decode (PERF's dt; "
+    "PERF's phases split it); time queued before acceptance is not in it (queue_s)",
+    "prefill_s": "engine: acceptance to the first token, dt - decode_s: prefilling "
+    "prompt_tokens - reused_tokens tokens and choosing the first one (plus any compile "
+    "these shapes meet: warm up first)",
+    "decode_s": "engine: the first token to the end, (emitted - 1) / tok_s (0 below 2 tokens)",
+    "tok_s": "engine: decode rate, (emitted - 1) / decode_s (DONE's tok_s): no prefill, no "
+    "first token; 0 below 2 tokens",
+    "prefill_tok_s": "engine: prompt tokens prefilled per second, "
+    "(prompt_tokens - reused_tokens) / prefill_s",
+    "queue_s": "client: SUBMIT written to ACCEPT read (the pipe, tokenizing, waiting for a "
+    "slot or the prefill budget, the engine loop's other work such as WARMUP compiles)",
+    "wall_s": "client: SUBMIT written to DONE read, what the caller waited (about queue_s + dt)",
+    "hit_pct": "share of expert lookups that were hits while it ran, engine-wide (DONE)",
+    "rss_gb": "the engine's peak resident memory, GiB (DONE)",
+    "length_limited": "max_tokens, NGEN or the context ended it (DONE)",
+    "t_edisk": "PERF: reader-thread seconds reading experts (overlaps compute: not a part of dt)",
+    "t_ewait": "PERF: the compute thread waiting for expert bytes",
+    "t_emm": "PERF: routed-expert matmuls and their combination",
+    "t_attn": "PERF: attention, t_kvb included",
+    "t_kvb": "PERF: MLA kv_b expansion",
+    "t_head": "PERF: final norm and lm_head",
+}
+_TURN_COLUMNS = list(TURN_COLUMNS)
+
+
+def turn_columns() -> pd.DataFrame:
+    """`TURN_COLUMNS` as a table: column, meaning."""
+    return pd.DataFrame(list(TURN_COLUMNS.items()), columns=["column", "meaning"]).set_index(
+        "column"
+    )
+
+
+def decode_seconds(done: Done) -> float:
+    """Engine seconds from the first token to the end: (emitted - 1) / tok_s, the window DONE's
+    tok_s is measured over (0 below 2 tokens; NaN if a rate of 0 was reported for more)."""
+    if done.emitted < 2:
+        return 0.0
+    return (done.emitted - 1) / done.tok_s if done.tok_s > 0 else float("nan")
+
+
+def prefill_seconds(dt: float, done: Done) -> float:
+    """Engine seconds from acceptance to the first token: dt - decode_seconds, at least 0
+    (DONE's tok_s has 2 decimals on the wire)."""
+    return max(0.0, dt - decode_seconds(done))
 
 
 def turns_frame(turns: list[Turn]) -> pd.DataFrame:
-    """One row per finished (DONE) turn: its STAT fields and PERF phases, seconds."""
+    """One row per finished (DONE) turn, the columns of `TURN_COLUMNS` (seconds)."""
     rows = []
     for i, t in enumerate(x for x in turns if x.ok):
-        d, p = t.done, t.perf
+        d, p, c = t.done, t.perf, t.clock
         assert d is not None
+        reused = t.accept.reused_tokens if t.accept else 0
+        dt = p.dt if p else float("nan")
+        prefill = prefill_seconds(dt, d) if p else float("nan")
+        fed = d.prompt_tokens - reused
         row = {
             "turn": i,
             "id": t.id,
             "slot": t.slot,
             "tag": t.tag,
             "prompt_tokens": d.prompt_tokens,
-            "reused_tokens": t.accept.reused_tokens if t.accept else 0,
+            "reused_tokens": reused,
             "emitted": d.emitted,
+            "dt": dt,
+            "prefill_s": prefill,
+            "decode_s": decode_seconds(d),
             "tok_s": d.tok_s,
+            "prefill_tok_s": fed / prefill if prefill > 0 else float("nan"),
+            "queue_s": _or_nan(c.queue_s if c else None),
+            "wall_s": _or_nan(c.wall_s if c else None),
             "hit_pct": d.hit_pct,
             "rss_gb": d.rss_gb,
             "length_limited": d.length_limited,
         }
-        row.update({k: getattr(p, k) if p else float("nan") for k in ("dt", *_PHASES)})
+        row.update({k: getattr(p, k) if p else float("nan") for k in _PHASES})
         rows.append(row)
     return pd.DataFrame(rows, columns=_TURN_COLUMNS)
+
+
+def _or_nan(x: float | None) -> float:
+    return float("nan") if x is None else float(x)
 
 
 def entropy_frame(turns: list[Turn]) -> pd.DataFrame:
@@ -761,6 +887,7 @@ class Engine:
         req = Request(self, rid, slot, prompt, tag)
         self.session.register(req)
         payload = prompt.encode("utf-8")
+        req.t_submit = time.monotonic()
         try:
             self.send(Submit(rid, slot, max_tokens, temperature, top_p, payload))
         except EngineError:
@@ -796,7 +923,9 @@ class Engine:
         return self.session.turns
 
     def turns_df(self) -> pd.DataFrame:
-        """One row per finished turn: id, slot, tag, tokens, tok_s, hit_pct, dt, PERF phases."""
+        """One row per finished turn: id, slot, tag, tokens, times (dt, prefill_s, decode_s,
+        tok_s, queue_s, wall_s), hit_pct, PERF phases; `TURN_COLUMNS` defines each column
+        (`turn_columns()` shows them as a table)."""
         return self.session.turns_df()
 
     def entropy_df(self) -> pd.DataFrame:

@@ -238,6 +238,49 @@ def test_perf_parts_sum_to_dt():
     assert frame.empty and list(frame.columns) == list(client.PERF_PARTS)
 
 
+def test_turn_times_are_defined_once():
+    """dt (PERF) = prefill_s + decode_s; decode_s is the window DONE's tok_s is measured over;
+    the client's own clock adds queue_s and wall_s; TURN_COLUMNS names and defines them all."""
+    s, reqs = session_with(1, 2, 3)
+    evs = [
+        Accept(1, 5, 2),
+        Data(1, b"a"),
+        Data(1, b"b"),
+        Data(1, b"c"),
+        *block(1, dt=1.0),  # DONE: 3 tokens at 10 tok/s: decode 0.2 s, so prefill 0.8 s
+        Accept(2, 4, 0),
+        Data(2, b"x"),
+        HW,
+        Perf(2, 0.3, 0, 0, 0, 0, 0, 0),
+        Done(2, 1, 0.0, 50.0, 0.3, 4, True),  # one token: no decode window
+        Accept(3, 4, 0),
+        HW,
+        Perf(3, 0.1, 0, 0, 0, 0, 0, 0),
+        Done(3, 0, 0.0, 50.0, 0.3, 4, True),
+    ]
+    read_loop(stream(*HANDSHAKE, *evs), s)
+    t1, t2, t3 = (reqs[i].wait(0) for i in (1, 2, 3))
+    assert t1.decode_s == pytest.approx(0.2) and t1.prefill_s == pytest.approx(0.8)
+    assert (t2.decode_s, t2.prefill_s) == (0.0, pytest.approx(0.3))
+    assert (t3.decode_s, t3.prefill_s) == (0.0, pytest.approx(0.1))
+    c = t1.clock
+    assert c.submit <= c.accept <= c.first <= c.last <= c.end
+    assert 0 <= c.queue_s <= c.wall_s and t3.clock.first is None
+    df = s.turns_df()
+    assert list(df.columns) == list(client.TURN_COLUMNS)
+    assert list(client.turn_columns().index) == list(client.TURN_COLUMNS)
+    assert df.prefill_s.tolist() == pytest.approx([0.8, 0.3, 0.1])
+    assert df.decode_s.tolist() == pytest.approx([0.2, 0.0, 0.0])
+    assert (df.prefill_s + df.decode_s).tolist() == pytest.approx(df.dt.tolist())
+    assert df.prefill_tok_s[0] == pytest.approx((5 - 2) / 0.8)  # tokens actually prefilled
+    assert (df.queue_s >= 0).all() and (df.wall_s >= df.queue_s).all()
+    # a rate of 0 for more than one token cannot give a window; a long decode never makes
+    # prefill negative (tok_s has 2 decimals on the wire)
+    assert np.isnan(client.decode_seconds(Done(9, 3, 0.0, 0, 0, 1, False)))
+    assert client.prefill_seconds(0.5, Done(9, 101, 199.99, 0, 0, 1, False)) == 0.0
+    assert np.isnan(client.turns_frame([]).reindex([0]).prefill_s[0])
+
+
 def test_grids_match_codec_accessors():
     rng = np.random.default_rng(0)
     emap = Emap(3, 5, rng.integers(0, 256, 15, dtype=np.uint8).tobytes())
@@ -317,6 +360,21 @@ def test_engine_tables(engine):
     em = engine.emap_df()
     assert len(em) == L * E and set(em.tier) <= {0, 1, 2}
     assert em.heat.max() > 0  # experts were selected: cumulative heat shows it
+
+
+def test_engine_turn_times(engine):
+    """On a real engine: the client's wall time holds the engine's window, which splits into
+    prefill and decode; the request's live rate and elapsed time are there while it runs."""
+    r = engine.submit("The quick brown fox", slot=0, max_tokens=12)
+    turn = r.wait(120)
+    row = engine.turns_df().set_index("id").loc[turn.id]
+    dt = row["dt"]  # (a Series' .dt is pandas' datetime accessor)
+    assert dt == pytest.approx(row.prefill_s + row.decode_s, abs=1e-3)
+    assert 0 <= row.prefill_s <= dt and row.queue_s >= 0
+    assert row.wall_s >= dt - 0.01  # submit..DONE read holds acceptance..DONE
+    assert r.running_s() == pytest.approx(turn.clock.end - turn.clock.accept)
+    if turn.done.emitted >= 2:
+        assert row.decode_s > 0 and r.live_tok_s() > 0
 
 
 def test_engine_errors_and_stop(engine):

@@ -201,3 +201,66 @@ def test_figures_show_inline_as_png():
     assert fig._repr_png_().startswith(b"\x89PNG")  # Jupyter shows it without pyplot
     grid, axes = plots.subplots(2, 3, figsize=(6, 4))
     assert axes.shape == (2, 3) and plots.plot_entropy([1.0], ax=axes[1, 2]) is grid
+
+
+# ---------------------------------------------------------------------------- sizes and labels
+
+
+def test_figures_are_sized_in_pixels_and_drawn_sharp():
+    """Inline figures: a PNG of SCALE x their pixel size, shown at that pixel size (metadata),
+    so a frontend never enlarges them; the aspect ratio is the figure's."""
+    fig = plots.plot_perf(TURNS)
+    assert fig.dpi == plots.DPI
+    w, h = plots.pixel_size(fig)
+    inches = fig.get_size_inches()
+    assert (w, h) == (round(inches[0] * plots.DPI), round(inches[1] * plots.DPI))
+    data, meta = fig._repr_mimebundle_()
+    pw, ph = plots.png_size(data["image/png"])
+    assert meta["image/png"] == {"width": w, "height": h}
+    assert abs(pw - plots.SCALE * w) <= 1 and abs(ph - plots.SCALE * h) <= 1
+    assert plots.png_size(fig._repr_png_()) == (w, h)  # the plain PNG: 1 pixel a pixel
+    grid, _ = plots.subplots(1, 2, figsize=(6, 2))
+    assert plots.pixel_size(grid) == (600, 200)
+    with pytest.raises(ValueError):
+        plots.png_size(b"GIF89a" + bytes(30))
+
+
+def test_long_turn_labels_are_cut():
+    turns = [perf_turn(1, 1.0, 0, 0, 0, 0, 0, tag="def fibonacci(n):\n    return n if n < 2")]
+    ax = plots.plot_perf(turns).axes[0]
+    (label,) = [t.get_text() for t in ax.get_xticklabels()]
+    assert label == plots.short_label("def fibonacci(n): return n if n < 2")
+    assert len(label) == plots.LABEL_CHARS and label.endswith("…") and "\n" not in label
+    assert plots.short_label("  a\tb  ") == "a b"
+
+
+def test_perf_running_turns_are_hatched_outlines():
+    fig = plots.plot_perf(TURNS[:2], running=[("now", 1.25)])
+    ax = fig.axes[0]
+    running = [b for bars in ax.containers for b in bars if b.get_gid() == "running"]
+    assert [b.get_height() for b in running] == [1.25] and running[0].get_x() == pytest.approx(1.65)
+    assert running[0].get_hatch() == "//"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["short", "#2", "now"]
+    assert "running (not split yet)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    alone = plots.plot_perf(turns_frame([]), running=[("first", 0.5)])
+    assert [t.get_text() for t in alone.axes[0].get_xticklabels()] == ["first"]
+
+
+def test_perf_says_when_phases_are_not_timed():
+    untimed = [perf_turn(1, 0.8, 0, 0, 0, 0, 0, tag="resident")]
+    texts = [t.get_text() for t in plots.plot_perf(untimed).axes[0].texts]
+    assert any("not timed" in t for t in texts)
+    assert not plots.plot_perf(TURNS).axes[0].texts
+
+
+def test_entropy_estimate_is_hatched():
+    ax = plots.plot_entropy([1.0, 2.0], hatch="//").axes[0]
+    assert [b.get_hatch() for b in ax.patches] == ["//", "//"]
+    assert [b.get_height() for b in ax.patches] == [1.0, 2.0]
+
+
+def test_entropy_finite_sample_uniform_line():
+    ax = plots.plot_entropy([4.0, 4.2], n_experts=32, uniform_bits=4.64, tokens=16).axes[0]
+    assert [ln.get_ydata()[0] for ln in ax.lines] == pytest.approx([5.0, 4.64])
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["uniform, many tokens", "uniform at 16 tokens"]

@@ -14,7 +14,12 @@ Palettes are fixed so figures compare across runs:
   never-selected one a pale tint (`MIN_DEPTH`).
   Experts routed in the HITS window carry a black dot.
 - PERF parts (`PERF_COLORS`), bottom to top: disk wait, expert matmul, attention, kv expansion,
-  head, other; each turn's stack is exactly its dt (see `colibri.client.perf_parts`).
+  head, other; each turn's stack is exactly its dt (see `colibri.client.perf_parts`). A turn
+  still running is a hatched outline of the seconds since its acceptance (not yet split).
+
+Sizes are in pixels: figures are `DPI` dots per inch, and shown inline at their own size
+(width and height in the display metadata) from a PNG drawn at `SCALE` times that, so they
+stay sharp on high-density screens and are never enlarged; `pixel_size` gives the size.
 """
 
 from __future__ import annotations
@@ -45,23 +50,41 @@ TIER_COLORS = {2: "#0072B2", 1: "#E69F00", 0: "#999999"}  # device, RAM, disk
 PERF_COLORS = dict(
     zip(PERF_PARTS, ("#d7191c", "#2c7bb6", "#fdae61", "#abd9e9", "#7b3294", "#bababa"), strict=True)
 )
+RUNNING_COLOR = "#555555"  # outline of a turn in flight (PERF)
 HIT_COLOR = "#000000"
 MIN_DEPTH = 0.25  # colour depth of a never-selected expert (1 = the full tier colour)
 HIT_RADIUS = 0.2  # of a cell
+DPI = 100  # figure pixels per inch: a figure's size in inches x DPI is its size on screen
+SCALE = 2  # PNG pixels per screen pixel (sharp on high-density screens)
+LABEL_CHARS = 18  # turn labels longer than this are cut (with an ellipsis) under the axis
 
 
 class PlotFigure(Figure):
-    """A Figure that Jupyter displays as a PNG even when pyplot is not in use."""
+    """A Figure (`DPI` dots per inch unless given) that Jupyter displays as a PNG even when
+    pyplot is not in use: drawn at `SCALE` times its pixel size, shown at its pixel size."""
+
+    def __init__(self, *args, dpi: float | None = None, **kw):
+        super().__init__(*args, dpi=dpi or DPI, **kw)
 
     def _repr_png_(self) -> bytes:
         return to_png(self)
 
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        w, h = pixel_size(self)
+        return {"image/png": to_png(self, scale=SCALE)}, {"image/png": {"width": w, "height": h}}
+
+
+def pixel_size(fig: Figure) -> tuple[int, int]:
+    """(width, height) of the figure in screen pixels: its size in inches times its dpi."""
+    w, h = fig.get_size_inches() * fig.dpi
+    return int(round(w)), int(round(h))
+
 
 def subplots(
-    nrows: int = 1, ncols: int = 1, *, figsize=None, **kw
+    nrows: int = 1, ncols: int = 1, *, figsize=None, dpi: float | None = None, **kw
 ) -> tuple[PlotFigure, np.ndarray]:
     """A PlotFigure with a grid of axes (always a 2-D array), constrained layout."""
-    fig = PlotFigure(figsize=figsize, layout="constrained")
+    fig = PlotFigure(figsize=figsize, dpi=dpi, layout="constrained")
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
@@ -133,15 +156,31 @@ def plot_entropy(
     n_experts: int | None = None,
     ax=None,
     title: str | None = "Routing entropy per MoE layer",
+    hatch: str | None = None,
+    uniform_bits: float | None = None,
+    tokens: int | None = None,
 ) -> Figure:
-    """One turn's routing entropy per MoE layer, bits; with `n_experts`, the uniform maximum."""
+    """One turn's routing entropy per MoE layer, bits; with `n_experts`, the uniform maximum
+    log2(E) (the limit of many tokens). `uniform_bits`: what a uniform router reads at this
+    sample size (`routing_stats.uniform_entropy_exact` for the turn's `tokens`), a dotted
+    line. `hatch`: draw the bars as hatched outlines (an estimate, e.g. while a turn runs)."""
     values = _entropy_values(entropy)
     fig, ax = _axes(ax, (max(4.0, 1.5 + 0.45 * len(values)), 3.0))
-    ax.bar(range(len(values)), values, color=TIER_COLORS[2])
+    x = range(len(values))
+    if hatch:
+        ax.bar(x, values, facecolor="white", edgecolor=TIER_COLORS[2], hatch=hatch, lw=1)
+    else:
+        ax.bar(x, values, color=TIER_COLORS[2])
+    top = values.max(initial=0)
     if n_experts:
-        top = np.log2(n_experts)
-        ax.axhline(top, color="0.4", ls="--", lw=1, label="uniform over experts")
-        ax.set_ylim(0, 1.18 * max(top, values.max(initial=0)))
+        top = max(top, np.log2(n_experts))
+        ax.axhline(np.log2(n_experts), color="0.4", ls="--", lw=1, label="uniform, many tokens")
+    if uniform_bits is not None:
+        at = f" at {tokens} tokens" if tokens else ", this many tokens"
+        ax.axhline(uniform_bits, color="0.1", ls=":", lw=1.5, label=f"uniform{at}")
+        top = max(top, uniform_bits)
+    if n_experts or uniform_bits is not None:
+        ax.set_ylim(0, 1.18 * top)
         ax.legend(loc="upper right", frameon=False)
     ax.set(xlabel="MoE layer", ylabel="entropy (bits)", title=title)
     ax.set_xticks(range(len(values)))
@@ -172,11 +211,19 @@ def plot_entropy_turns(
 
 
 def _label_turns(ax, names: list[str]) -> None:
-    """Turn names under the x axis, slanted when they would collide."""
+    """Turn names under the x axis (cut to LABEL_CHARS), slanted when they would collide."""
+    names = [short_label(n) for n in names]
     slant = len(names) > 6 or max(map(len, names), default=0) > 6
     ax.set_xticks(
         range(len(names)), names, rotation=30 if slant else 0, ha="right" if slant else "center"
     )
+
+
+def short_label(text: str, limit: int = LABEL_CHARS) -> str:
+    """One line of at most `limit` characters: whitespace runs become one space, and a longer
+    text is cut with an ellipsis."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1].rstrip() + "…"
 
 
 def _entropy_values(entropy) -> np.ndarray:
@@ -201,20 +248,45 @@ def plot_perf(
     label: str = "tag",
     ax=None,
     title: str | None = "Where each turn's time went",
+    running: Sequence[tuple[str, float]] = (),
 ) -> Figure:
-    """Stacked bar per turn of PERF_PARTS (seconds); each bar's height is the turn's dt."""
+    """Stacked bar per turn of PERF_PARTS (seconds); each bar's height is the turn's dt
+    (acceptance to DONE: prefill and decode; `client.TURN_COLUMNS`). `running`: (label,
+    seconds since acceptance) of turns in flight, drawn after them as hatched outlines (their
+    time is split only at their PERF line). Where no turn has a timed phase (every expert
+    resident without `profile=True`: one compiled program a step), the figure says so."""
     df = turns if isinstance(turns, pd.DataFrame) else turns_frame(list(turns))
     parts = perf_frame(df)
-    fig, ax = _axes(ax, (max(4.0, 3.0 + 0.6 * len(df)), 3.4))
+    n = len(df) + len(running)
+    fig, ax = _axes(ax, (max(4.0, 3.0 + 0.6 * n), 3.4))
     x = np.arange(len(df))
     bottom = np.zeros(len(df))
     for part in PERF_PARTS:
         h = parts[part].to_numpy(float)
         ax.bar(x, h, bottom=bottom, color=PERF_COLORS[part], label=part, width=0.7)
         bottom += h
-    _label_turns(ax, [_turn_label(row, label) for _, row in df.iterrows()])
+    names = [_turn_label(row, label) for _, row in df.iterrows()]
+    handles = [Patch(color=PERF_COLORS[part], label=part) for part in PERF_PARTS]
+    if running:
+        style = dict(facecolor="white", edgecolor=RUNNING_COLOR, hatch="//")
+        xr = np.arange(len(df), n)
+        ax.bar(xr, [float(s) for _, s in running], width=0.7, gid="running", **style)
+        handles.append(Patch(label="running (not split yet)", **style))
+        names += [str(name) for name, _ in running]
+    _label_turns(ax, names)
     ax.set(xlabel="turn", ylabel="seconds", title=title)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    timed = parts.drop(columns="other").to_numpy(float).sum() if len(df) else 1.0
+    if len(df) and timed == 0:
+        ax.text(
+            0.01,
+            0.98,
+            "phases not timed (every expert resident: one program a step); profile=True times them",
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="0.3",
+        )
     return fig
 
 
@@ -228,10 +300,17 @@ def _axes(ax, size: tuple[float, float]):
     return fig, fig.add_subplot()
 
 
-def to_png(fig: Figure, dpi: float | None = None) -> bytes:
-    """The figure as PNG bytes (Agg), at its own dpi unless given."""
+def to_png(fig: Figure, dpi: float | None = None, *, scale: float = 1.0) -> bytes:
+    """The figure as PNG bytes (Agg), at its own dpi (or `dpi`) times `scale`."""
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi or fig.dpi)
+    fig.savefig(buf, format="png", dpi=(dpi or fig.dpi) * scale)
     return buf.getvalue()
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) in pixels of PNG bytes (from its IHDR chunk)."""
+    if png[:8] != b"\x89PNG\r\n\x1a\n" or png[12:16] != b"IHDR":
+        raise ValueError("not a PNG")
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
