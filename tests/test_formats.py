@@ -57,7 +57,7 @@ def _rows(fmt, rows: int, cols: int, block: int, rng):
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scaled], ids=lambda f: f.name)
 @given(rows=st.integers(1, 4), blocks=st.integers(1, 3), block=st.sampled_from([8, 16]))
-@settings(deadline=None, max_examples=30)  # each new shape compiles
+@settings(deadline=None, max_examples=10)  # each new shape compiles (~1 s)
 def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks, block):
     rng = np.random.default_rng(rows * 100 + blocks * 10 + block)
     cols = blocks * block
