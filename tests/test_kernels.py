@@ -326,7 +326,7 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
     cpp = _held_formats_in_cpp()
     assert len(cpp) == len(FORMATS)
     assert [(name, suffix) for name, suffix, _, _ in cpp] == [
-        (kernels._symbol(f.suffix), f.suffix) for f in FORMATS
+        (kernels.symbol_suffix(f.suffix), f.suffix) for f in FORMATS
     ]
     assert [np.dtype(_BUFFER_DTYPES[buffer]) for _, _, buffer, _ in cpp] == [
         f.storage for f in FORMATS

@@ -9,6 +9,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from colibri import formats, kernels
+
 
 def registered(lib_path: Path, symbol: str, name: str) -> None:
     """Register the library's handler `symbol` with XLA as target `name`."""
@@ -17,25 +19,16 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
 
 
 def expert_call(lib_path: Path, name: str):
-    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids);
-    over bfloat16 bits (uint16 weights) its bfloat16 variant, `name`_bf16, over FP8 rows
-    (uint8) its fp8 one, `name`_fp8, over int4 rows (int8) `name`_int4, over int4 rows with
-    zero points (uint32) `name`_int4z and over int8 rows (int32) `name`_int8, where it has
-    them."""
-    registered(lib_path, "ColibriMoeExperts", name)
+    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids),
+    over weights of every held format the build has a kernel for (`formats.FORMATS`: target
+    `name` + the format's suffix, chosen by the weights' dtype)."""
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    variants = {jnp.dtype(jnp.float32): name}
-    kinds = (
-        (jnp.uint16, "Bf16", "bf16"),
-        (jnp.uint8, "Fp8", "fp8"),
-        (jnp.int8, "Int4", "int4"),
-        (jnp.uint32, "Int4z", "int4z"),
-        (jnp.int32, "Int8", "int8"),
-    )
-    for dtype, symbol, suffix in kinds:
-        if hasattr(lib, f"ColibriMoeExperts{symbol}"):
-            registered(lib_path, f"ColibriMoeExperts{symbol}", f"{name}_{suffix}")
-            variants[jnp.dtype(dtype)] = f"{name}_{suffix}"
+    variants = {}
+    for f in formats.FORMATS:  # the held formats this build has kernels for
+        symbol = "ColibriMoeExperts" + kernels.symbol_suffix(f.suffix)
+        if hasattr(lib, symbol):
+            registered(lib_path, symbol, name + f.suffix)
+            variants[jnp.dtype(f.storage)] = name + f.suffix
 
     def call(gate, up, down, x, ids):
         shape = (*ids.shape, x.shape[1])

@@ -38,7 +38,7 @@ SOURCE = SOURCE_DIR / "cpu.cc"  # its one translation unit, compiled on first us
 _SOURCE_SUFFIXES = (".cc", ".h")  # the files of a source folder a build depends on
 
 
-def _symbol(suffix: str) -> str:
+def symbol_suffix(suffix: str) -> str:
     """What the handler symbols of a held format's kernels end in, from the suffix of its
     targets: "_int4z" -> "Int4z" (ColibriMoeExpertsInt4z), "" -> "" (ColibriMoeExperts). It is
     the Name of the format's line in cpu/formats.h's COLIBRI_HELD_FORMATS."""
@@ -50,7 +50,7 @@ def _targets() -> dict[str, str]:
     format of colibri/formats.py, then attention and the cut flag."""
     kernels = {"colibri_moe_experts": "ColibriMoeExperts", "colibri_linear": "ColibriLinear"}
     targets = {
-        target + f.suffix: handler + _symbol(f.suffix)
+        target + f.suffix: handler + symbol_suffix(f.suffix)
         for target, handler in kernels.items()
         for f in formats.FORMATS
     }
