@@ -403,3 +403,59 @@ def test_attend_weights_far_below_the_peak_are_zero_not_nan():
     )
     np.testing.assert_allclose(got[0, 0], v[0, 0, 13], rtol=1e-6)
     assert np.isfinite(got).all()
+
+
+def _held_rows(f, rng, rows: int, cols: int, block: int = 8) -> np.ndarray:
+    """Random [rows, cols] weights held as format f (finite: FP8 bytes below NaN)."""
+    if not f.scaled:
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return w if f.storage == np.float32 else (w.view(np.uint32) >> 16).astype(np.uint16)
+    values = rng.integers(0, 256, (rows, cols * f.value_bits // 8), dtype=np.uint8)
+    if f.value_bits == 8 and not f.zero_points:  # e4m3: no 0x7f / 0xff
+        values &= 0xFE
+    scales = rng.uniform(0.01, 0.1, (rows, cols // block)).astype(np.float32)
+    offsets = rng.uniform(-0.1, 0.1, scales.shape).astype(np.float32)
+    return f.pack(values, scales, offsets if f.zero_points else None).reshape(rows, -1)
+
+
+@pytest.mark.skipif(
+    len(kernels.isa_levels()) < 2, reason="this CPU has one ISA level to build for (no AVX-512)"
+)
+def test_every_isa_level_the_cpu_has_gives_the_same_bits():
+    """The kernels built for each instruction-set level this CPU runs (AVX-512's 32 registers
+    and EVEX encodings, and AVX2 alone) compute the same bits, for every held format: the
+    linear kernel on 1, 5 and 16 rows and the expert kernel on 16 rows of top-4 over 6
+    experts. Results never depend on the CPU's vector extensions."""
+    from colibri.bench.kernel_calls import expert_call, registered
+
+    rng = np.random.default_rng(7)
+    for isa in kernels.isa_levels()[1:]:
+        lib = kernels.build(isa=isa)
+        experts = expert_call(lib, f"colibri_isa_{isa}_experts")
+        for f in FORMATS:
+            target = f"colibri_isa_{isa}_linear{f.suffix}"
+            registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
+            # Scaled rows come in blocks of 8; the others have a scalar tail past the vectors.
+            D, F = (96, 48) if f.scaled else (99, 45)
+            w = jnp.asarray(_held_rows(f, rng, 70, D))
+            for rows in (1, 5, 16):
+                x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
+                out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
+                theirs = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+                np.testing.assert_array_equal(np.asarray(theirs), np.asarray(kernels.linear(x, w)))
+            gate, up = (jnp.asarray(_held_rows(f, rng, 6 * F, D).reshape(6, F, -1)) for _ in "gu")
+            down = jnp.asarray(_held_rows(f, rng, 6 * D, F).reshape(6, D, -1))
+            x = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
+            ids = jnp.asarray(rng.integers(0, 6, (16, 4)), jnp.int32)
+            np.testing.assert_array_equal(
+                np.asarray(experts(gate, up, down, x, ids)),
+                np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
+            )
+
+
+def test_the_multiply_add_ceiling_is_probed():
+    """colibri_fma_peak measures a rate on 256-bit vectors, and on 512-bit ones exactly where
+    the build has AVX-512."""
+    assert kernels.fma_peak(8, seconds=0.02, threads=1) > 1.0
+    wide = kernels.fma_peak(16, seconds=0.02, threads=1)
+    assert (wide > 1.0) == ("avx512f" in kernels._cpu_id().split())

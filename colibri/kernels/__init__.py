@@ -9,7 +9,9 @@ The shared library is compiled once per source, JAX version and CPU into the use
 folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written to a temporary name
 and renamed, so concurrent processes never load a half-written file.
 `COLIBRI_CPU_KERNELS=0` turns the kernels off (XLA's own loops run instead); so does a
-machine without a compiler, with one warning on stderr.
+machine without a compiler, with one warning on stderr. `COLIBRI_KERNEL_ISA=avx2` builds them
+for AVX2 on a CPU that has AVX-512 (`ISA_LEVELS`), to compare the two: their results are bitwise
+the same (cpu/cpu.cc, "Exactness").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -66,6 +69,22 @@ _TARGETS = _targets()
 CXX_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-std=c++17"]
 _LIBRARY_FLAGS = ["-shared", "-fPIC"]
 
+# Instruction-set levels a build can be narrowed to: name -> (the CPU flag it needs, the
+# compiler flags that keep the build to it). "native" is everything the CPU has; "avx2" turns
+# AVX-512 off (16 vector registers, VEX encodings), as on a CPU without it.
+ISA_LEVELS = {"native": ("", []), "avx2": ("avx2", ["-mno-avx512f"])}
+
+
+def isa_levels() -> list[str]:
+    """The levels of ISA_LEVELS this CPU runs, "native" first; "avx2" only where it differs
+    from native (the CPU has AVX-512)."""
+    flags = set(_cpu_id().split())
+    return ["native"] + [
+        name
+        for name, (needs, _) in ISA_LEVELS.items()
+        if needs and needs in flags and "avx512f" in flags
+    ]
+
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
@@ -101,11 +120,16 @@ def source_files(source: Path | None = None) -> tuple[Path, list[Path]]:
     return unit, sorted(files | {unit})
 
 
-def build(source: Path | None = None) -> Path:
+def build(source: Path | None = None, isa: str | None = None) -> Path:
     """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
     version of the kernels, a folder like cpu/ or the cpu.cc in one (benchmarks compare
     revisions; the engine always uses its own). The library is keyed by every .cc and .h file
-    of that folder: a change to any of them builds anew."""
+    of that folder: a change to any of them builds anew. `isa`: a level of ISA_LEVELS (default
+    $COLIBRI_KERNEL_ISA, else "native")."""
+    isa = isa or os.environ.get("COLIBRI_KERNEL_ISA") or "native"
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"COLIBRI_KERNEL_ISA={isa!r}: not one of {', '.join(ISA_LEVELS)}")
+    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *_LIBRARY_FLAGS]
     unit, files = source_files(source)
     cxx = compiler()
     if cxx is None:
@@ -117,14 +141,14 @@ def build(source: Path | None = None) -> Path:
         key.update(content)
     for part in (jax.__version__.encode(), cxx.encode(), _cpu_id().encode()):
         key.update(part)
-    key.update(" ".join([*CXX_FLAGS, *_LIBRARY_FLAGS]).encode())
+    key.update(" ".join(flags).encode())
     out = cache_dir() / f"cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, *_LIBRARY_FLAGS, f"-I{jax.ffi.include_dir()}", str(unit), "-o", tmp]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(unit), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
@@ -254,6 +278,20 @@ def request_cut(on: bool) -> None:
     lib = _library()
     if lib is not None:
         lib.colibri_request_cut(1 if on else 0)
+
+
+def fma_peak(lanes: int = 8, seconds: float = 0.3, threads: int | None = None) -> float:
+    """GFLOP/s of multiply-adds on vectors of `lanes` floats (8: 256-bit, 16: 512-bit) on
+    `threads` threads at once (default: one a core), the ceiling of the tiles' arithmetic;
+    0 where the build has no such vectors."""
+    lib = _library()
+    if lib is None:
+        return 0.0
+    peak = lib.colibri_fma_peak
+    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_int32, ctypes.c_double]
+    n = threads or os.cpu_count() or 1
+    with ThreadPoolExecutor(n) as pool:  # ctypes lets go of the GIL for the call
+        return sum(pool.map(lambda _: peak(lanes, seconds), range(n)))
 
 
 def _require() -> None:

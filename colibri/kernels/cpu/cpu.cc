@@ -11,13 +11,16 @@
 //   linear.h   colibri_linear (one target per held format)
 //   attend.h   colibri_attend
 //   cut.h      colibri_cut_requested
+//   peak.h     colibri_fma_peak, the multiply-add ceiling the tiles are measured against
 //
 // Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
 // a fixed horizontal sum and then the scalar tail, whatever tile it is computed in, and the
 // element-wise exp (softmax, SwiGLU) is one 8-lane routine whatever lane a value falls in.
 // A row's output therefore depends only on its input and the expert's weights, never on how
 // many other rows chose the same expert or which slot holds it: batched, chunked and staged
-// results are bitwise those of the row alone.
+// results are bitwise those of the row alone. Nor on the CPU: the 8 lanes are the order of the
+// sums, not the width of the machine's vectors, so a build for AVX2 and one for AVX-512 (32
+// registers, EVEX encodings) give the same bits (kernels.ISA_LEVELS; tests/test_kernels.py).
 //
 // The design, and the measurements behind the choices below: docs/kernels.md.
 
@@ -29,6 +32,7 @@
 #include "experts.h"
 #include "formats.h"
 #include "linear.h"
+#include "peak.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
