@@ -31,7 +31,7 @@ arithmetic as memory traffic (8 FLOP a byte of the experts many rows chose), so 
 gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 rows streaming the
 probe's 1 GiB (both cores); and what 16 slots at 6x batch 1 would have to move and compute.
 llama.cpp runs with an f32 KV cache, as colibri keeps.
-Writes experiments/results/peers.md and peers.json.
+Writes experiments/results/peers.md and peers.json (--out NAME: NAME.md and NAME.json).
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--out", default="peers", help="results name: experiments/results/NAME.md and .json"
+    )
     args = ap.parse_args()
     try:
         import llama_cpp  # noqa: F401
@@ -107,6 +110,7 @@ def main() -> None:
     bw = {"before": bw, "after": memory_bandwidth()}
     gb_s = max(bw["before"]["gb_s"], bw["after"]["gb_s"])
     gflop_s = max(bw["before"]["kernel_16_gflop_s"], bw["after"]["kernel_16_gflop_s"])
+    peak = max(bw["before"].get("fma_peak_gflop_s", 0), bw["after"].get("fma_peak_gflop_s", 0))
 
     rows, summary = [], {}
     for name in names:
@@ -195,12 +199,15 @@ def main() -> None:
                     "tok/s at the 16-row kernel's GFLOP/s": (
                         b * gflop_s * 1e9 / flops[b] if gflop_s else None  # no native kernels
                     ),
+                    "roofline tok/s, multiply-adds": b * peak * 1e9 / flops[b] if peak else None,
+                    "aggregate / lower roofline": col[f"decode_tok_s_{b}"]
+                    / min(b * gb_s * 1e9 / moved[b], b * peak * 1e9 / flops[b] if peak else 1e30),
                 }
             )
     batch = pd.DataFrame(batch_rows)
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(batch.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    write_results(args, host(), bw, gb_s, gflop_s, table, batch, summary)
+    write_results(args, host(), bw, gb_s, gflop_s, peak, table, batch, summary)
 
 
 def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
@@ -224,7 +231,7 @@ def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
 
 
 def write_results(
-    args, hw, bw: dict, gb_s: float, gflop_s: float, table, batch, summary: dict
+    args, hw, bw: dict, gb_s: float, gflop_s: float, peak: float, table, batch, summary: dict
 ) -> None:
     probes = "; ".join(
         f"{when}: numpy sums {b['sum_gb_s']:.1f}, OpenBLAS gemv {b['gemv_gb_s']:.1f}, "
@@ -232,9 +239,16 @@ def write_results(
         f"(on 16 rows: {b['kernel_16_gflop_s']:.1f} GFLOP/s)"
         for when, b in bw.items()
     )
+    ceiling = "; ".join(
+        f"{when}: {b['fma_peak_gflop_s']:.1f} on 256-bit vectors"
+        + (f", {b['fma_peak_512_gflop_s']:.1f} on 512-bit" if b["fma_peak_512_gflop_s"] else "")
+        for when, b in bw.items()
+        if "fma_peak_gflop_s" in b
+    )
     machine = (
         f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; memory bandwidth "
-        f"{gb_s:.1f} GB/s, the best probe before and after the runs ({probes})"
+        f"{gb_s:.1f} GB/s, the best probe before and after the runs ({probes}); "
+        f"multiply-add ceiling of both cores, GFLOP/s ({ceiling or 'not probed'})"
     )
     shapes = {
         n: f"synthetic {s.family}: {s.layers} layers x {s.experts} experts (top-{s.top_k}), "
@@ -244,7 +258,7 @@ def write_results(
     }
     cmd = (
         f"python experiments/bench_peers.py --rounds {args.rounds} --tokens {args.tokens} "
-        f"--prompt {args.prompt}"
+        f"--prompt {args.prompt}" + (f" --out {args.out}" if args.out != "peers" else "")
     )
     paired = []
     for n, res in summary.items():
@@ -274,12 +288,14 @@ def write_results(
         "aggregate rate. Roofline, memory: bytes a step over the best bandwidth probe. The "
         "last column: FLOPs a step at the rate of colibri's linear kernel on 16 rows streaming "
         f"1 GiB from DRAM on both cores ({gflop_s:.1f} GFLOP/s, the best probe), a reference "
-        "rather than a roof (the expert calls' shapes can run faster or slower). "
-        f"{six_times(summary, gb_s, gflop_s)}",
+        "rather than a roof (the expert calls' shapes can run faster or slower). Roofline, "
+        f"multiply-adds: FLOPs a step at the cores' multiply-add ceiling ({peak:.1f} GFLOP/s, "
+        "the best probe); aggregate / lower roofline: the rate against the lower of the two "
+        f"roofs. {six_times(summary, gb_s, gflop_s)}",
         "",
     ]
-    (RESULTS / "peers.md").write_text("\n".join(md))
-    (RESULTS / "peers.json").write_text(
+    (RESULTS / f"{args.out}.md").write_text("\n".join(md))
+    (RESULTS / f"{args.out}.json").write_text(
         json.dumps(
             {
                 "command": cmd,
@@ -291,7 +307,7 @@ def write_results(
             indent=1,
         )
     )
-    print(f"wrote {RESULTS / 'peers.md'}")
+    print(f"wrote {RESULTS / args.out}.md")
 
 
 if __name__ == "__main__":

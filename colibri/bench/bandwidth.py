@@ -23,7 +23,9 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     sequential pass here). The array is on huge pages, as colibri's experts are
     (colibri/hugepages.py). Also the arithmetic rate of that kernel on 16 rows over the same
     array (`kernel_16_gflop_s`): what the cores compute when every weight meets 16 inputs as it
-    streams in from DRAM."""
+    streams in from DRAM; and the ceiling of that arithmetic, the cores' multiply-add rate on
+    256-bit and (where the build has them) 512-bit vectors (`fma_peak_gflop_s`,
+    `fma_peak_512_gflop_s`)."""
     threads = os.cpu_count() or 1
     a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
     a[:] = 1.0
@@ -75,6 +77,8 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         "kernel_gemv_gb_s": best_kernel,
         "gb_s": max(best_sum, best_gemv, best_xla, best_kernel),
         "kernel_16_gflop_s": best_16,
+        "fma_peak_gflop_s": max(kernels.fma_peak(8) for _ in range(repeats)),
+        "fma_peak_512_gflop_s": max(kernels.fma_peak(16) for _ in range(repeats)),
     }
 
 
