@@ -23,6 +23,8 @@ FAMILIES = (
     "deepseek_v2",
     "deepseek_v3",
     "glm4_moe",
+    "dots1",
+    "minimax_m2",
 )
 
 
@@ -63,7 +65,8 @@ class MoeConfig:
     top_k: int
     moe_ff: int  # F of one routed expert
     # "softmax" (Qwen, OLMoE, Mixtral), "softmax_group" (DeepSeek-V2: softmax, top groups by
-    # their best expert, scaled weights) or "sigmoid_group" (DeepSeek-V3, GLM-4.5)
+    # their best expert, scaled weights) or "sigmoid_group" (DeepSeek-V3, GLM-4.5, dots1;
+    # MiniMax-M2 as one group)
     router: str
     norm_topk_prob: bool
     n_group: int = 1
@@ -94,7 +97,8 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = (
-        "none"  # "none", "head" (per head, Qwen3/GLM) or "full" (whole projection, OLMoE)
+        "none"  # "none", "head" (per head: Qwen3, GLM, dots1) or "full" (whole projection:
+        # OLMoE, MiniMax-M2)
     )
     clip_qkv: float | None = None
     tie_word_embeddings: bool = False
@@ -190,6 +194,8 @@ def _config_from_dict(raw: dict[str, Any], gen: dict[str, Any], source: str) -> 
         "deepseek_v2": _deepseek_like,
         "deepseek_v3": _deepseek_like,
         "glm4_moe": _deepseek_like,
+        "dots1": _deepseek_like,
+        "minimax_m2": _minimax_m2,
     }[family]
     heads = c.int("num_attention_heads")
     common = dict(
@@ -430,11 +436,16 @@ class _Fields:
         return self.opt_int("head_dim", default, null=True)
 
 
+# rope_theta where a config gives none: transformers' default_theta of the family, else 10000
+_DEFAULT_THETA = {"mixtral": 1e6, "minimax_m2": 5e6}
+
+
 def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
     """rope_parameters (transformers 5) or rope_theta + rope_scaling (older configs)."""
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    theta = _DEFAULT_THETA.get(raw.get("model_type"), 10000.0)
+    params.setdefault("rope_theta", raw.get("rope_theta", theta))
     if "partial_rotary_factor" in raw:
         params.setdefault("partial_rotary_factor", raw["partial_rotary_factor"])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
@@ -570,13 +581,14 @@ def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
 
 
 def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
-    """DeepSeek-V3 (MLA) and GLM-4.5 (GQA, partial rotary): grouped sigmoid routing.
-    DeepSeek-V2 (MLA): softmax routing (`_deepseek_v2_routing`)."""
+    """DeepSeek-V3 (MLA), GLM-4.5 (GQA, partial rotary) and dots1 (Qwen3's attention): grouped
+    sigmoid routing. DeepSeek-V2 (MLA): softmax routing (`_deepseek_v2_routing`)."""
     raw = c.raw
     experts_key = "n_routed_experts" if raw.get("n_routed_experts") else "num_local_experts"
     routing = dict(
         router="sigmoid_group",
-        norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+        # dots1 renormalises the top-k weights only when asked: its default is False
+        norm_topk_prob=bool(raw.get("norm_topk_prob", family != "dots1")),
         n_group=c.opt_int("n_group", 1, null=True),
         topk_group=c.opt_int("topk_group", 1, null=True),
     )
@@ -614,12 +626,67 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
             rope=_rope(c, mla.qk_rope_head_dim, interleave),
             o_bias=bool(raw.get("attention_bias", False)),
         )
+    elif family == "dots1":  # q/k RMSNorm per head, every dim rotated, biases on all four
+        _full_attention_only(c)
+        out.update(
+            rope=_rope(c, c.head_dim()),
+            qk_norm="head",
+            o_bias=bool(raw.get("attention_bias", False)),
+        )
     else:
         out.update(
             rope=_rope(c, int(c.head_dim() * _partial_rotary(c, 0.5))),
             qk_norm="head" if raw.get("use_qk_norm") else "none",
         )
     return out
+
+
+def _full_attention_only(c: _Fields) -> None:
+    """dots1's layers from max_window_layers on attend through a sliding window
+    (transformers' layer_types, derived from sliding_window and max_window_layers when not
+    given): refused, as colibri attends to every cached position."""
+    types = c.raw.get("layer_types")
+    if types is None:
+        first = c.opt_int("max_window_layers", 62, lo=0)
+        window = c.raw.get("sliding_window", 4096)
+        L = c.int("num_hidden_layers")
+        slides = [window is not None and i >= first for i in range(L)]
+        types = ["sliding_attention" if s else "full_attention" for s in slides]
+    if not isinstance(types, list):
+        raise c.fail("layer_types", "a list of layer types")
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise ConfigError(
+            f"{c.source}: layers {sliding} attend through a sliding window"
+            f" (sliding_window={c.raw.get('sliding_window', 4096)!r}), which is not supported"
+        )
+
+
+def _minimax_m2(c: _Fields, family: str) -> dict[str, Any]:
+    """MiniMax-M2: GQA with q/k RMSNorm over all heads together and the first rotary_dim dims
+    of each head rotated; sigmoid routing steered by a score-correction bias, top-k
+    renormalised (DeepSeek-V3's rule with one group, unscaled); experts named as Mixtral's."""
+    head_dim = c.opt_int("head_dim", 128)  # transformers' default, not hidden / heads
+    rotary = c.opt_int("rotary_dim", None, null=True)  # partial_rotary_factor overrides it
+    if rotary is not None and rotary > head_dim:
+        raise c.fail("rotary_dim", f"at most head_dim={head_dim}")
+    partial = _partial_rotary(c, 1.0 if rotary is None else rotary / head_dim)
+    moe = MoeConfig(
+        num_experts=c.int("num_local_experts"),
+        top_k=c.int("num_experts_per_tok"),
+        moe_ff=c.int("intermediate_size"),
+        router="sigmoid_group",
+        norm_topk_prob=True,
+    )
+    L = c.int("num_hidden_layers")
+    return dict(
+        head_dim=head_dim,
+        rope=_rope(c, int(head_dim * partial)),
+        moe=moe,
+        moe_layers=tuple(True for _ in range(L)),
+        dense_ff=0,
+        qk_norm="full",
+    )
 
 
 def _deepseek_v2_routing(c: _Fields) -> dict[str, Any]:

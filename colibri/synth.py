@@ -225,6 +225,28 @@ def hf_config(s: SynthSpec) -> dict:
             partial_rotary_factor=0.5,
             attention_bias=True,
         ),
+        "dots1": dict(
+            architectures=["Dots1ForCausalLM"],
+            head_dim=s.head_dim,
+            n_routed_experts=s.experts,
+            moe_intermediate_size=s.moe_ff,
+            intermediate_size=4 * s.moe_ff,
+            n_shared_experts=1,
+            n_group=_groups(s.experts),
+            topk_group=max(1, _groups(s.experts) // 2),
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            attention_bias=False,
+            sliding_window=None,
+        ),
+        "minimax_m2": dict(
+            architectures=["MiniMaxM2ForCausalLM"],
+            head_dim=s.head_dim,
+            num_local_experts=s.experts,
+            intermediate_size=s.moe_ff,
+            rotary_dim=s.head_dim // 4 * 2,  # half of each head (MiniMax-M2: 64 of 128), even
+        ),
     }[s.family]
     return {**base, **moe}
 
@@ -384,8 +406,8 @@ def size_fields(raw: dict) -> dict[str, str]:
     family = raw.get("model_type")
     experts = next((k for k in _EXPERT_KEYS if k in raw), None)
     if experts is None:
-        deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe")
-        experts = {"mixtral": "num_local_experts"}.get(
+        deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+        experts = {"mixtral": "num_local_experts", "minimax_m2": "num_local_experts"}.get(
             family, "n_routed_experts" if deepseek else "num_experts"
         )
     return dict(
@@ -393,7 +415,11 @@ def size_fields(raw: dict) -> dict[str, str]:
         experts=experts,
         top_k="num_experts_per_tok",
         hidden="hidden_size",
-        moe_ff="intermediate_size" if family in ("olmoe", "mixtral") else "moe_intermediate_size",
+        moe_ff=(
+            "intermediate_size"
+            if family in ("olmoe", "mixtral", "minimax_m2")
+            else "moe_intermediate_size"
+        ),
         vocab="vocab_size",
         heads="num_attention_heads",
         kv_heads="num_key_value_heads",
@@ -646,10 +672,14 @@ def _shape_config(raw: dict, source: str):
         "rope_scaling",
         "rope_parameters",
         "partial_rotary_factor",
+        "rotary_dim",
         "topk_method",
+        "layer_types",
     )
     shaped = {k: v for k, v in raw.items() if k not in drop}
-    shaped.update(hidden_act="silu", use_sliding_window=False, rope_theta=10000.0)
+    shaped.update(
+        hidden_act="silu", use_sliding_window=False, sliding_window=None, rope_theta=10000.0
+    )
     return config_from_dict(shaped, source=source)
 
 
@@ -746,13 +776,14 @@ def _attn_shapes(cfg, a: str):
 
 
 def _moe_shapes(cfg, i: int):
+    from colibri.weights import expert_names, moe_prefix, score_bias_name
+
     m, D = cfg.moe, cfg.hidden
-    mixtral = cfg.family == "mixtral"
-    p = f"model.layers.{i}.{'block_sparse_moe' if mixtral else 'mlp'}"
+    p = moe_prefix(cfg, i)
     yield f"{p}.gate.weight", (m.num_experts, D)
     if m.router == "sigmoid_group":  # DeepSeek-V2 (softmax) has no score-correction bias
-        yield f"{p}.gate.e_score_correction_bias", (m.num_experts,)
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        yield score_bias_name(cfg, i), (m.num_experts,)
+    names = expert_names(cfg)
     for e in range(m.num_experts):
         yield from _mlp_shapes(f"{p}.experts.{e}", D, m.moe_ff, names)
     if cfg.family == "qwen2_moe":

@@ -16,9 +16,28 @@ from colibri.formats import BF16_BITS, FP8_ROWS, HOLD_ALL, PACKED_ROWS, Holding,
 Params = dict[str, Any]
 
 
-def _moe_prefix(cfg: ModelConfig, layer: int) -> str:
-    block = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+# Families whose MoE blocks carry Mixtral's names: block_sparse_moe, experts' w1, w3, w2
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")
+
+
+def moe_prefix(cfg: ModelConfig, layer: int) -> str:
+    """The MoE block of a layer: its router, experts and shared experts sit under it."""
+    block = "block_sparse_moe" if cfg.family in MIXTRAL_NAMES else "mlp"
     return f"model.layers.{layer}.{block}"
+
+
+def expert_names(cfg: ModelConfig) -> tuple[str, str, str]:
+    """A routed expert's gate, up and down projections."""
+    if cfg.family in MIXTRAL_NAMES:
+        return ("w1", "w3", "w2")
+    return ("gate_proj", "up_proj", "down_proj")
+
+
+def score_bias_name(cfg: ModelConfig, layer: int) -> str:
+    """A sigmoid router's score-correction bias: in the router (DeepSeek-V3, GLM-4.5, dots1),
+    beside it in the MoE block (MiniMax-M2)."""
+    where = "" if cfg.family == "minimax_m2" else ".gate"
+    return f"{moe_prefix(cfg, layer)}{where}.e_score_correction_bias"
 
 
 @dataclass(frozen=True)
@@ -38,9 +57,8 @@ class ExpertSlab:
 
 def expert_slab(ckpt: Checkpoint, cfg: ModelConfig, layer: int, expert: int) -> ExpertSlab:
     """Byte ranges of expert `expert` of MoE layer `layer`."""
-    p = f"{_moe_prefix(cfg, layer)}.experts"
-    names = ("w1", "w3", "w2") if cfg.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    per_expert = [f"{p}.{expert}.{n}.weight" for n in names]
+    p = f"{moe_prefix(cfg, layer)}.experts"
+    per_expert = [f"{p}.{expert}.{n}.weight" for n in expert_names(cfg)]
     if per_expert[0] in ckpt:
         infos = [ckpt.info(n) for n in per_expert]
         return ExpertSlab(tuple((t, 0, t.nbytes) for t in infos))
@@ -377,11 +395,11 @@ def _load_mla(ckpt: Checkpoint, cfg: ModelConfig, p: str) -> Params:
 
 
 def _load_moe(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:
-    p = _moe_prefix(cfg, i)
+    p = moe_prefix(cfg, i)
     m, D = cfg.moe, cfg.hidden
     w: Params = {"router": ckpt.read(f"{p}.gate.weight", (m.num_experts, D))}
     if m.router == "sigmoid_group":
-        bias = f"{p}.gate.e_score_correction_bias"
+        bias = score_bias_name(cfg, i)
         w["bias"] = (
             ckpt.read(bias, (m.num_experts,))
             if bias in ckpt

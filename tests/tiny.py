@@ -118,6 +118,36 @@ FAMILY_CONFIGS = {
 }
 
 
+# Families checked in test_families_more.py (the oracle's checks, synth), built as the others
+# are but outside FAMILIES, so the sweeps over every family do not grow with them.
+MORE_FAMILY_CONFIGS = {
+    # dots.llm1: Qwen3's attention (with every bias), DeepSeek-V3's routing (the top 2 of 4
+    # groups), two shared experts (one MLP twice as wide), a dense first layer
+    "dots1": dict(
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        attention_bias=True,
+    ),
+    # MiniMax-M2: q/k norms over all heads, 12 of each head's 16 dims rotated
+    "minimax_m2": dict(
+        head_dim=16,
+        rotary_dim=12,
+        intermediate_size=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+}
+
+
 # Variants of a family: (family, overrides of its FAMILY_CONFIGS), built as checkpoints(name).
 VARIANTS = {
     # DeepSeek-V2's way: the top 2 of 4 groups by their best expert, a query LoRA; with
@@ -154,7 +184,7 @@ def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **o
     if family in VARIANTS:
         family, changed = VARIANTS[family]
         overrides = {**changed, **overrides}
-    kw = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    kw = {**COMMON, **{**FAMILY_CONFIGS, **MORE_FAMILY_CONFIGS}[family], **overrides}
     cfg = AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
