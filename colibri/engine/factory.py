@@ -13,7 +13,7 @@ from colibri.engine.model import load_model
 from colibri.engine.runner import Runner
 from colibri.engine.settings import EngineSettings
 from colibri.experts.budget import GiB
-from colibri.model import transformer
+from colibri.model import parallel, transformer
 
 DEFAULT_CTX = 2048
 USAGE_FILE = ".coli_usage"
@@ -27,9 +27,15 @@ def make_runner(model_dir: str | Path, settings: EngineSettings, capacity: int) 
     kv = kv_cache_bytes(load_config(model_dir), settings.kv_slots, capacity)
     check_kv_fits(kv, settings.kv_slots, capacity, memlimit.available(), "memory")
     usage = state_dir(model_dir, settings) / USAGE_FILE
+    parallel.use_devices(settings.devices)
     model = load_model(
         model_dir, settings.tiers, usage_path=usage, progress=False, holding=settings.holding
     )
+    if settings.devices > 1 and not model.store.all_resident:
+        raise ValueError(
+            f"DEVICES={settings.devices}: expert parallel needs every routed expert resident "
+            f"for now ({model.store.summary()}); raise DEVICE_GB or leave DEVICES at 1"
+        )
     device = jax.devices()[0]
     if device.platform != "cpu":  # the cache lives in the accelerator's memory
         stats = device.memory_stats() or {}

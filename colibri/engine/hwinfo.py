@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
+import numpy as np
 import psutil
+
+from colibri.experts.stats import TIER_DEVICE
+from colibri.model import parallel
 
 GIB = float(1 << 30)
 
@@ -69,8 +73,19 @@ def host() -> Host:
     )
 
 
-def devices(resident_experts: int) -> list[Device]:
-    """Every GPU; the resident experts are counted on the first (one device per engine today)."""
+def devices(resident_experts: int, emap: bytes = b"", experts: int = 0) -> list[Device]:
+    """With the experts spread over several devices (`parallel`): each of them, with the
+    device-tier experts it owns (read from the tiers of EMAP's bytes, `experts` to a row).
+    Otherwise every GPU, the resident experts counted on the first (a CPU alone: none)."""
+    if parallel.mesh() is not None and experts:
+        tier = np.frombuffer(emap, np.uint8).reshape(-1, experts) >> 6
+        owned = np.sum(tier == TIER_DEVICE, axis=0)  # by expert, over the layers
+        owner = np.array([parallel.owner(e, experts) for e in range(experts)])
+        out = []
+        for i, d in enumerate(parallel.devices()):
+            used, total = _memory(d)
+            out.append(Device(used / GIB, total / GIB, int(owned[owner == i].sum())))
+        return out
     out = []
     for i, d in enumerate(_gpus()):
         used, total = _memory(d)

@@ -15,6 +15,7 @@ from colibri.config import ModelConfig, load_config
 from colibri.experts.budget import TierConfig
 from colibri.experts.store import ExpertStore
 from colibri.jaxcache import enable_compilation_cache
+from colibri.model import parallel
 from colibri.tokenizer import Tokenizer
 from colibri.weights import fuse_qkv, hold_bf16, holds_bf16, load_dense
 
@@ -59,7 +60,7 @@ def load_model(
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     bf16 = holds_bf16(ckpt, holding)
     dense = fuse_qkv(load_dense(ckpt, cfg, holding))
-    params = jax.device_put(hold_bf16(dense) if bf16 else dense)
+    params = parallel.replicated(hold_bf16(dense) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress, holding)
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)
@@ -80,7 +81,8 @@ def load_model(
         how += f", {kind} {bits} weights dequantized to float32"
     stacks = jax.tree_util.tree_leaves(store.resident)
     on_cpu = [a for a in stacks if all(d.platform == "cpu" for d in a.devices())]
-    huge = hugepages.huge_bytes([(a.unsafe_buffer_pointer(), a.nbytes) for a in on_cpu])
+    shards = [b.data for a in on_cpu for b in a.addressable_shards]  # one a device
+    huge = hugepages.huge_bytes([(b.unsafe_buffer_pointer(), b.nbytes) for b in shards])
     log.info(
         "loaded %s (%s, %.1fM dense + %.1fM routed parameters, %s; %d MiB of experts on huge "
         "pages); %s",

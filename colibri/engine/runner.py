@@ -15,7 +15,7 @@ from colibri import kernels
 from colibri.engine import steps
 from colibri.engine.model import LoadedModel
 from colibri.engine.telemetry import Timers
-from colibri.model import attention, layers, transformer
+from colibri.model import attention, layers, parallel, transformer
 
 PREFILL_CHUNK = 256  # longest prefill step; longer prompts go through in chunks
 _MIN_BUCKET = 8
@@ -247,6 +247,8 @@ class Runner:
         self.slots = slots
         self.capacity = capacity
         self.cache = transformer.init_cache(self.cfg, slots, capacity)
+        if parallel.mesh() is not None:  # on every device, beside the replicated weights
+            self.cache = parallel.replicated(self.cache)
         self.stats = self.store.stats
         self.timers = Timers()
         self.split = profile or not self.store.all_resident

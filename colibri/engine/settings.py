@@ -42,12 +42,14 @@ class EngineSettings:
     state_dir: str | None = None  # STATE_DIR: `.coli_usage` and KV files; None = the model's
     tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
     holding: Holding = Holding()  # COLIBRI_BF16, COLIBRI_FP8, COLIBRI_INT4, COLIBRI_INT8
+    devices: int = 1  # DEVICES: local devices the routed experts are spread over (expert parallel)
 
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
         *("BURST", "BURST_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
+        "DEVICES",
     )
 
     @classmethod
@@ -73,6 +75,7 @@ class EngineSettings:
             state_dir=r.text("STATE_DIR") or d.state_dir,
             tiers=TierConfig.from_env(env),
             holding=_holding(env),
+            devices=r.int("DEVICES", d.devices, lo=1),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -93,6 +96,7 @@ class EngineSettings:
             "STATE_DIR": self.state_dir,
             **self.tiers.to_env(),
             **self.holding.to_env(),
+            "DEVICES": str(self.devices),
         }
         return {k: v for k, v in values.items() if v is not None}
 

@@ -22,6 +22,7 @@ from colibri.experts.slots import ExpertSlots
 from colibri.experts.stats import TIER_DEVICE, TIER_DISK, TIER_RAM, ExpertStats, RepinEvent
 from colibri.experts.usage import read_usage, write_usage
 from colibri.formats import HOLD_ALL, Holding
+from colibri.model import parallel
 from colibri.weights import expert_dtype, expert_shapes, expert_stacks, load_experts, row_blocks
 
 log = logging.getLogger("colibri")
@@ -95,8 +96,9 @@ class ExpertStore:
         # layer by layer, it took longer than on small pages; bench_hugepages.py --level load).
         room = [expert_stacks(self.cfg, self.held, self.blocks) for _ in self.layer_ids]
         hugepages.populate([a for r in room for a in r.values()])
+        # Several devices (`parallel`): each layer's stacks split over them along the experts.
         self.resident = [
-            jax.device_put(load_experts(self.ckpt, self.cfg, i, out=r))
+            parallel.split_experts(load_experts(self.ckpt, self.cfg, i, out=r))
             for i, r in zip(layers, room, strict=True)
         ]
         self.stats.tier[:] = TIER_DEVICE

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from colibri.config import ModelConfig
-from colibri.model import attention, moe
+from colibri.model import attention, moe, parallel
 from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu, widen
 
 Cache = list[attention.Cache]
@@ -63,8 +63,15 @@ def moe_route_traced(cfg: ModelConfig, lw: dict, x: jax.Array):
 
 
 def moe_outputs(cfg: ModelConfig, experts: moe.Experts, h: jax.Array, slot_ids: jax.Array):
-    """Routed outputs y [N, K, D] from `experts` (a slot cache when slot_ids are slot numbers)."""
-    return moe.expert_outputs(experts, h, slot_ids, cfg.moe.num_experts)
+    """Routed outputs y [N, K, D] from `experts` (a slot cache when slot_ids are slot numbers);
+    split over the devices when there are several (`parallel`), bitwise the same."""
+
+    def compute(stacks, h, ids):  # the plan from the global expert count, on every device
+        return moe.expert_outputs(stacks, h, ids, cfg.moe.num_experts)
+
+    if parallel.mesh() is not None:
+        return parallel.expert_outputs(compute, experts, h, slot_ids)
+    return compute(experts, h, slot_ids)
 
 
 def moe_combine(

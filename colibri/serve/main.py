@@ -13,6 +13,7 @@ from colibri.engine.factory import default_ctx, make_runner, state_dir
 from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Scheduler, SchedulerConfig
 from colibri.engine.settings import EngineSettings
+from colibri.model import parallel
 from colibri.serve import legacy, mux
 from colibri.serve.stdio import LineWriter, claim_stdout
 from colibri.tokenizer import Tokenizer
@@ -28,6 +29,7 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
     An unloadable model raises ValueError/OSError before anything is served.
     """
     model_dir = Path(model_dir)
+    parallel.simulate_cpu_devices(settings.devices)
     cfg = load_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.exists():

@@ -153,7 +153,8 @@ def turn_block(rid: int, r: TurnReport) -> list[codec.Event]:
     ph = r.phases
     phases = [ph.get(k, 0.0) for k in ("t_edisk", "t_ewait", "t_emm", "t_attn", "t_kvb", "t_head")]
     rows, cols = r.hits.shape
-    gpus = tuple((d.used_gb, d.total_gb, d.experts) for d in hwinfo.devices(r.tiers[0]))
+    on = hwinfo.devices(r.tiers[0], r.emap, cols)
+    gpus = tuple((d.used_gb, d.total_gb, d.experts) for d in on)
     return [
         hwinfo_line(),
         Perf(rid, r.dt, *phases),
