@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -16,18 +18,40 @@ TOKENS = 12
 CTX = 128
 
 
+# One slot a layer on each device and no RAM tier: experts staged from disk at every step.
+TIERED = {"CAP": "1", "RAM_GB": "0"}
+
+
 @pytest.mark.parametrize(
-    ("family", "devices"),
-    [("qwen3_moe", 2), ("qwen3_moe", 4), ("deepseek_v3", 4), ("olmoe", 2)],
+    ("family", "devices", "tiers"),
+    [
+        ("qwen3_moe", 2, {}),
+        ("qwen3_moe", 4, TIERED),
+        ("deepseek_v3", 4, {}),
+        ("deepseek_v3", 2, TIERED),
+        ("olmoe", 2, {}),
+        ("olmoe", 4, TIERED),
+    ],
+    ids=[
+        "qwen3_moe-2",
+        "qwen3_moe-4-tiered",
+        "deepseek_v3-4",
+        "deepseek_v3-2-tiered",
+        "olmoe-2",
+        "olmoe-4-tiered",
+    ],
 )
-def test_experts_over_several_devices_decode_the_one_device_tokens(checkpoints, family, devices):
-    """DEVICES=n (n simulated CPU devices, each owning a share of every layer's experts): four
-    conversations decoding at once in four slots give, token for token, what one device gives
-    each of them alone; GPUS lists the n devices, whose resident experts add up to TIERS'."""
+def test_experts_over_several_devices_decode_the_one_device_tokens(
+    checkpoints, family, devices, tiers
+):
+    """DEVICES=n (n simulated CPU devices, each owning a share of every layer's experts, all
+    resident or staged into each device's own slots): four conversations decoding at once in
+    four slots give, token for token, what one device gives each of them alone with every
+    expert resident; GPUS lists the n devices, whose experts add up to TIERS' device count."""
     model_dir = checkpoints(family)
     ref = Reference(model_dir, CTX)
     want = [ref.text(p, TOKENS) for p in PROMPTS]
-    e = Mux(model_dir, DEVICES=str(devices), KV_SLOTS="4", CTX=str(CTX))
+    e = Mux(model_dir, DEVICES=str(devices), KV_SLOTS="4", CTX=str(CTX), **tiers)
     try:
         for rid, prompt in enumerate(PROMPTS, start=1):
             e.submit(rid, rid - 1, prompt, max_tokens=TOKENS)
@@ -41,7 +65,8 @@ def test_experts_over_several_devices_decode_the_one_device_tokens(checkpoints, 
     tiers = [ev for ev in evs if isinstance(ev, Tiers)][-1]
     assert len(gpus.devices) == devices
     assert sum(d[2] for d in gpus.devices) == tiers.vram > 0
-    assert all(d[2] > 0 for d in gpus.devices)
+    if not tiers:
+        assert all(d[2] > 0 for d in gpus.devices)
 
 
 def test_more_devices_than_there_are_is_refused_by_name(checkpoints, tmp_path):
@@ -61,3 +86,51 @@ def test_more_devices_than_there_are_is_refused_by_name(checkpoints, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "DEVICES=3: only 1 local device(s)" in done.stdout
     assert "xla_force_host_platform_device_count=3" in done.stdout
+
+
+_REPIN = """
+import json, sys
+import numpy as np
+from colibri.model import parallel
+parallel.use_devices(2)
+from colibri.engine.model import load_model
+from colibri.experts.budget import TierConfig
+from colibri.experts.usage import write_usage
+
+model_dir, usage = sys.argv[1], sys.argv[2]
+probe = load_model(model_dir, progress=False)
+rows, E = probe.store.stats.counts.shape
+eb = probe.store.expert_bytes
+counts = np.zeros((rows, E), np.int64)
+counts[:, 1] = 3  # pinned at start: device 0 owns the first half of the experts
+write_usage(usage, counts)
+tiers = TierConfig(device_bytes=2 * eb * rows, ram_bytes=0, pin_bytes=eb * rows, repin=2)
+store = load_model(model_dir, tiers=tiers, usage_path=usage, progress=False).store
+pinned = [[int(e) for e in s.expert_in[s.pinned]] for s in store.slots]
+store.stats.counts[:, E - 1] = 100  # the last expert, device 1's, now the hottest
+events = store.repin()
+print(json.dumps({"E": E, "pinned": pinned, "slots": store.slots[0].n,
+                  "events": [[ev.layer, ev.expert, ev.gpu] for ev in events],
+                  "after": [[int(e) for e in s.expert_in[s.pinned]] for s in store.slots],
+                  "where": [int(s.slot_of[E - 1]) for s in store.slots]}))
+"""
+
+
+def test_a_pin_lands_on_the_device_that_owns_the_expert(checkpoints, tmp_path):
+    """Two devices, two slots a layer each, one pin a layer: the pin starts on the hot expert
+    of the usage history (device 0's); when device 1's last expert becomes the hottest, REPIN
+    moves the pin to it, into a slot of device 1, and names device 1."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    done = subprocess.run(
+        [sys.executable, "-c", _REPIN, str(checkpoints("qwen3_moe")), str(tmp_path / "usage")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    E, per = got["E"], got["slots"] // 2
+    assert all(p == [1] for p in got["pinned"])
+    assert got["events"] == [[row, E - 1, 1] for row in range(len(got["pinned"]))]
+    assert all(p == [E - 1] for p in got["after"])
+    assert all(per <= slot < 2 * per for slot in got["where"])  # device 1's slots

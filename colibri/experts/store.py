@@ -112,8 +112,8 @@ class ExpertStore:
             if pins_left == 0:
                 break
             s = self.slots[row]
-            if s.pinned.sum() < s.n - 1:
-                slot = s.victim(set(), "lru", self.stats.counts[row])
+            if s.can_pin(e):
+                slot = s.victim(set(), "lru", self.stats.counts[row], e)
                 assert slot is not None
                 self._stage(row, slot, e, self._fetch(row, e))
                 s.pinned[slot] = True
@@ -154,9 +154,9 @@ class ExpertStore:
             # those in RAM or read already first, then those still being read
             missing.sort(key=lambda e: e in futures and not futures[e].done())
             for e in [] if overlap else missing:
-                slot = s.victim(protect, self.tiers.policy, self.stats.counts[row])
-                if slot is None:
-                    break
+                slot = s.victim(protect, self.tiers.policy, self.stats.counts[row], e)
+                if slot is None:  # its device's slots are taken (other devices may have room)
+                    continue
                 w = self.ram.get((row, e))
                 if w is None:
                     w = futures[e].result() if e in futures else self._fetch(row, e)
@@ -246,21 +246,24 @@ class ExpertStore:
             if len(pinned) == 0:
                 continue
             counts = self.stats.counts[row]
-            cold_slot = min(pinned, key=lambda sl: counts[s.expert_in[sl]])
             pinned_experts = set(s.expert_in[pinned].tolist())
             hot = max(
                 (e for e in range(self.E) if e not in pinned_experts), key=lambda e: counts[e]
             )
+            cold_slot = min(pinned, key=lambda sl: counts[s.expert_in[sl]])
             if counts[hot] <= counts[s.expert_in[cold_slot]]:
                 continue
-            old_tier = int(self.stats.tier[row, hot])
             s.pinned[cold_slot] = False
+            if not s.can_pin(hot):  # its device (several devices) has no slot to spare
+                s.pinned[cold_slot] = True
+                continue
+            old_tier = int(self.stats.tier[row, hot])
             if s.slot_of[hot] < 0:
-                slot = s.victim(set(), self.tiers.policy, counts)
+                slot = s.victim(set(), self.tiers.policy, counts, hot)
                 assert slot is not None
                 self._stage(row, slot, hot, self._fetch(row, hot))
             s.pinned[s.slot_of[hot]] = True
-            event = RepinEvent(row, hot, old_tier, 0)
+            event = RepinEvent(row, hot, old_tier, s.device_of(hot))
             self.stats.repins.append(event)
             events.append(event)
         return events
@@ -271,8 +274,11 @@ class ExpertStore:
 
     def summary(self) -> str:
         n_dev, n_ram, n_disk, _, _ = self.stats.tier_counts()
+        n = len(parallel.devices())
+        where = f"on {n} devices" if n > 1 else "on device"
         return (
-            f"experts: {n_dev} on device ({self.plan.slots_per_layer}/layer, "
+            f"experts: {n_dev} {where} ({self.plan.slots_per_layer}/layer"
+            f"{' each' if n > 1 else ''}, "
             f"{self.plan.pins} pinned), {n_ram} in RAM, {n_disk} on disk"
         )
 
