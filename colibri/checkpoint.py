@@ -27,15 +27,21 @@ symmetric weights (every zero point the midpoint, 8 or 128) are the compressed-t
 integers with their words transposed. AutoAWQ's GEMM checkpoints (quant_method "awq") pack the
 other axis: `qweight` int32 [I, O / 8], each word eight outputs of one input in AWQ_ORDER,
 `qzeros` [groups, O / 8] likewise, `scales` [groups, O]; indexed as `X.weight` (AWQ4).
+
+Multimodal checkpoints whose language model colibri runs (Kimi K2.5) store it under a prefix
+(`TEXT_PREFIXES`): their text tensors are indexed under the names of the text model's own
+checkpoint (`model.layers.0...`, `lm_head.weight`), and the vision tower's and projector's are
+left out, with one log line saying how many.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -82,6 +88,22 @@ for _kind in PACKED_BITS:
 _UNPACK = {4: UNPACK4, 8: np.arange(256, dtype=np.float32)[:, None] - 128}
 # AWQ's 4-bit words: bits [4 k, 4 k + 4) of word m hold output 8 m + AWQ_ORDER[k].
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
+
+log = logging.getLogger("colibri")
+
+# Per multimodal model_type: where its checkpoints keep the language model's tensors, each
+# prefix with the one colibri reads them by (the first that matches a name applies); tensors
+# under none of them (the vision tower, the projector) are not indexed.
+TEXT_PREFIXES = {
+    "kimi_k25": (
+        ("language_model.model.layers.", "model.layers."),  # the release
+        ("language_model.model.blocks.", "model.layers."),  # transformers' save_pretrained
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),  # save_pretrained(save_original_format=False)
+        ("lm_head.", "lm_head."),
+    ),
+}
 
 
 class CheckpointError(ValueError):
@@ -329,6 +351,9 @@ class Checkpoint:
         for path in self.files:
             for info in _read_header(path):
                 self.tensors[info.name] = info
+        prefixes = TEXT_PREFIXES.get(_model_type(self.dir))
+        if prefixes:
+            self.tensors = self._text_tensors(prefixes)
         self._fds: dict[Path, int] = {}
         quant = quantization_config(self.dir)
         self.fp8_block = _fp8_block(quant)
@@ -339,6 +364,31 @@ class Checkpoint:
         self._index_gptq(quant)
         # The tensors indexed under another name (packed words, scales, zero points, groups).
         self.companions = {n for parts in self._parts.values() for n in parts.values()}
+
+    def _text_tensors(self, prefixes: tuple[tuple[str, str], ...]) -> dict[str, TensorInfo]:
+        """The language model's tensors of a multimodal checkpoint, named as colibri reads
+        them (`TEXT_PREFIXES`); the rest (vision tower, projector) left out, and logged."""
+        text: dict[str, TensorInfo] = {}
+        skipped: list[str] = []
+        for name, t in self.tensors.items():
+            to = next((to + name[len(p) :] for p, to in prefixes if name.startswith(p)), None)
+            if to is None:
+                skipped.append(name)
+            elif to in text:
+                raise CheckpointError(
+                    f"{t.path}: {name!r} is the language model's {to!r}, and so is a tensor"
+                    f" of {text[to].path.name} before it"
+                )
+            else:
+                text[to] = replace(t, name=to)
+        if skipped:  # by the modules they belong to: vision_tower, model.mm_projector, ...
+            parts = [n.split(".") for n in skipped]
+            roots = sorted({".".join(p[: 2 if p[0] == "model" else 1]) for p in parts})
+            log.info(
+                "%s: skipped %d vision tensors (%s): colibri runs the language model",
+                self.dir, len(skipped), ", ".join(roots),
+            )  # fmt: skip
+        return text
 
     def _index_packed(self) -> None:
         """Index each pack-quantized weight (`X.weight_packed`, `X.weight_scale`,
@@ -632,6 +682,15 @@ class Checkpoint:
             self.close()
         except Exception:
             pass
+
+
+def _model_type(model_dir: Path) -> str | None:
+    """config.json's model_type, None without one."""
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
 
 
 def _fp8_block(quant: dict) -> tuple[int, int]:

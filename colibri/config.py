@@ -25,6 +25,9 @@ FAMILIES = (
     "glm4_moe",
     "dots1",
     "minimax_m2",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "kimi_k25",
 )
 
 
@@ -55,6 +58,19 @@ class MlaConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DsaConfig:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): a lightning indexer per layer scores
+    every cached position for each query, and the query attends only to its `topk` best
+    (`indexer.select`)."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+    interleave: bool  # the indexer's rope layout: GLM-5 rotates pairs, DeepSeek-V3.2 halves
+    shared: tuple[bool, ...]  # [L] True where a layer reuses the previous layer's selection
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class ModelConfig:
     moe_layers: tuple[bool, ...]  # [L] True where the MLP is a routed MoE block
     attention: str = "gqa"  # "gqa" or "mla"
     mla: MlaConfig | None = None
+    dsa: DsaConfig | None = None  # MLA with a lightning indexer (attention stays "mla")
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: str = (
@@ -136,7 +153,7 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         raise ConfigError(f"{gen}: not valid JSON ({e})") from None
     if not isinstance(gen_raw, dict):
         raise ConfigError(f"{gen}: expected a JSON object of fields, not {_kind(gen_raw)}")
-    if isinstance(raw, dict) and "quantization_config" not in raw:
+    if isinstance(raw, dict) and "quantization_config" not in raw and not _quantization(raw):
         quant = quantization_config(model_dir)
         if quant:  # AutoGPTQ's quantize_config.json
             raw = {**raw, "quantization_config": quant}
@@ -145,17 +162,25 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def quantization_config(model_dir: str | Path) -> dict:
-    """config.json's `quantization_config`, else AutoGPTQ's `quantize_config.json` beside it
-    (older GPTQ releases carry only that), else {}."""
+    """config.json's `quantization_config` (`_quantization`), else AutoGPTQ's
+    `quantize_config.json` beside it (older GPTQ releases carry only that), else {}."""
     for name, key in (("config.json", "quantization_config"), ("quantize_config.json", None)):
         try:
             raw = json.loads((Path(model_dir) / name).read_text())
         except (OSError, json.JSONDecodeError):
             continue
-        quant = raw.get(key) if key and isinstance(raw, dict) else raw
+        quant = _quantization(raw) if key and isinstance(raw, dict) else raw
         if isinstance(quant, dict):
             return quant if key else {"quant_method": "gptq", **quant}
     return {}
+
+
+def _quantization(raw: dict[str, Any]) -> Any:
+    """A config's quantization_config, else its text_config's: transformers looks there too
+    (Kimi K2.5 nests it with the language model's fields)."""
+    text = raw.get("text_config")
+    nested = text.get("quantization_config") if isinstance(text, dict) else None
+    return raw.get("quantization_config") or nested
 
 
 def config_from_dict(
@@ -179,7 +204,10 @@ def _config_from_dict(raw: dict[str, Any], gen: dict[str, Any], source: str) -> 
         raise ConfigError(
             f"{source}: model_type={family!r} is not supported (supported: {', '.join(FAMILIES)})"
         )
-    c = _Fields(raw, source)
+    fields = source
+    if family in TEXT_CONFIGS:  # a multimodal wrapper: colibri runs its language model
+        raw, fields = _text_config(raw, source), f"{source} text_config"
+    c = _Fields(raw, fields)
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{source}: hidden_act={act!r} is not supported (only 'silu')")
@@ -196,6 +224,9 @@ def _config_from_dict(raw: dict[str, Any], gen: dict[str, Any], source: str) -> 
         "glm4_moe": _deepseek_like,
         "dots1": _deepseek_like,
         "minimax_m2": _minimax_m2,
+        "deepseek_v32": _deepseek_like,
+        "glm_moe_dsa": _deepseek_like,
+        "kimi_k25": _kimi_k25,
     }[family]
     heads = c.int("num_attention_heads")
     common = dict(
@@ -582,7 +613,10 @@ def _mixtral(c: _Fields, family: str) -> dict[str, Any]:
 
 def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
     """DeepSeek-V3 (MLA), GLM-4.5 (GQA, partial rotary) and dots1 (Qwen3's attention): grouped
-    sigmoid routing. DeepSeek-V2 (MLA): softmax routing (`_deepseek_v2_routing`)."""
+    sigmoid routing. DeepSeek-V2 (MLA): softmax routing (`_deepseek_v2_routing`).
+    DeepSeek-V3.2 and GLM-5: DeepSeek-V3's MLA and routing with a lightning indexer (`_dsa`)."""
+    if family in _DSA_DEFAULTS:  # transformers' defaults for the fields a config may leave out
+        c = _Fields({**_DSA_DEFAULTS[family], **c.raw}, c.source)
     raw = c.raw
     experts_key = "n_routed_experts" if raw.get("n_routed_experts") else "num_local_experts"
     routing = dict(
@@ -604,13 +638,16 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
     )
     L = c.int("num_hidden_layers")
     first_dense = c.opt_int("first_k_dense_replace", 0, lo=0, null=True)
+    moe_layers = tuple(i >= first_dense for i in range(L))
+    if family in _DSA_DEFAULTS and raw.get("mlp_layer_types") is not None:
+        moe_layers = _mlp_layer_types(c, L)
     out: dict[str, Any] = dict(
         moe=moe,
-        moe_layers=tuple(i >= first_dense for i in range(L)),
+        moe_layers=moe_layers,
         dense_ff=c.int("intermediate_size"),
         qkv_bias=bool(raw.get("attention_bias", False)),
     )
-    if family in ("deepseek_v2", "deepseek_v3"):
+    if family in ("deepseek_v2", "deepseek_v3", *_DSA_DEFAULTS):
         mla = MlaConfig(
             q_lora_rank=c.opt_int("q_lora_rank", None, null=True),
             kv_lora_rank=c.int("kv_lora_rank"),
@@ -618,14 +655,18 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
             qk_rope_head_dim=c.int("qk_rope_head_dim"),
             v_head_dim=c.int("v_head_dim"),
         )
-        # DeepSeek-V2 always rotates interleaved pairs (transformers reads no rope_interleave)
-        interleave = family == "deepseek_v2" or bool(raw.get("rope_interleave", True))
+        # DeepSeek-V2 always rotates interleaved pairs (transformers reads no rope_interleave),
+        # and so do DeepSeek-V3.2 and GLM-5 in their MLA
+        fixed = family == "deepseek_v2" or family in _DSA_DEFAULTS
+        interleave = fixed or bool(raw.get("rope_interleave", True))
         out.update(
             attention="mla",
             mla=mla,
             rope=_rope(c, mla.qk_rope_head_dim, interleave),
             o_bias=bool(raw.get("attention_bias", False)),
         )
+        if family in _DSA_DEFAULTS:
+            out["dsa"] = _dsa(c, family, mla)
     elif family == "dots1":  # q/k RMSNorm per head, every dim rotated, biases on all four
         _full_attention_only(c)
         out.update(
@@ -639,6 +680,81 @@ def _deepseek_like(c: _Fields, family: str) -> dict[str, Any]:
             qk_norm="head" if raw.get("use_qk_norm") else "none",
         )
     return out
+
+
+# transformers' values of the fields a DeepSeek-V3.2 or GLM-5 config may leave out, where they
+# differ from what colibri assumes of the other DeepSeek-like families
+_DSA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v32": dict(
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=64,
+    ),
+    "glm_moe_dsa": dict(
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=3,
+        routed_scaling_factor=2.5,
+        n_shared_experts=1,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=32,
+    ),
+}
+
+
+def _mlp_layer_types(c: _Fields, L: int) -> tuple[bool, ...]:
+    """mlp_layer_types ("dense" or "sparse" per layer; DeepSeek-V3.2, GLM-5) as moe_layers."""
+    types = c.raw["mlp_layer_types"]
+    ok = isinstance(types, list) and len(types) == L
+    if not ok or not all(t in ("dense", "sparse") for t in types):
+        raise c.fail("mlp_layer_types", f"a list of {L} 'dense' or 'sparse'")
+    return tuple(t == "sparse" for t in types)
+
+
+def _dsa(c: _Fields, family: str, mla: MlaConfig) -> DsaConfig:
+    """The lightning indexer as transformers builds it. GLM-5's layers marked "shared" in
+    indexer_types run no indexer and reuse the previous layer's selection; without
+    indexer_types, index_topk_pattern ("F" full, "S" shared) says which, else every
+    index_topk_freq-th layer from index_skip_topk_offset on runs its own (by default all do).
+    DeepSeek-V3.2 runs one in every layer."""
+    L = c.int("num_hidden_layers")
+    types: Any = ["full"] * L
+    if family == "glm_moe_dsa":
+        types = c.raw.get("indexer_types")
+        pattern = c.raw.get("index_topk_pattern")
+        if types is None and isinstance(pattern, str):
+            letters = {"F": "full", "S": "shared"}
+            types = [letters.get(ch, ch) for ch in pattern]
+        elif types is None and pattern is not None:
+            types = pattern
+        elif types is None:
+            freq = max(c.opt_int("index_topk_freq", 1, lo=0), 1)
+            offset = c.opt_int("index_skip_topk_offset", 2, lo=0)
+            types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(L)]
+    ok = isinstance(types, list) and len(types) == L and all(t in ("full", "shared") for t in types)
+    if not ok:
+        key = "indexer_types" if "indexer_types" in c.raw else "index_topk_pattern"
+        raise c.fail(key, f"{L} layers, each 'full' or 'shared' ('F' or 'S')")
+    if types[0] == "shared":
+        raise c.fail("indexer_types", "'full' at layer 0 (a shared layer reuses an earlier one)")
+    dsa = DsaConfig(
+        n_heads=c.int("index_n_heads"),
+        head_dim=c.int("index_head_dim"),
+        topk=c.int("index_topk"),
+        interleave=family == "glm_moe_dsa",  # DeepSeek-V3.2's indexer rotates halves
+        shared=tuple(t == "shared" for t in types),
+    )
+    if mla.qk_rope_head_dim > dsa.head_dim:
+        raise c.fail("index_head_dim", f"at least qk_rope_head_dim={mla.qk_rope_head_dim}")
+    if mla.q_lora_rank is None:  # the indexer's queries start from the query LoRA's latent
+        raise c.fail("q_lora_rank", "set (the indexer projects the query latent)")
+    return dsa
 
 
 def _full_attention_only(c: _Fields) -> None:
@@ -687,6 +803,50 @@ def _minimax_m2(c: _Fields, family: str) -> dict[str, Any]:
         dense_ff=0,
         qk_norm="full",
     )
+
+
+# Multimodal families whose language model colibri runs, and the text_config model_types each
+# wraps (transformers reads the "kimi_k2" of Kimi K2.5's release as deepseek_v3).
+TEXT_CONFIGS = {"kimi_k25": ("deepseek_v3", "kimi_k2")}
+
+
+def _text_config(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """The language model's fields of a multimodal config (Kimi K2.5: DeepSeek-V3's, under
+    text_config) with what transformers reads of the wrapper itself: its tie_word_embeddings
+    (Kimi_K25Config's default: tied), its quantization_config (`_quantization`), and its dtype
+    and special token ids where it sets them. The vision fields are not read."""
+    family = raw["model_type"]
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(
+            f"{source}: text_config must be an object of the language model's fields, not"
+            f" {_kind(text)}"
+        )
+    kinds = TEXT_CONFIGS[family]
+    kind = text.get("model_type", kinds[0])
+    if kind not in kinds:
+        raise ConfigError(
+            f"{source}: text_config model_type={kind!r} is not supported ({family} wraps"
+            f" {' or '.join(kinds)})"
+        )
+    out = {**text, "model_type": family}
+    out["tie_word_embeddings"] = raw.get("tie_word_embeddings", True)
+    quant = _quantization(raw)
+    if quant is not None:
+        out["quantization_config"] = quant
+    dtype = raw.get("torch_dtype") or raw.get("dtype")
+    if dtype:
+        out["torch_dtype"] = dtype
+    for key in ("bos_token_id", "eos_token_id"):
+        if raw.get(key) is not None:
+            out[key] = raw[key]
+    return out
+
+
+def _kimi_k25(c: _Fields, family: str) -> dict[str, Any]:
+    """Kimi K2.5's language model: DeepSeek-V3 (MLA, grouped sigmoid routing, shared experts,
+    dense first layers), its fields gathered by `_text_config`."""
+    return _deepseek_like(c, "deepseek_v3")
 
 
 def _deepseek_v2_routing(c: _Fields) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import json
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +48,13 @@ _TORCH_DTYPES = {k: "bfloat16" for k in _DTYPES} | {
 }
 _BITS = {"int4": 4, "int8": 8}
 _GPTQ_BITS = {"gptq4": 4, "gptq8": 8}
-_FP8_LINEAR = re.compile(r"(_proj|_proj_with_mqa|\.w[123])\.weight$")
+_FP8_LINEAR = re.compile(r"((?<!weights)_proj|_proj_with_mqa|\.w[123]|indexer\.w(q_b|k))\.weight$")
 
 
 def fp8_linear(name: str) -> bool:
     """Whether an FP8 checkpoint quantizes this tensor: the weight of a linear layer in the
-    attention or an MLP (routed, shared or dense), not embeddings, norms, routers or lm_head."""
+    attention or an MLP (routed, shared or dense), not embeddings, norms, routers or lm_head;
+    of DSA's indexer, the query and key projections, not the heads' weights (kept in float32)."""
     return bool(_FP8_LINEAR.search(name))
 
 
@@ -115,6 +116,8 @@ class SynthSpec:
 
 def hf_config(s: SynthSpec) -> dict:
     """The config.json transformers writes for this family and shape."""
+    if s.family == "kimi_k25":
+        return _kimi_k25_config(s)
     base = dict(
         model_type=s.family,
         vocab_size=s.vocab,
@@ -247,8 +250,73 @@ def hf_config(s: SynthSpec) -> dict:
             intermediate_size=s.moe_ff,
             rotary_dim=s.head_dim // 4 * 2,  # half of each head (MiniMax-M2: 64 of 128), even
         ),
+        "deepseek_v32": dict(architectures=["DeepseekV32ForCausalLM"], **_dsa_config(s)),
+        # GLM-5 with every other layer reusing the selection of the layer before
+        "glm_moe_dsa": dict(
+            architectures=["GlmMoeDsaForCausalLM"],
+            indexer_types=["full" if i % 2 == 0 else "shared" for i in range(s.layers)],
+            **_dsa_config(s),
+        ),
     }[s.family]
     return {**base, **moe}
+
+
+# Kimi K2.5's vision tower and projector as synth writes them, whatever the language model's
+# size: one small block (colibri skips them; transformers loads them, and runs text without)
+KIMI_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    patch_size=14,
+    pos_emb_height=4,
+    pos_emb_width=4,
+    pos_emb_time=2,
+    merge_kernel_size=[2, 2],
+)
+
+
+def _kimi_k25_config(s: SynthSpec) -> dict:
+    """Kimi K2.5's config.json as transformers writes it: DeepSeek-V3's fields for this shape
+    under text_config, KIMI_VISION under vision_config, the quantization_config at the top."""
+    text = hf_config(replace(s, family="deepseek_v3"))
+    del text["architectures"]
+    quant = text.pop("quantization_config", None)
+    out = dict(
+        architectures=["Kimi_K25ForConditionalGeneration"],
+        model_type="kimi_k25",
+        text_config=text,
+        vision_config=dict(KIMI_VISION),
+        projection_hidden_size=KIMI_VISION["hidden_size"],
+        tie_word_embeddings=False,
+        torch_dtype=text["torch_dtype"],
+    )
+    return {**out, "quantization_config": quant} if quant else out
+
+
+def _dsa_config(s: SynthSpec) -> dict:
+    """DeepSeek-V3.2's and GLM-5's fields: DeepSeek-V3's MLA and routing, and the lightning
+    indexer as they ship it (half as many heads as attention, 2048 positions a query)."""
+    return dict(
+        n_routed_experts=s.experts,
+        moe_intermediate_size=s.moe_ff,
+        intermediate_size=4 * s.moe_ff,
+        n_shared_experts=1,
+        n_group=_groups(s.experts),
+        topk_group=max(1, _groups(s.experts) // 2),
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        kv_lora_rank=max(16, s.hidden // 4),
+        q_lora_rank=max(16, s.hidden // 2),
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
+        index_topk=2048,
+        index_head_dim=64,
+        index_n_heads=max(4, s.n_heads // 2),
+    )
 
 
 def weight_quantization(s: SynthSpec) -> dict | None:
@@ -387,10 +455,12 @@ def synthesize(spec: SynthSpec, out: Path, progress: bool = True) -> Path:
 
 # ---- synth --config: a real model's config.json with random weights ------------------------
 
-# model_types `synthesize_config` writes: colibri's families.
-CONFIG_FAMILIES = FAMILIES
+# model_types `synthesize_config` writes: colibri's families, but Kimi K2.5, whose sizes sit
+# under text_config (`synth --family kimi_k25` writes it).
+CONFIG_FAMILIES = tuple(f for f in FAMILIES if f != "kimi_k25")
 SIZES = ("layers", "experts", "top_k", "hidden", "moe_ff", "vocab", "heads", "kv_heads")
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_DSA = ("deepseek_v32", "glm_moe_dsa")
 _FROM_TORCH = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 # quantization_config fields that describe the layout synth writes, per quant_method
 _LAYOUT_KEYS = {
@@ -406,7 +476,7 @@ def size_fields(raw: dict) -> dict[str, str]:
     family = raw.get("model_type")
     experts = next((k for k in _EXPERT_KEYS if k in raw), None)
     if experts is None:
-        deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1")
+        deepseek = family in ("deepseek_v2", "deepseek_v3", "glm4_moe", "dots1", *_DSA)
         experts = {"mixtral": "num_local_experts", "minimax_m2": "num_local_experts"}.get(
             family, "n_routed_experts" if deepseek else "num_experts"
         )
@@ -569,6 +639,11 @@ def _fit_layers(raw: dict, new: dict) -> None:
     types = new.get("layer_types")
     if isinstance(types, list) and types:
         new["layer_types"] = [types[i % len(types)] for i in range(L)]
+    for key in ("mlp_layer_types", "indexer_types", "index_topk_pattern"):  # cut, or the last
+        got = new.get(key)  # repeated (DeepSeek-V3.2's and GLM-5's per-layer lists)
+        if isinstance(got, (list, str)) and got:
+            kinds = [got[min(i, len(got) - 1)] for i in range(L)]
+            new[key] = "".join(kinds) if isinstance(got, str) else kinds
 
 
 def _check_sizes(new: dict, keys: dict[str, str], source: str) -> None:
@@ -709,7 +784,7 @@ def _write_weights(out: Path, cfg, spec: SynthSpec, progress: bool) -> None:
 def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name.endswith("norm.weight") or "layernorm" in name:
         return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
-    if name.endswith("e_score_correction_bias"):
+    if name.endswith("e_score_correction_bias") or name.endswith("norm.bias"):
         return (0.05 * rng.standard_normal(shape)).astype(np.float32)
     fan_in = shape[-1] if len(shape) > 1 else 1
     std = 1.0 / np.sqrt(fan_in)
@@ -718,6 +793,9 @@ def _init(rng: np.random.Generator, name: str, shape: tuple[int, ...]) -> np.nda
 
 def _tensor_shapes(cfg):
     """(name, shape) of every tensor, in the per-expert layout transformers writes."""
+    if cfg.family == "kimi_k25":
+        yield from _kimi_k25_shapes(cfg)
+        return
     D, V = cfg.hidden, cfg.vocab_size
     yield "model.embed_tokens.weight", (V, D)
     for i in range(cfg.num_layers):
@@ -725,6 +803,8 @@ def _tensor_shapes(cfg):
         yield f"{p}.input_layernorm.weight", (D,)
         yield f"{p}.post_attention_layernorm.weight", (D,)
         yield from _attn_shapes(cfg, f"{p}.self_attn")
+        if cfg.dsa is not None and not cfg.dsa.shared[i]:
+            yield from _indexer_shapes(cfg, f"{p}.self_attn.indexer")
         if cfg.moe_layers[i]:
             yield from _moe_shapes(cfg, i)
         else:
@@ -775,6 +855,16 @@ def _attn_shapes(cfg, a: str):
         yield f"{a}.k_norm.weight", (Hkv * Dh,)
 
 
+def _indexer_shapes(cfg, a: str):
+    """DSA's lightning indexer (`weights._load_indexer`)."""
+    d = cfg.dsa
+    yield f"{a}.wq_b.weight", (d.n_heads * d.head_dim, cfg.mla.q_lora_rank)
+    yield f"{a}.wk.weight", (d.head_dim, cfg.hidden)
+    yield f"{a}.k_norm.weight", (d.head_dim,)
+    yield f"{a}.k_norm.bias", (d.head_dim,)
+    yield f"{a}.weights_proj.weight", (d.n_heads, cfg.hidden)
+
+
 def _moe_shapes(cfg, i: int):
     from colibri.weights import expert_names, moe_prefix, score_bias_name
 
@@ -791,6 +881,40 @@ def _moe_shapes(cfg, i: int):
         yield f"{p}.shared_expert_gate.weight", (1, D)
     elif m.shared_ff:
         yield from _mlp_shapes(f"{p}.shared_experts", D, m.shared_ff)
+
+
+def _kimi_k25_shapes(cfg):
+    """Kimi K2.5's tensors as its release names them: DeepSeek-V3's under language_model.,
+    then KIMI_VISION's vision tower and projector as transformers saves them."""
+    for name, shape in _tensor_shapes(replace(cfg, family="deepseek_v3")):
+        yield f"language_model.{name}", shape
+    v = KIMI_VISION
+    h, f, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    merged = h * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+
+    def linear(name, rows, cols):
+        yield f"{name}.weight", (rows, cols)
+        yield f"{name}.bias", (rows,)
+
+    def norm(name, n):
+        yield f"{name}.weight", (n,)
+        yield f"{name}.bias", (n,)
+
+    t = "vision_tower.encoder"
+    yield f"{t}.patch_embed.proj.weight", (h, 3, p, p)
+    yield f"{t}.patch_embed.proj.bias", (h,)
+    yield "vision_tower.patch_embed.pos_emb.weight", (v["pos_emb_height"], v["pos_emb_width"], h)
+    for b in range(v["num_hidden_layers"]):
+        yield from norm(f"{t}.blocks.{b}.norm0", h)
+        yield from norm(f"{t}.blocks.{b}.norm1", h)
+        yield from linear(f"{t}.blocks.{b}.wqkv", 3 * h, h)
+        yield from linear(f"{t}.blocks.{b}.wo", h, h)
+        yield from linear(f"{t}.blocks.{b}.mlp.fc0", f, h)
+        yield from linear(f"{t}.blocks.{b}.mlp.fc1", h, f)
+    yield from norm(f"{t}.final_layernorm", h)
+    yield from norm("model.mm_projector.pre_norm", h)
+    yield from linear("mm_projector.proj.0", merged, merged)
+    yield from linear("mm_projector.proj.2", cfg.hidden, merged)
 
 
 class _ShardWriter:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,8 @@ from colibri.config import ModelConfig
 from colibri.formats import BF16_BITS, FP8_ROWS, HOLD_ALL, PACKED_ROWS, Holding, of
 
 Params = dict[str, Any]
+
+log = logging.getLogger("colibri")
 
 
 # Families whose MoE blocks carry Mixtral's names: block_sparse_moe, experts' w1, w3, w2
@@ -218,6 +222,7 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL) 
     block-quantized checkpoint's FP8 matrices as FP8 rows where they fit (`holding.fp8`), a
     pack-quantized one's int4 and int8 matrices as their rows where they fit
     (`holding.packed`)."""
+    _note_mtp(ckpt, cfg)
     ckpt = _Matrices(ckpt, holding.fp8, {b: holding.packed(b, dense=True) for b in (4, 8)})
     D, V = cfg.hidden, cfg.vocab_size
     embed = ckpt.read("model.embed_tokens.weight", (V, D))
@@ -235,6 +240,22 @@ def load_dense(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL) 
 
 
 _QKV = ("q", "k", "v", "q_bias", "k_bias", "v_bias")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def mtp_layers(ckpt: Checkpoint, cfg: ModelConfig) -> list[int]:
+    """Layers the checkpoint holds past num_hidden_layers: the multi-token prediction layer
+    DeepSeek-V3, -V3.2 and GLM-5 ship, which transformers ignores (and colibri too)."""
+    names = getattr(ckpt, "tensors", {})
+    found = {int(m.group(1)) for name in names if (m := _LAYER.match(name))}
+    return sorted(i for i in found if i >= cfg.num_layers)
+
+
+def _note_mtp(ckpt: Checkpoint, cfg: ModelConfig) -> None:
+    extra = mtp_layers(ckpt, cfg)
+    if extra:
+        names = ", ".join(f"model.layers.{i}.*" for i in extra)
+        log.info("%s: not loaded (multi-token prediction, which transformers ignores)", names)
 
 
 class _Matrices:
@@ -324,6 +345,8 @@ def _load_layer(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:
         "ln2": ckpt.read(f"{p}.post_attention_layernorm.weight", (D,)),
         "attn": _load_mla(ckpt, cfg, p) if cfg.attention == "mla" else _load_gqa(ckpt, cfg, p),
     }
+    if cfg.dsa is not None and not cfg.dsa.shared[i]:  # shared layers reuse an earlier selection
+        layer["attn"]["indexer"] = _load_indexer(ckpt, cfg, f"{p}.self_attn.indexer")
     if cfg.moe_layers[i]:
         layer["moe"] = _load_moe(ckpt, cfg, i)
     else:
@@ -392,6 +415,20 @@ def _load_mla(ckpt: Checkpoint, cfg: ModelConfig, p: str) -> Params:
     if cfg.o_bias:
         w["o_bias"] = ckpt.read(f"{a}.o_proj.bias", (D,))
     return w
+
+
+def _load_indexer(ckpt: Checkpoint, cfg: ModelConfig, p: str) -> Params:
+    """DSA's lightning indexer: query and key projections, the keys' LayerNorm (with a bias),
+    and the per-head weights of the scores."""
+    d, m = cfg.dsa, cfg.mla
+    assert d is not None and m is not None and m.q_lora_rank is not None
+    return {
+        "wq_b": ckpt.read(f"{p}.wq_b.weight", (d.n_heads * d.head_dim, m.q_lora_rank)),
+        "wk": ckpt.read(f"{p}.wk.weight", (d.head_dim, cfg.hidden)),
+        "k_norm": ckpt.read(f"{p}.k_norm.weight", (d.head_dim,)),
+        "k_norm_bias": ckpt.read(f"{p}.k_norm.bias", (d.head_dim,)),
+        "weights": ckpt.read(f"{p}.weights_proj.weight", (d.n_heads, cfg.hidden)),
+    }
 
 
 def _load_moe(ckpt: Checkpoint, cfg: ModelConfig, i: int) -> Params:

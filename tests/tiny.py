@@ -118,6 +118,24 @@ FAMILY_CONFIGS = {
 }
 
 
+# DeepSeek sparse attention's tiny shape: MLA as deepseek_v3's, one shared expert after a dense
+# layer, and an indexer with heads and dims enough that no two scores tie at the top-k cut
+_DSA_SHAPE = dict(
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    q_lora_rank=24,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+    index_topk=8,
+    index_head_dim=32,
+    index_n_heads=16,
+)
+
 # Families checked in test_families_more.py (the oracle's checks, synth), built as the others
 # are but outside FAMILIES, so the sweeps over every family do not grow with them.
 MORE_FAMILY_CONFIGS = {
@@ -145,6 +163,27 @@ MORE_FAMILY_CONFIGS = {
         num_local_experts=8,
         num_experts_per_tok=2,
     ),
+    # DeepSeek-V3.2 (test_families_dsa.py): DeepSeek-V3's MLA and routing, a lightning indexer
+    # of 16 heads of 32 dims (the first 8 rotated by halves) keeping 8 positions a query
+    "deepseek_v32": dict(
+        **_DSA_SHAPE,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    ),
+    # GLM-5: the same, the indexer's rotated dims in pairs; layers 1 and 2 reuse layer 0's choice
+    "glm_moe_dsa": dict(
+        **_DSA_SHAPE,
+        num_hidden_layers=4,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        indexer_types=["full", "shared", "shared", "full"],
+    ),
 }
 
 
@@ -167,6 +206,49 @@ VARIANTS = {
 }
 
 
+# Multimodal families (test_families_kimi.py): (their language model's fields, under
+# text_config with COMMON's, and the wrapper's own), built with AutoModelForImageTextToText: a
+# small vision tower's and projector's tensors beside the language model's.
+MULTIMODAL_CONFIGS = {
+    # Kimi K2.5: DeepSeek-V3 (MLA, the top 2 of 4 groups, a shared expert after a dense layer;
+    # every projection's columns whole groups of 32, as the release's int4 has them) under a
+    # one-block vision tower
+    "kimi_k25": (
+        dict(
+            model_type="deepseek_v3",
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.827,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            num_key_value_heads=4,
+        ),
+        dict(
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                patch_size=4,
+                pos_emb_height=4,
+                pos_emb_width=4,
+                pos_emb_time=2,
+            ),
+            projection_hidden_size=32,
+        ),
+    ),
+}
+
+
 def train_tokenizer(out_dir: Path, vocab: int = VOCAB) -> None:
     """Byte-level BPE over a few languages and code."""
     from colibri.synth import write_tokenizer
@@ -178,20 +260,30 @@ def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **o
     """Save a random `family` checkpoint (or one of VARIANTS) with transformers into out_dir;
     returns out_dir."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     out_dir.mkdir(parents=True, exist_ok=True)
     if family in VARIANTS:
         family, changed = VARIANTS[family]
         overrides = {**changed, **overrides}
-    kw = {**COMMON, **{**FAMILY_CONFIGS, **MORE_FAMILY_CONFIGS}[family], **overrides}
-    cfg = AutoConfig.for_model(family, **kw)
+    auto = AutoModelForCausalLM
+    if family in MULTIMODAL_CONFIGS:  # the language model's fields under text_config
+        text, wrapper = MULTIMODAL_CONFIGS[family]
+        kw = {**COMMON, **text, **overrides}
+        tie = kw["tie_word_embeddings"]  # the wrapper's decides (Kimi_K25Config's default: tied)
+        cfg = AutoConfig.for_model(family, text_config=kw, tie_word_embeddings=tie, **wrapper)
+        auto = AutoModelForImageTextToText
+    else:
+        kw = {**COMMON, **{**FAMILY_CONFIGS, **MORE_FAMILY_CONFIGS}[family], **overrides}
+        cfg = AutoConfig.for_model(family, **kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model = auto.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))  # norms away from 1 catch mix-ups
+            elif name.endswith("indexer.k_norm.bias"):  # DSA's LayerNorm has a bias
+                p.copy_(0.1 * torch.randn_like(p))
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(0.3 * torch.randn_like(buf))  # a bias large enough to change choices
@@ -202,6 +294,29 @@ def build(family: str, out_dir: Path, dtype: str = "float32", seed: int = 0, **o
     model.save_pretrained(out_dir)
     train_tokenizer(out_dir)
     return out_dir
+
+
+def add_mtp(model_dir: Path) -> Path:
+    """Append a multi-token prediction layer to a DeepSeek-style checkpoint, as DeepSeek-V3,
+    -V3.2 and GLM-5 ship one: model.layers.{num_hidden_layers}.*, the last layer's tensors
+    under the next index and the MTP's own (eh_proj, enorm, hnorm, shared_head.norm), which
+    transformers ignores."""
+    from safetensors.numpy import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    L = saved_config(model_dir)["num_hidden_layers"]
+    last, mtp = f"model.layers.{L - 1}.", f"model.layers.{L}."
+    for name, w in list(tensors.items()):
+        if name.startswith(last):
+            tensors[mtp + name.removeprefix(last)] = w.copy()
+    D = tensors["model.norm.weight"].shape[0]
+    rng = np.random.default_rng(L)
+    tensors[f"{mtp}eh_proj.weight"] = rng.standard_normal((D, 2 * D), np.float32)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = np.ones(D, np.float32)
+    save_file(tensors, path, {"format": "pt"})
+    return model_dir
 
 
 def to_fp8(src: Path, out: Path, block: int) -> Path:
@@ -469,16 +584,20 @@ def prefill_then_decode(model, prompts: list[list[int]], steps: int = 3):
 
 
 def hf_model(model_dir: Path):
-    """transformers' float32 model of the checkpoint (of a pack-quantized one, `decompressed`)."""
+    """transformers' float32 model of the checkpoint (of a pack-quantized one, `decompressed`;
+    of a multimodal one, the whole model, which text-only ids run through its language model)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    quant = saved_config(model_dir).get("quantization_config") or {}
+    saved = saved_config(model_dir)
+    multimodal = saved.get("model_type") in MULTIMODAL_CONFIGS
+    auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+    quant = saved.get("quantization_config") or {}
     if quant.get("quant_method") == "compressed-tensors":
         model_dir = decompressed(model_dir)
     if quant.get("quant_method") in ("gptq", "awq"):
         model_dir = gptq_dequantized(model_dir)
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    m = auto.from_pretrained(model_dir, dtype=torch.float32)
     m.eval()
     return m
 

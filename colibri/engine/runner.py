@@ -629,9 +629,9 @@ class Runner:
         cfg, params, t = self.cfg, self.model.params, self.timers
         pos, slots = jnp.asarray(b.pos), jnp.asarray(b.slots)
         x = steps.embed(cfg, params, jnp.asarray(b.tokens))
-        routes, traced, prediction = [], [], None
+        routes, traced, prediction, keep = [], [], None, None
         for i, lw in enumerate(params["layers"]):
-            x = self._attention(i, lw, x, pos, slots, b.kv_len)
+            x, keep = self._attention(i, lw, x, pos, slots, b.kv_len, keep)
             if "moe" not in lw:
                 x = steps.dense_mlp(cfg, lw, x)
                 continue
@@ -646,7 +646,9 @@ class Runner:
             return logits, _host_routing(ids, traced, (b.rows, b.width))
         return logits, ids
 
-    def _attention(self, i: int, lw: dict, x, pos, slots, kv_len: int):
+    def _attention(self, i: int, lw: dict, x, pos, slots, kv_len: int, keep=None):
+        """One layer's attention: x, and DSA's selection (`keep`: the layer before's, which a
+        layer without an indexer reuses; None elsewhere)."""
         cfg, t = self.cfg, self.timers
         with t.phase("t_attn"):
             if cfg.attention != "mla":
@@ -654,15 +656,20 @@ class Runner:
                     cfg, lw, self.cache[i], x, pos, slots, kv_len=kv_len
                 )
             else:
-                q, self.cache[i] = steps.mla_project(cfg, lw, self.cache[i], x, pos, slots)
+                if cfg.dsa is not None:
+                    q, keep, self.cache[i] = steps.dsa_project(
+                        cfg, lw, self.cache[i], x, pos, slots, keep, kv_len=kv_len
+                    )
+                else:
+                    q, self.cache[i] = steps.mla_project(cfg, lw, self.cache[i], x, pos, slots)
                 with t.phase("t_kvb"):
                     k_nope, v = steps.mla_expand(cfg, lw, self.cache[i], slots, kv_len=kv_len)
                     v.block_until_ready()
                 x = steps.mla_attend(
-                    cfg, lw, self.cache[i], x, q, k_nope, v, pos, slots, kv_len=kv_len
+                    cfg, lw, self.cache[i], x, q, k_nope, v, pos, slots, keep, kv_len=kv_len
                 )
             x.block_until_ready()
-        return x
+        return x, keep
 
     def _moe(self, row: int, lw: dict, x, b: _Batch, prediction, trace: bool = False):
         """Route, stage the union of chosen experts chunk by chunk, combine. Also returns,

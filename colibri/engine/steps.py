@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from colibri.config import ModelConfig
-from colibri.model import attention, transformer
+from colibri.model import attention, indexer, transformer
 from colibri.model.layers import rms_norm, widen
 
 # Every function takes the static ModelConfig first; KV caches are donated (updated in place).
@@ -33,6 +33,15 @@ def mla_project(cfg, lw, cache, x, pos, slots):
     )
 
 
+@partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",), donate_argnums=(2,))
+def dsa_project(cfg, lw, cache, x, pos, slots, prev, *, kv_len: int):
+    """DSA, first part: queries, the positions each attends to (`indexer.select`; `prev`: the
+    layer before's, reused by a layer without an indexer), and the new latents, roped keys
+    and indexer keys written to the cache."""
+    xn = rms_norm(x, lw["ln1"], cfg.rms_eps)
+    return indexer.dsa_project(cfg, lw["attn"], cache, xn, pos, slots, kv_len, prev=prev)
+
+
 @partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",))
 def mla_expand(cfg, lw, cache, slots, *, kv_len: int):
     """MLA kv_b expansion of the cached latents (the t_kvb phase)."""
@@ -40,8 +49,8 @@ def mla_expand(cfg, lw, cache, slots, *, kv_len: int):
 
 
 @partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",))
-def mla_attend(cfg, lw, cache, x, q, k_nope, v, pos, slots, *, kv_len: int):
-    out = attention.mla_attend(cfg, lw["attn"], cache, q, k_nope, v, pos, slots, kv_len)
+def mla_attend(cfg, lw, cache, x, q, k_nope, v, pos, slots, keep=None, *, kv_len: int):
+    out = attention.mla_attend(cfg, lw["attn"], cache, q, k_nope, v, pos, slots, kv_len, keep)
     return x + out
 
 

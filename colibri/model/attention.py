@@ -11,6 +11,7 @@ from colibri.config import ModelConfig
 from colibri.model.layers import Rope, apply_rope, linear, rms_norm, rope_cos_sin
 
 # Cache layout per layer: GQA {"k", "v": [S, Hkv, C, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
+# (and DSA's indexer keys "ik": [S, C, Di] where the layer runs an indexer, `indexer.select`)
 # with S slots and C cached positions. Rows of a batch name their slot; row b's token t sits
 # at position pos[b, t]. Padding rows use slot S (out of range): their writes are dropped.
 # GQA keeps each head's positions together: decode attention streams one head's keys and
@@ -20,14 +21,17 @@ Cache = dict[str, jax.Array]
 _HEADS_FIRST = ("k", "v")  # the arrays laid out [S, Hkv, C, Dh]
 
 
-def init_layer_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
-    """Zeroed cache of one layer for `slots` conversations of up to `capacity` positions."""
+def init_layer_cache(cfg: ModelConfig, slots: int, capacity: int, layer: int = 0) -> Cache:
+    """Zeroed cache of layer `layer` for `slots` conversations of up to `capacity` positions."""
     if cfg.attention == "mla":
         assert cfg.mla is not None
-        return {
+        cache = {
             "lat": jnp.zeros((slots, capacity, cfg.mla.kv_lora_rank), jnp.float32),
             "kr": jnp.zeros((slots, capacity, cfg.mla.qk_rope_head_dim), jnp.float32),
         }
+        if cfg.dsa is not None and not cfg.dsa.shared[layer]:
+            cache["ik"] = jnp.zeros((slots, capacity, cfg.dsa.head_dim), jnp.float32)
+        return cache
     shape = (slots, cfg.num_kv_heads, capacity, cfg.head_dim)
     return {"k": jnp.zeros(shape, jnp.float32), "v": jnp.zeros(shape, jnp.float32)}
 
@@ -53,11 +57,19 @@ def _read_heads(buf: jax.Array, slots: jax.Array, kv_len: int) -> jax.Array:
 
 
 def _softmax_attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, scale: float
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    pos: jax.Array,
+    scale: float,
+    keep: jax.Array | None = None,
 ) -> jax.Array:
-    """q [B, T, Hkv, G, Dq], k [B, Hkv, S, Dq], v [B, Hkv, S, Dv] -> [B, T, Hkv, G, Dv]."""
+    """q [B, T, Hkv, G, Dq], k [B, Hkv, S, Dq], v [B, Hkv, S, Dv] -> [B, T, Hkv, G, Dv];
+    `keep` [B, T, S]: the only positions each query may attend to (DSA), besides causality."""
     scores = jnp.einsum("btkgd,bksd->bkgts", q, k) * scale
     visible = jnp.arange(k.shape[2])[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    if keep is not None:
+        visible = visible & keep
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
     return jnp.einsum("bkgts,bksd->btkgd", probs, v)
@@ -151,15 +163,17 @@ def mla_project(
     pos: jax.Array,
     slots: jax.Array,
     rope: Rope | None = None,
+    q_lat: jax.Array | None = None,
 ) -> tuple[jax.Array, Cache]:
-    """Queries [B, T, H, Dn + R] (rope applied) for normed x; new latents and keys cached."""
+    """Queries [B, T, H, Dn + R] (rope applied) for normed x; new latents and keys cached.
+    `q_lat`: `mla_query_latent` of x when the caller has it (DSA's indexer reads it too)."""
     m = cfg.mla
     assert m is not None
     B, T, _ = x.shape
     if m.q_lora_rank is None:
         q = linear(x, w["q"])
-    else:  # transformers builds q_a_layernorm with its default eps, 1e-6
-        q = linear(rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], 1e-6), w["q_b"])
+    else:
+        q = linear(mla_query_latent(w, x) if q_lat is None else q_lat, w["q_b"])
     q = q.reshape(B, T, cfg.num_heads, m.qk_head_dim)
     ckv = linear(x, w["kv_a"], w.get("kv_a_bias"))
     lat = rms_norm(ckv[..., : m.kv_lora_rank], w["kv_a_norm"], 1e-6)
@@ -168,10 +182,17 @@ def mla_project(
     q_rope = apply_rope(q[..., m.qk_nope_head_dim :], cos, sin, cfg.rope.interleave)
     kr = apply_rope(kr, cos, sin, cfg.rope.interleave)[:, :, 0]
     cache = {
+        **cache,
         "lat": _write(cache["lat"], slots, pos, lat),
         "kr": _write(cache["kr"], slots, pos, kr),
     }
     return jnp.concatenate([q[..., : m.qk_nope_head_dim], q_rope], axis=-1), cache
+
+
+def mla_query_latent(w: dict, x: jax.Array) -> jax.Array:
+    """The query LoRA's normed latent of x [B, T, D]: [B, T, q_lora_rank] (transformers builds
+    q_a_layernorm with its default eps, 1e-6)."""
+    return rms_norm(linear(x, w["q_a"], w.get("q_a_bias")), w["q_a_norm"], 1e-6)
 
 
 def mla_expand_cached(
@@ -191,8 +212,10 @@ def mla_attend(
     pos: jax.Array,
     slots: jax.Array,
     kv_len: int,
+    keep: jax.Array | None = None,
 ) -> jax.Array:
-    """Softmax attention of q over [k_nope, shared roped key], then o_proj: [B, T, D]."""
+    """Softmax attention of q over [k_nope, shared roped key], then o_proj: [B, T, D];
+    `keep` [B, T, kv_len]: DSA's selection (`indexer.select`), None for every position."""
     m = cfg.mla
     assert m is not None
     B, T = q.shape[:2]
@@ -200,7 +223,7 @@ def mla_attend(
     k_rope = jnp.broadcast_to(kr, (*k_nope.shape[:3], m.qk_rope_head_dim))
     kf = jnp.concatenate([k_nope, k_rope], axis=-1)
     kf, v = kf.swapaxes(1, 2), v.swapaxes(1, 2)  # [B, H, S, ...]: heads as Hkv, G = 1
-    out = _softmax_attend(q[:, :, :, None], kf, v, pos, cfg.attn_scale)
+    out = _softmax_attend(q[:, :, :, None], kf, v, pos, cfg.attn_scale, keep)
     return linear(out.reshape(B, T, cfg.num_heads * m.v_head_dim), w["o"], w.get("o_bias"))
 
 

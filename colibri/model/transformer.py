@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from colibri.config import ModelConfig
-from colibri.model import attention, moe, parallel
+from colibri.model import attention, indexer, moe, parallel
 from colibri.model.layers import Rope, linear, rms_norm, rope_cos_sin, swiglu, widen
 
 Cache = list[attention.Cache]
@@ -28,7 +28,7 @@ class Routing(NamedTuple):
 
 
 def init_cache(cfg: ModelConfig, slots: int, capacity: int) -> Cache:
-    return [attention.init_layer_cache(cfg, slots, capacity) for _ in range(cfg.num_layers)]
+    return [attention.init_layer_cache(cfg, slots, capacity, i) for i in range(cfg.num_layers)]
 
 
 def attention_block(
@@ -47,6 +47,24 @@ def attention_block(
         cfg, lw["attn"], cache, rms_norm(x, lw["ln1"], cfg.rms_eps), pos, slots, kv_len, rope
     )
     return x + h, cache
+
+
+def dsa_block(
+    cfg: ModelConfig,
+    lw: dict,
+    cache: attention.Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+    rope: Rope | None = None,
+    prev: jax.Array | None = None,
+) -> tuple[jax.Array, attention.Cache, jax.Array | None]:
+    """`attention_block` of a DSA layer (`indexer.dsa`): also returns the positions it chose,
+    which the next layer reuses where it runs no indexer (`prev`)."""
+    xn = rms_norm(x, lw["ln1"], cfg.rms_eps)
+    h, cache, keep = indexer.dsa(cfg, lw["attn"], cache, xn, pos, slots, kv_len, rope, prev)
+    return x + h, cache, keep
 
 
 def moe_route(cfg: ModelConfig, lw: dict, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -125,9 +143,12 @@ def forward(
     x = widen(params["embed"][tokens])
     if rope is None:
         rope = rope_cos_sin(cfg.rope, pos)
-    new_cache, routes, traced = [], [], []
+    new_cache, routes, traced, keep = [], [], [], None
     for i, lw in enumerate(params["layers"]):
-        x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len, rope)
+        if cfg.dsa is not None:
+            x, c, keep = dsa_block(cfg, lw, cache[i], x, pos, slots, kv_len, rope, keep)
+        else:
+            x, c = attention_block(cfg, lw, cache[i], x, pos, slots, kv_len, rope)
         new_cache.append(c)
         if "moe" in lw:
             if trace:
