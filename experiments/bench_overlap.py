@@ -1,4 +1,5 @@
 """python experiments/bench_overlap.py [--inputs 16] [--rows 768] [--mib 256] [--repeats 5]
+    [--isa native|avx2]
 
 Whether a core hides streaming weights from DRAM behind the arithmetic on them, measured with
 colibri's own matrix-vector tiles (colibri/kernels/cpu/, compiled into a small driver,
@@ -16,7 +17,9 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 Per case and core: GB/s of weights and GFLOP/s, best of --repeats (cases interleaved). The
 summary compares one core's DRAM case with its two parts: the time streaming and computing would
 take one after the other (no overlap) and the longer of the two (full overlap).
-Writes experiments/results/overlap.md and overlap.json.
+--isa avx2 builds the driver without AVX-512 (kernels.ISA_LEVELS) on a CPU that has it: the same
+tiles with 16 vector registers and VEX encodings instead of 32 and EVEX.
+Writes experiments/results/overlap.md and overlap.json (--isa avx2: overlap_avx2.md and .json).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax
 import pandas as pd
 
 from colibri import kernels
+from colibri.engine.hwinfo import cpu_name
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -39,7 +43,7 @@ RESULTS = HERE / "results"
 SECONDS = 1.0  # per case and repeat
 
 
-def build(out_dir: Path) -> Path:
+def build(out_dir: Path, isa: str = "native") -> Path:
     cxx = kernels.compiler()
     if cxx is None:
         raise SystemExit("bench_overlap needs a C++ compiler (g++, c++ or clang++; or set CXX)")
@@ -47,6 +51,7 @@ def build(out_dir: Path) -> Path:
     cmd = [
         cxx,
         *kernels.CXX_FLAGS,
+        *kernels.ISA_LEVELS[isa][1],
         "-pthread",
         f'-DCPU_CC="{kernels.SOURCE}"',
         f"-I{jax.ffi.include_dir()}",
@@ -110,9 +115,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=768, help="floats a weight row")
     ap.add_argument("--mib", type=int, default=256, help="MiB of weights a core")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--isa", choices=list(kernels.ISA_LEVELS), default="native")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(Path(tmp))
+        exe = build(Path(tmp), args.isa)
         df = measure(exe, args.rows, args.inputs, args.mib, args.repeats)
     summary = overlap(df, args.inputs)
     both = df[df["case"].map(df.groupby("case")["core"].nunique()) > 1]  # two cores at once
@@ -130,7 +136,9 @@ def main() -> None:
     text = (
         "# Streaming weights and computing on them at once\n\n"
         f"`python experiments/bench_overlap.py --inputs {args.inputs} --rows {args.rows} "
-        f"--mib {args.mib} --repeats {args.repeats}`; {os.cpu_count()} cores, best of "
+        f"--mib {args.mib} --repeats {args.repeats}"
+        + (f" --isa {args.isa}" if args.isa != "native" else "")
+        + f"`; {os.cpu_count()} cores of {cpu_name()}, best of "
         f"{args.repeats} runs of {SECONDS:g} s per case.\n\n"
         f"{table}\n\n"
         f"{totals_table}\n\n"
@@ -141,11 +149,12 @@ def main() -> None:
         f"weights in L2 run at {summary['tiles in L2 / ceiling']:.0%} of the core's "
         f"multiply-add ceiling ({summary['multiply-add ceiling GFLOP/s']:.1f} GFLOP/s).\n"
     )
-    (RESULTS / "overlap.md").write_text(text)
-    (RESULTS / "overlap.json").write_text(
+    name = "overlap" if args.isa == "native" else f"overlap_{args.isa}"
+    (RESULTS / f"{name}.md").write_text(text)
+    (RESULTS / f"{name}.json").write_text(
         json.dumps({"cases": df.to_dict(orient="records"), "overlap": summary}, indent=1)
     )
-    print(f"wrote {RESULTS / 'overlap.md'}")
+    print(f"wrote {RESULTS / name}.md")
 
 
 if __name__ == "__main__":
