@@ -324,3 +324,53 @@ def test_synth_family_matches_transformers(family, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(Runner(model, capacity=64).full_logits(ids), ref, atol=1e-4)
+
+
+def test_glm5_through_the_engine_slots_prefix_reuse_restart_and_tiers(built, tmp_path):
+    """GLM-5 (indexer keys cached beside the latents, shared-selection layers) through the real
+    engine: four conversations decoding at once in four slots give each one's single-slot
+    tokens, past index_topk, resident and under CAP=1 RAM_GB=0 (every expert staged from
+    disk); after a KVSAVE restart a follow-up turn reuses the saved prefix as much as it does
+    without a restart, and both give the tokens of the follow-up run from scratch."""
+    from engine_util import Mux, Reference, text
+
+    from colibri.protocol.codec import Accept
+
+    d = built("glm_moe_dsa")
+    prompts = ["def add(a, b):", "The quick brown fox", "naïve café 🐦", "Permission is"]
+    ref = Reference(d, 128)
+    want = [ref.text(p, 24) for p in prompts]
+    env = dict(KV_SLOTS="4", CTX="128", KVSAVE="1", STATE_DIR=str(tmp_path))
+
+    def turns(e: Mux, first: int) -> list[bytes]:
+        for i, p in enumerate(prompts):
+            e.submit(first + i, i, p, max_tokens=24)
+        evs = e.collect(*range(first, first + len(prompts)), timeout=300)
+        return [text(evs, first + i) for i in range(len(prompts))]
+
+    follow = prompts[0] + " return a + b"
+    a = Mux(d, **env)
+    try:
+        assert turns(a, 1) == want
+    finally:
+        assert a.close() == 0, a.stderr()
+        a.kill()
+    b = Mux(d, **env)  # restarted: slot 0's KV (latents, roped and indexer keys) from its file
+    try:
+        b.submit(20, 0, follow, max_tokens=12)
+        restarted = b.collect(20, timeout=300)
+    finally:
+        assert b.close() == 0, b.stderr()
+        b.kill()
+    assert "cached positions restored" in b.stderr()
+    tiered = Mux(d, KV_SLOTS="4", CTX="128", CAP="1", RAM_GB="0")
+    try:
+        assert turns(tiered, 30) == want
+        tiered.submit(40, 0, follow, max_tokens=12)  # the same follow-up, no restart
+        kept = tiered.collect(40, timeout=300)
+    finally:
+        assert tiered.close() == 0, tiered.stderr()
+        tiered.kill()
+    reused = [next(ev for ev in evs if isinstance(ev, Accept)) for evs in (restarted, kept)]
+    assert reused[0].reused_tokens == reused[1].reused_tokens > 0
+    assert text(restarted, 20) == text(kept, 40) == ref.text(follow, 12)
