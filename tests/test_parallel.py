@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -134,3 +135,64 @@ def test_a_pin_lands_on_the_device_that_owns_the_expert(checkpoints, tmp_path):
     assert got["events"] == [[row, E - 1, 1] for row in range(len(got["pinned"]))]
     assert all(p == [E - 1] for p in got["after"])
     assert all(per <= slot < 2 * per for slot in got["where"])  # device 1's slots
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_serve_one_session_with_the_one_process_tokens(checkpoints):
+    """Two engine processes on 127.0.0.1 (`jax.distributed`, two simulated CPU devices each):
+    the experts spread over all four devices, process 0 serves a mux session of four
+    conversations in four slots whose tokens are the one-process ones; process 1 repeats its
+    runner's calls, writes nothing to stdout and exits 0 when process 0 ends."""
+    model_dir = checkpoints("qwen3_moe")
+    ref = Reference(model_dir, CTX)
+    want = [ref.text(p, TOKENS) for p in PROMPTS]
+    common = dict(
+        DEVICES="2",
+        COORDINATOR=f"127.0.0.1:{_free_port()}",
+        PROCESSES="2",
+        KV_SLOTS="4",
+        CTX=str(CTX),
+    )
+    env = dict(os.environ, SERVE_BATCH="1", PROCESS_ID="1", **common)
+    cmd = [sys.executable, "-m", "colibri.cli", "engine", "--model", str(model_dir)]
+    follower = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        e = Mux(model_dir, PROCESS_ID="0", **common)
+        try:
+            for rid, prompt in enumerate(PROMPTS, start=1):
+                e.submit(rid, rid - 1, prompt, max_tokens=TOKENS)
+            evs = e.collect(*range(1, len(PROMPTS) + 1), timeout=300)
+        finally:
+            status = e.close()
+            e.kill()
+        out, err = follower.communicate(timeout=120)
+    finally:
+        follower.kill()
+    assert status == 0, e.stderr()
+    assert [text(evs, rid) for rid in range(1, len(PROMPTS) + 1)] == want
+    assert follower.returncode == 0, err.decode()[-3000:]
+    assert out == b""
+    assert "process 1 follows process 0" in err.decode()
+    gpus = [ev for ev in evs if isinstance(ev, Gpus)][-1]
+    assert len(gpus.devices) == 4
+
+
+def test_several_processes_need_a_coordinator_and_a_number_each():
+    """PROCESSES above 1 without COORDINATOR, or a PROCESS_ID past the last, is refused with a
+    message naming the variable."""
+    from colibri.engine.settings import EngineSettings, SettingsError
+
+    with pytest.raises(SettingsError, match="COORDINATOR"):
+        EngineSettings.from_env({"PROCESSES": "2"})
+    with pytest.raises(SettingsError, match="PROCESS_ID"):
+        EngineSettings.from_env({"PROCESSES": "2", "COORDINATOR": "h:1", "PROCESS_ID": "2"})
+    s = EngineSettings.from_env({"PROCESSES": "2", "COORDINATOR": "h:1", "PROCESS_ID": "1"})
+    assert (s.processes, s.process_id, s.coordinator) == (2, 1, "h:1")
+    assert EngineSettings.from_env(s.to_env()) == s

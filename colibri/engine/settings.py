@@ -43,13 +43,17 @@ class EngineSettings:
     tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
     holding: Holding = Holding()  # COLIBRI_BF16, COLIBRI_FP8, COLIBRI_INT4, COLIBRI_INT8
     devices: int = 1  # DEVICES: local devices the routed experts are spread over (expert parallel)
+    # Several hosts (`jax.distributed`, engine/lockstep.py): process 0 of PROCESSES serves
+    coordinator: str | None = None  # COORDINATOR: host:port of process 0's coordination service
+    processes: int = 1  # PROCESSES: how many engine processes share one mesh
+    process_id: int = 0  # PROCESS_ID: this one's number, 0 .. PROCESSES - 1
 
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
         *("BURST", "BURST_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
-        "DEVICES",
+        *("DEVICES", "COORDINATOR", "PROCESSES", "PROCESS_ID"),
     )
 
     @classmethod
@@ -59,6 +63,9 @@ class EngineSettings:
         d = replace(cls(), **defaults)
         r = _Reader(env)
         ctx = r.opt_int("CTX", lo=2)
+        processes = r.int("PROCESSES", d.processes, lo=1)
+        if processes > 1 and not (r.text("COORDINATOR") or d.coordinator):
+            raise SettingsError(f"PROCESSES={processes}: COORDINATOR (host:port) is not set")
         return cls(
             serve_batch=r.flag("SERVE_BATCH", d.serve_batch),
             kv_slots=r.int("KV_SLOTS", d.kv_slots, lo=1, hi=MAX_SLOTS),
@@ -76,6 +83,9 @@ class EngineSettings:
             tiers=TierConfig.from_env(env),
             holding=_holding(env),
             devices=r.int("DEVICES", d.devices, lo=1),
+            coordinator=r.text("COORDINATOR") or d.coordinator,
+            processes=processes,
+            process_id=r.int("PROCESS_ID", d.process_id, lo=0, hi=processes - 1),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -97,6 +107,9 @@ class EngineSettings:
             **self.tiers.to_env(),
             **self.holding.to_env(),
             "DEVICES": str(self.devices),
+            "COORDINATOR": self.coordinator,
+            "PROCESSES": str(self.processes),
+            "PROCESS_ID": str(self.process_id),
         }
         return {k: v for k, v in values.items() if v is not None}
 

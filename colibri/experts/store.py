@@ -278,7 +278,7 @@ class ExpertStore:
         where = f"on {n} devices" if n > 1 else "on device"
         return (
             f"experts: {n_dev} {where} ({self.plan.slots_per_layer}/layer"
-            f"{' each' if n > 1 else ''}, "
+            f"{' each' if n > 1 and not self.all_resident else ''}, "
             f"{self.plan.pins} pinned), {n_ram} in RAM, {n_disk} on disk"
         )
 

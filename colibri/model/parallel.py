@@ -25,11 +25,20 @@ _mesh: jax.sharding.Mesh | None = None
 
 
 def use_devices(n: int | None) -> jax.sharding.Mesh | None:
-    """Spread the experts over the first n local devices (None or 1: one device, no mesh).
-    On the CPU, n devices exist only when XLA was asked for them before JAX started
+    """Spread the experts over the first n local devices (None or 1: one device, no mesh); with
+    several processes (`jax.distributed`), over the first n devices of each of them. On the
+    CPU, n devices exist only when XLA was asked for them before JAX started
     (`XLA_FLAGS=--xla_force_host_platform_device_count=n` or `jax_num_cpu_devices`)."""
     global _mesh
     local = jax.local_devices()
+    if jax.process_count() > 1:  # every process's first n devices (`engine.lockstep`)
+        n = n or 1
+        if n > len(local):
+            raise ValueError(f"DEVICES={n}: only {len(local)} local device(s)")
+        every = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        mine = [[d for d in every if d.process_index == p][:n] for p in range(jax.process_count())]
+        _mesh = jax.sharding.Mesh(np.array([d for p in mine for d in p]), (AXIS,))
+        return _mesh
     if n is None or n <= 1:
         _mesh = None
         return None

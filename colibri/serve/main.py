@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from colibri.config import load_config
+from colibri.engine import lockstep
 from colibri.engine.factory import default_ctx, make_runner, state_dir
 from colibri.engine.kvstore import KVStore, fingerprint
 from colibri.engine.scheduler import Scheduler, SchedulerConfig
@@ -30,14 +31,30 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
     """
     model_dir = Path(model_dir)
     parallel.simulate_cpu_devices(settings.devices)
+    several = settings.processes > 1
+    if several:
+        if settings.warmup:
+            raise ValueError("WARMUP=1 is not supported with PROCESSES > 1")
+        lockstep.initialize(settings.coordinator, settings.processes, settings.process_id)
     cfg = load_config(model_dir)
     tok_path = model_dir / "tokenizer.json"
     if not tok_path.exists():
         raise ValueError(f"{model_dir}: no tokenizer.json, the engine cannot encode prompts")
     tokenizer = Tokenizer(tok_path)
-    out = LineWriter(claim_stdout())
+    out = LineWriter(claim_stdout())  # every process's; only process 0 writes to it
     ctx = settings.ctx or default_ctx(cfg.max_position_embeddings)
     runner = make_runner(model_dir, settings, ctx)
+    if several:
+        if not runner.store.all_resident:
+            raise ValueError(
+                f"PROCESSES={settings.processes}: every routed expert must be resident "
+                f"({runner.store.summary()})"
+            )
+        if settings.process_id != 0:  # repeat process 0's calls; the protocol is its alone
+            log.info("engine: process %d follows process 0", settings.process_id)
+            lockstep.follow(runner)
+            _exit(0)
+        runner = lockstep.Leader(runner)
     sched = Scheduler(
         runner,
         tokenizer.token_bytes,
@@ -69,6 +86,8 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
             status = legacy.serve(sched, tokenizer, settings.ngen, stdin, out)
     except KeyboardInterrupt:  # Ctrl-C in a terminal reaches the engine too (`colibri chat`)
         status = 130
+    if several:
+        runner.stop()
     _exit(status)
 
 
