@@ -13,6 +13,12 @@ conversation with the `X-Colibri-Conversation` header (or `user`) to keep its KV
 The telemetry routes (`/health`, `/experts`, `/profile`, `/experts.json`) answer in the shapes
 colibrì's own gateway gives, so that its web UI runs over this gateway; what this project's own
 page needs besides comes under other names. Every response carries `x-request-id`.
+
+With several engines (`--replicas`, `colibri.gateway.replicas`) a request runs on the replica
+whose slot holds its prefix, else on the least loaded one; `/health` sums their slots and
+queues, `/experts` and `/profile` show the first running replica's telemetry, and each adds
+`replicas`, one entry per replica. With one engine they are the lone engine's. `colibri.stats`
+names the `replica` and `slot` that served the request.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -36,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 
 from colibri.atlas import upstream_view
 from colibri.gateway.engine_client import EngineClient, EngineGone, EngineRequest
+from colibri.gateway.replicas import Replica, Replicas, Unavailable
 from colibri.gateway.replies import Reply
 from colibri.gateway.schema import (
     ApiError,
@@ -45,7 +52,7 @@ from colibri.gateway.schema import (
     parse,
 )
 from colibri.gateway.settings import GatewaySettings, allowed_hosts
-from colibri.gateway.slots import Affinity, QueueFull, SlotPool
+from colibri.gateway.slots import Affinity, QueueFull
 from colibri.gateway.static import StaticSite
 from colibri.gateway.telemetry import experts_json, hwinfo_json, profile_json, tiers_json
 from colibri.gateway.templates import ChatTemplateError, load_chat_template
@@ -74,9 +81,9 @@ class Job:
     grammar: str = ""  # from response_format, sent as SUBMIT's 7th field
 
 
-def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
-    """The FastAPI app over a started engine."""
-    gw = Gateway(engine, settings)
+def create_app(engines: Sequence[EngineClient], settings: GatewaySettings) -> FastAPI:
+    """The FastAPI app over started engines, one per replica."""
+    gw = Gateway(engines, settings)
     app = FastAPI(title="colibri gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw
     app.add_middleware(HostGuard, hosts=allowed_hosts(settings))
@@ -125,25 +132,10 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
-        """Liveness for anyone; the scheduler, tiers and host only with the key (if one is set)."""
-        ok = engine.alive
-        body: dict[str, Any] = {
-            "status": "ok" if ok else "unavailable",
-            "kv_slots": settings.kv_slots,
-            "slots": settings.kv_slots,
-            "busy": gw.pool.busy,
-            "waiting": gw.pool.waiting,
-            "cancelled": engine.cancelled,
-            "restarts": engine.restarts,
-        }
-        if not ok:
-            body["reason"] = engine.gone or "engine not ready (restarting)"
-        if gw.authorized(request):
-            body["scheduler"] = gw.scheduler_json()
-            extras = {"tiers": tiers_json(engine.telemetry.tiers)}
-            extras["hwinfo"] = hwinfo_json(engine.telemetry.hwinfo)
-            body.update({k: v for k, v in extras.items() if v is not None})
-        return JSONResponse(body, status_code=200 if ok else 503)
+        """Liveness for anyone; the scheduler, tiers and host only with the key (if one is set).
+        200 while any replica serves (`status` "degraded" while only some do), else 503."""
+        body = gw.health_json(gw.authorized(request))
+        return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)
 
     @app.get("/experts")
     async def experts(request: Request, since: str | None = None) -> Response:
@@ -152,14 +144,14 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
         if since is not None:
             if not since.isdigit():
                 raise ApiError(400, f"since={since!r}: expected a sequence number", param="since")
-            if int(since) == engine.telemetry.seq:
+            if int(since) == gw.experts_seq():
                 return Response(status_code=304)
-        return JSONResponse(experts_json(engine.telemetry))
+        return JSONResponse(gw.experts_json())
 
     @app.get("/profile")
     async def profile(request: Request) -> dict:
         gw.authorize(request)
-        return profile_json(engine.telemetry)
+        return gw.profile_json()
 
     @app.get("/experts.json")
     async def atlas(request: Request) -> Response:
@@ -181,13 +173,14 @@ def create_app(engine: EngineClient, settings: GatewaySettings) -> FastAPI:
 
 
 class Gateway:
-    """What the routes share: the engine, the slot pool, the chat template, the static site."""
+    """What the routes share: the replicas (engines and their slot pools), the chat template,
+    the static site."""
 
-    def __init__(self, engine: EngineClient, settings: GatewaySettings):
-        self.engine, self.settings = engine, settings
+    def __init__(self, engines: Sequence[EngineClient], settings: GatewaySettings):
+        self.settings = settings
+        self.replicas = Replicas(engines, settings.kv_slots, settings.max_waiting)
         self.model_id = settings.model_id
         self.created = int(time.time())
-        self.pool = SlotPool(settings.kv_slots, settings.max_waiting)
         self.template = load_chat_template(settings.model_dir)
         self.site = StaticSite(settings.web_root)
         self.atlas = atlas_bytes(settings.experts_json)
@@ -200,20 +193,67 @@ class Gateway:
             "owned_by": "colibri",
         }
 
-    def scheduler_json(self) -> dict:
-        """The queue as colibrì's gateway reports it (this queue has no time limit)."""
-        pool = self.pool
-        return {
-            "active": pool.busy,
-            "queued": pool.waiting,
-            "capacity": len(pool.slots),
-            "max_queue": pool.max_waiting,
-            "admitted": pool.admitted,
-            "completed": pool.completed,
-            "rejected": pool.rejected,
-            "timed_out": 0,
-            "cancelled": self.engine.cancelled,
+    @property
+    def shown(self) -> Replica:
+        """The replica whose telemetry stands for all where one map or host is shown: the first
+        running one, else the first."""
+        return next(iter(self.replicas.alive), self.replicas[0])
+
+    def health_json(self, authorized: bool) -> dict:
+        """`/health`: liveness, slots and queue summed over the replicas; with `authorized`,
+        the scheduler, and the tiers and host of the replica shown. With several replicas,
+        `replicas` gives each one's (its engine's pid too, with `authorized`)."""
+        reps = self.replicas
+        up = len(reps.alive)
+        body: dict[str, Any] = {
+            "status": "ok" if up == len(reps) else "degraded" if up else "unavailable",
+            "kv_slots": self.settings.kv_slots,
+            "slots": self.settings.kv_slots * len(reps),
+            "busy": sum(r.pool.busy for r in reps),
+            "waiting": sum(r.pool.waiting for r in reps),
+            "cancelled": sum(r.engine.cancelled for r in reps),
+            "restarts": sum(r.engine.restarts for r in reps),
         }
+        if not up:
+            lone = reps[0].engine.gone or "engine not ready (restarting)"
+            body["reason"] = lone if len(reps) == 1 else reps.why_down()
+        if authorized:
+            body["scheduler"] = scheduler_json(reps)
+            t = self.shown.engine.telemetry
+            extras = {"tiers": tiers_json(t.tiers), "hwinfo": hwinfo_json(t.hwinfo)}
+            body.update({k: v for k, v in extras.items() if v is not None})
+        if len(reps) > 1:
+            body["replicas"] = [replica_json(r, authorized) for r in reps]
+        return body
+
+    def experts_seq(self) -> int:
+        """The `seq` of `/experts`: the engine's; with several replicas their sum, which
+        changes whenever any replica's map does."""
+        reps = self.replicas
+        if len(reps) == 1:
+            return reps[0].engine.telemetry.seq
+        return sum(r.engine.telemetry.seq for r in reps)
+
+    def experts_json(self) -> dict:
+        """`/experts`: the map of the replica shown; with several, `replicas` holds each
+        one's map, and `seq` is `experts_seq`."""
+        reps = self.replicas
+        body = experts_json(self.shown.engine.telemetry)
+        if len(reps) > 1:
+            each = [{"replica": r.index, **experts_json(r.engine.telemetry)} for r in reps]
+            body.update(seq=self.experts_seq(), replicas=each)
+        return body
+
+    def profile_json(self) -> dict:
+        """`/profile`: the recent turns of the replica shown; with several, `replicas` holds
+        each one's."""
+        reps = self.replicas
+        body = profile_json(self.shown.engine.telemetry)
+        if len(reps) > 1:
+            body["replicas"] = [
+                {"replica": r.index, **profile_json(r.engine.telemetry)} for r in reps
+            ]
+        return body
 
     def authorized(self, request: Request) -> bool:
         """Whether the request carries the key, or none is set; constant-time compare."""
@@ -279,21 +319,23 @@ class Gateway:
         return JSONResponse(shape.body(reply))
 
     async def start(self, job: Job) -> EngineRequest:
-        """Wait for a slot, submit, and wait for the engine to accept (or refuse) the request."""
-        if not self.engine.alive:
-            raise ApiError(503, f"engine unavailable: {self.engine.gone or 'not ready'}")
+        """Wait for a replica's slot, submit, and wait for its engine to accept (or refuse) the
+        request."""
         try:
-            slot = await self.pool.acquire(job.affinity, job.prompt)
+            replica, slot = await self.replicas.acquire(job.affinity, job.prompt)
+        except Unavailable as e:
+            raise ApiError(503, f"engine unavailable: {e}") from None
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", code="queue_full") from None
+        engine, pool = replica.engine, replica.pool
         sampling = (job.temperature, job.top_p)
         try:
-            turn = self.engine.submit(slot, job.prompt, job.max_tokens, *sampling, job.grammar)
+            turn = engine.submit(slot, job.prompt, job.max_tokens, *sampling, job.grammar)
         except BaseException:
-            self.pool.release(slot)  # nothing was sent: the slot is free again
+            pool.release(slot)  # nothing was sent: the slot is free again
             raise
-        turn.own_cache = self.pool.own(slot)
-        turn.ended.add_done_callback(lambda _: self.pool.release(slot))
+        turn.replica, turn.own_cache = replica.index, pool.own(slot)
+        turn.ended.add_done_callback(lambda _: pool.release(slot))
         try:
             first = await asyncio.shield(turn.started)
         except asyncio.CancelledError:
@@ -474,6 +516,46 @@ def _hostname(netloc: str) -> str:
     if netloc.startswith("["):
         return netloc[1:].split("]")[0]
     return netloc.rsplit(":", 1)[0] if netloc.count(":") == 1 else netloc
+
+
+def scheduler_json(replicas: Iterable[Replica]) -> dict:
+    """The queue as colibrì's gateway reports it (this queue has no time limit), summed over
+    the replicas."""
+    reps = list(replicas)
+    pools = [r.pool for r in reps]
+    return {
+        "active": sum(p.busy for p in pools),
+        "queued": sum(p.waiting for p in pools),
+        "capacity": sum(len(p.slots) for p in pools),
+        "max_queue": sum(p.max_waiting for p in pools),
+        "admitted": sum(p.admitted for p in pools),
+        "completed": sum(p.completed for p in pools),
+        "rejected": sum(p.rejected for p in pools),
+        "timed_out": 0,
+        "cancelled": sum(r.engine.cancelled for r in reps),
+    }
+
+
+def replica_json(r: Replica, authorized: bool) -> dict:
+    """One replica in `/health`: its liveness, slots and queue; with `authorized`, also its
+    engine's pid, its scheduler and its tiers."""
+    engine = r.engine
+    body: dict[str, Any] = {
+        "replica": r.index,
+        "status": "ok" if engine.alive else "unavailable",
+        "busy": r.pool.busy,
+        "waiting": r.pool.waiting,
+        "cancelled": engine.cancelled,
+        "restarts": engine.restarts,
+    }
+    if not engine.alive:
+        body["reason"] = engine.gone or "engine not ready (restarting)"
+    if authorized:
+        body["pid"] = engine.proc.pid if engine.proc is not None else None
+        body["scheduler"] = scheduler_json([r])
+        if (tiers := tiers_json(engine.telemetry.tiers)) is not None:
+            body["tiers"] = tiers
+    return body
 
 
 def atlas_bytes(path: Path | None) -> bytes | None:

@@ -69,6 +69,7 @@ class EngineRequest:
     def __init__(self, client: EngineClient, rid: int, slot: int):
         loop = asyncio.get_running_loop()
         self.id, self.slot = rid, slot
+        self.replica = 0  # which of the gateway's engines runs it (`colibri.gateway.replicas`)
         self.started: asyncio.Future[Start] = loop.create_future()
         self.ended: asyncio.Future[End] = loop.create_future()
         self.chunks: asyncio.Queue[Data | End] = asyncio.Queue()
@@ -132,10 +133,11 @@ def engine_command(model_dir: str | Path) -> list[str]:
 
 
 class EngineClient:
-    """The engine subprocess on the mux protocol, driven from one asyncio event loop."""
+    """The engine subprocess on the mux protocol, driven from one asyncio event loop; `name`
+    is how the log calls it (a gateway with replicas numbers them)."""
 
-    def __init__(self, cmd: list[str], env: Mapping[str, str]):
-        self.cmd, self.env = cmd, dict(env)
+    def __init__(self, cmd: list[str], env: Mapping[str, str], name: str = "the engine"):
+        self.cmd, self.env, self.name = cmd, dict(env), name
         self.proc: subprocess.Popen | None = None
         self.session = Session()
         self.gone: str | None = None  # why the engine is unusable, once it is
@@ -150,11 +152,18 @@ class EngineClient:
         self._lost = asyncio.Event()  # set when the engine is gone (and not being stopped)
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, settings: EngineSettings) -> EngineClient:
+    def for_model(
+        cls,
+        model_dir: str | Path,
+        settings: EngineSettings,
+        env: Mapping[str, str] | None = None,
+        name: str = "the engine",
+    ) -> EngineClient:
         """The engine on model_dir with these settings, on the mux protocol with every line
-        kind and TOPK lines (what the gateway reads)."""
+        kind and TOPK lines (what the gateway reads); `env`: variables added to its
+        environment besides (which devices it sees)."""
         mux = replace(settings, serve_batch=True, wire="full", serve_topk=True)
-        return cls(engine_command(model_dir), child_env(mux))
+        return cls(engine_command(model_dir), child_env(mux) | dict(env or {}), name)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -174,7 +183,7 @@ class EngineClient:
             await asyncio.wait_for(asyncio.shield(self._ready), timeout)
         except TimeoutError:
             self.kill()
-            raise RuntimeError(f"engine sent no READY within {timeout:.0f} s") from None
+            raise RuntimeError(f"{self.name} sent no READY within {timeout:.0f} s") from None
 
     async def supervise(self, timeout: float, backoff: tuple[float, float] = (1.0, 30.0)) -> None:
         """Restart the engine whenever it is lost, waiting `backoff[0]` seconds first and twice
@@ -187,13 +196,13 @@ class EngineClient:
                 return
             await asyncio.sleep(delay)
             self.restarts += 1
-            log.warning("restarting the engine (restart %d)", self.restarts)
+            log.warning("restarting %s (restart %d)", self.name, self.restarts)
             self._reset()
             try:
                 await self.start(timeout)
                 delay = backoff[0]
             except RuntimeError as e:
-                log.error("engine restart failed: %s", e)
+                log.error("restarting %s failed: %s", self.name, e)
                 delay = min(2 * delay, backoff[1])
 
     def _reset(self) -> None:
@@ -324,9 +333,9 @@ class EngineClient:
             status = self.proc.poll() if self.proc else None
             self.gone = f"{reason} (exit status {status})" if status is not None else reason
             level = logging.INFO if self._stopping else logging.ERROR
-            log.log(level, "engine unavailable: %s", self.gone)
+            log.log(level, "%s is unavailable: %s", self.name, self.gone)
         if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(RuntimeError(f"engine failed to start: {self.gone}"))
+            self._ready.set_exception(RuntimeError(f"{self.name} failed to start: {self.gone}"))
         for turn in list(self._turns.values()):
             turn.end(EngineGone(self.gone))
         self._turns.clear()

@@ -120,6 +120,7 @@ class Reply:
                 "length_limited": done.length_limited,
                 "reused_tokens": t.accept.reused_tokens if t.accept and t.own_cache else 0,
                 "slot": t.slot,
+                "replica": t.replica,
             }
         perf = None
         if t.perf is not None:

@@ -1,4 +1,5 @@
-"""`colibri gateway`: check the bind, start the engine subprocess, serve HTTP with uvicorn."""
+"""`colibri gateway`: check the bind, start the engine subprocesses (one per replica), serve
+HTTP with uvicorn."""
 
 from __future__ import annotations
 
@@ -23,8 +24,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--kv-slots", type=int, default=4, help="conversations decoded at once (1-16)")
-    p.add_argument("--max-queue", type=int, default=None, help="waiting requests (2*slots)")
+    p.add_argument(
+        "--kv-slots", type=int, default=4, help="conversations each engine decodes at once (1-16)"
+    )
+    p.add_argument(
+        "--max-queue", type=int, default=None, help="waiting requests per replica (2*slots)"
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engine subprocesses, each with its own KV slots; conversations keep theirs",
+    )
     p.add_argument("--api-key", default=None, help=f"required Bearer key (or ${API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, help="a file holding the key (not in ps)")
     p.add_argument("--ctx", type=int, default=None, help="positions per KV slot (engine CTX)")
@@ -50,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         model_id=args.name or model.resolve().name,
         kv_slots=args.kv_slots,
         max_waiting=2 * args.kv_slots if args.max_queue is None else args.max_queue,
+        replicas=args.replicas,
         api_key=_api_key(args),
         max_body=args.max_body,
         web_root=Path(args.web) if args.web else None,
@@ -87,18 +99,28 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
     from colibri.gateway.app import create_app
     from colibri.gateway.deadline import deadline_protocol
     from colibri.gateway.engine_client import EngineClient
+    from colibri.gateway.replicas import replica_env, replica_settings
     from colibri.gateway.schema import ApiError
 
     # the environment's engine settings, the slots and context the gateway was given
     engine_settings = replace(EngineSettings.from_env(os.environ), kv_slots=settings.kv_slots)
     if args.ctx:
         engine_settings = replace(engine_settings, ctx=args.ctx)
-    engine = EngineClient.for_model(settings.model_dir, engine_settings)
-    supervisor = None
+    n = settings.replicas
+    engines = [
+        EngineClient.for_model(
+            settings.model_dir,
+            replica_settings(engine_settings, settings.model_dir, i, n),
+            env=replica_env(engine_settings, i, n),
+            name="the engine" if n == 1 else f"replica {i}",
+        )
+        for i in range(n)
+    ]
+    supervisors: list[asyncio.Task] = []
     try:
-        await engine.start(timeout=args.start_timeout)
-        supervisor = asyncio.create_task(engine.supervise(args.start_timeout))  # restarts it
-        app = create_app(engine, settings)
+        await asyncio.gather(*(e.start(timeout=args.start_timeout) for e in engines))
+        supervisors = [asyncio.create_task(e.supervise(args.start_timeout)) for e in engines]
+        app = create_app(engines, settings)
         level = "info" if log.isEnabledFor(logging.DEBUG) else "warning"
         late = f"the request did not arrive whole within {settings.request_timeout:g} s"
         late_body = ApiError(408, late, code="request_timeout").body()
@@ -111,7 +133,13 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
             http=deadline_protocol(settings.request_timeout, late_body),  # half-sent: 408
         )
         server = uvicorn.Server(config)
-        log.info("gateway: %s on http://%s:%d", settings.model_id, args.host, args.port)
+        log.info(
+            "gateway: %s on http://%s:%d%s",
+            settings.model_id,
+            args.host,
+            args.port,
+            f" ({n} replicas)" if n > 1 else "",
+        )
         _absorb_resent_signals()
         await server.serve()
         return 0 if server.started else 1
@@ -119,9 +147,9 @@ async def _serve(settings: GatewaySettings, args: argparse.Namespace) -> int:
         log.error("%s", e)
         return 1
     finally:
-        if supervisor is not None:
+        for supervisor in supervisors:  # (each restarts its engine when it is lost)
             supervisor.cancel()
-        await engine.close()
+        await asyncio.gather(*(e.close() for e in engines))
 
 
 def _absorb_resent_signals() -> None:

@@ -10,6 +10,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_WEB = REPO / "web" / "dist"
 DEFAULT_EXPERTS_JSON = REPO / "data" / "experts.json"
 MAX_SLOTS = 16  # KV_SLOTS range of the mux protocol (spec: 1-16)
+MAX_REPLICAS = 16  # engine subprocesses, each holding the whole model
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,9 @@ class GatewaySettings:
 
     model_dir: Path
     model_id: str  # the name /v1/models lists and responses carry
-    kv_slots: int = 4  # engine KV slots = requests decoded at once
-    max_waiting: int = 8  # requests queued for a slot beyond those; more get 429
+    kv_slots: int = 4  # KV slots of each engine = requests it decodes at once
+    max_waiting: int = 8  # requests queued for each engine's slots beyond those; more get 429
+    replicas: int = 1  # engine subprocesses, each with its own kv_slots
     api_key: str | None = None  # required as `Authorization: Bearer <key>` when set
     max_body: int = 1 << 20  # request body cap in bytes (413 above)
     web_root: Path | None = DEFAULT_WEB  # static site; None = none
@@ -32,6 +34,8 @@ class GatewaySettings:
             raise ValueError(f"kv_slots={self.kv_slots}: expected 1..{MAX_SLOTS}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting={self.max_waiting}: expected >= 0")
+        if not 1 <= self.replicas <= MAX_REPLICAS:
+            raise ValueError(f"replicas={self.replicas}: expected 1..{MAX_REPLICAS}")
         if self.max_body < 1024:
             raise ValueError(f"max_body={self.max_body}: expected >= 1024 bytes")
         if not 0 < self.request_timeout <= 3600:

@@ -3,7 +3,9 @@
 A free slot is chosen by, in order: the conversation key the slot last served (a hash of the
 messages before the last assistant turn, or a key the client names); the longest earlier prompt
 that the new prompt continues (plain completions); the least recently used slot. When every
-slot is busy a request waits in a bounded FIFO queue; a full queue refuses at once.
+slot is busy a request waits in a bounded FIFO queue; a full queue refuses at once. `match`
+tells, without taking anything, how well a pool's free slots suit a request, so that a gateway
+with several engines (`colibri.gateway.replicas`) can send it to the one holding its prefix.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full."""
+
+
+NO_MATCH = (False, 0)  # `SlotPool.match` when no free slot holds any of the request
 
 
 @dataclass(frozen=True)
@@ -80,18 +85,27 @@ class SlotPool:
                 return
         self.slots[index].busy = False
 
+    def match(self, affinity: Affinity, prompt: str) -> tuple[bool, int]:
+        """How much of the request a free slot holds, as (it served the conversation, length
+        of its last prompt that the request continues), the best free slot's; (False, 0) when
+        none holds any of it (or none is free)."""
+        free = [self._fit(s, affinity, prompt) for s in self.slots if not s.busy]
+        return max(free, default=NO_MATCH) if not self.waiting else NO_MATCH
+
     def _pick(self, affinity: Affinity, prompt: str) -> int | None:
         free = [s for s in self.slots if not s.busy]
         if not free:
             return None
-        if affinity.find is not None:
-            for s in free:
-                if s.key == affinity.find:
-                    return s.index
-        continued = [s for s in free if s.prompt and prompt.startswith(s.prompt)]
-        if continued:
-            return max(continued, key=lambda s: len(s.prompt)).index
+        best = max(free, key=lambda s: self._fit(s, affinity, prompt))  # the first of equals
+        if self._fit(best, affinity, prompt) > NO_MATCH:
+            return best.index
         return min(free, key=lambda s: s.used).index
+
+    @staticmethod
+    def _fit(s: _Slot, affinity: Affinity, prompt: str) -> tuple[bool, int]:
+        """The conversation key first, then the longest earlier prompt the request continues."""
+        mine = affinity.find is not None and s.key == affinity.find
+        return mine, len(s.prompt) if s.prompt and prompt.startswith(s.prompt) else 0
 
     async def _wait(self) -> int:
         waiter = asyncio.get_running_loop().create_future()
