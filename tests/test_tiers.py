@@ -329,3 +329,38 @@ def test_on_the_cpu_experts_in_ram_are_computed_where_they_lie(checkpoints):
         if unified is None:  # nothing staged: every expert was read once, at load
             assert not hasattr(model.store, "slots")
         model.store.close()
+
+
+def test_a_layer_reads_at_most_its_window_of_misses_at_once(checkpoints, monkeypatch):
+    """With one reader thread the window is two: however many experts a layer misses (four
+    conversations, every expert on disk, one slot a layer), no more than two are read and not
+    yet placed at any time, and the tokens are the resident ones. Automatic budgets leave
+    what the window holds out of the tiers (`read_reserve`)."""
+    d = checkpoints("qwen3_moe")
+    resident = load_model(d, progress=False)
+    prompts = [resident.tokenizer.encode(p) for p in PROMPTS]
+    want = batched_greedy(Runner(resident, slots=4, capacity=64), prompts)
+    model = load_model(d, tiers=TierConfig(cap=1, ram_bytes=0, io_threads=1), progress=False)
+    store = model.store
+    assert store.read_window == 2 and not store.all_resident
+    assert store.read_reserve == 2 * (
+        2 * store.disk.buffer_bytes(store.layer_ids[0], 0) + store.expert_bytes
+    )
+    started: set[tuple[int, int]] = set()
+    most = []
+    read_async, stage = store._read_async, store._stage
+
+    def counted_read(row, e, urgent=True):
+        started.add((row, e))
+        most.append(len(started))
+        return read_async(row, e, urgent)
+
+    def counted_stage(row, slot, e, w):
+        started.discard((row, e))
+        return stage(row, slot, e, w)
+
+    monkeypatch.setattr(store, "_read_async", counted_read)
+    monkeypatch.setattr(store, "_stage", counted_stage)
+    got = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
+    assert got == want
+    assert max(most) == 2 and len(most) > 4 * store.read_window  # many misses, two at a time

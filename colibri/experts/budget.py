@@ -136,14 +136,20 @@ class Plan:
 
 
 def plan(
-    tc: TierConfig, n_layers: int, num_experts: int, expert_bytes: int, cpu: bool = False
+    tc: TierConfig,
+    n_layers: int,
+    num_experts: int,
+    expert_bytes: int,
+    cpu: bool = False,
+    reserve: int = 0,
 ) -> Plan:
     """Turn budgets into slot counts; unset budgets take a share of the memory available
-    beyond `WORKSPACE` (half to device slots, a quarter to the RAM cache). Unified memory (the
+    beyond `WORKSPACE` and `reserve` (what reading experts from disk holds: the store's read
+    window) (half to device slots, a quarter to the RAM cache). Unified memory (the
     device is the `cpu`, unless `tc.unified` says otherwise) gives the RAM budget to device
     slots: an expert in RAM is then computed where it lies, with no copy into a slot."""
     total = n_layers * num_experts * expert_bytes
-    avail = max(0, memlimit.available() - WORKSPACE)
+    avail = max(0, memlimit.available() - WORKSPACE - reserve)
     device = tc.device_bytes if tc.device_bytes is not None else min(total, avail // 2)
     slots = max(1, min(num_experts, device // max(1, n_layers * expert_bytes)))
     if tc.cap:

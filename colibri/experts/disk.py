@@ -155,6 +155,22 @@ class DiskReader:
             [span], lambda buf: bytes(buf[span.data_at : span.data_at + n]), n
         ).result()
 
+    def in_flight(self) -> int:
+        """Requests started and not yet complete (each holds a read buffer)."""
+        with self._lock:
+            return len(self._loads)
+
+    def buffer_bytes(self, layer: int, expert: int) -> int:
+        """The read buffer one request for (layer, expert) takes: its byte ranges' aligned
+        covers, in whole huge pages."""
+        spans = self._layout([r for r, _ in _ranges(self.slab(layer, expert))])
+        size = sum(sp.hi - sp.lo for sp in spans)
+        return max(hugepages.HUGE, -(-size // hugepages.HUGE) * hugepages.HUGE)
+
+    def keep_spare(self, nbytes: int) -> None:
+        """Keep at most `nbytes` of finished reads' buffers for reuse (default 256 MiB)."""
+        self._buffers.keep = nbytes
+
     @property
     def busy_seconds(self) -> float:
         """Wall seconds with at least one read in flight, including the interval open now."""

@@ -54,7 +54,18 @@ class ExpertStore:
         self.shapes = expert_shapes(cfg, self.held, self.blocks)
         self.expert_bytes = sum(r * c for r, c in self.shapes.values()) * self.held.itemsize
         cpu = jax.devices()[0].platform == "cpu"
-        self.plan: Plan = plan(tiers, len(self.layer_ids), self.E, self.expert_bytes, cpu)
+        self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io, held=self.held)
+        # Misses of a layer read at once (`chunks`), and what reading holds beyond the tiers:
+        # that many read buffers in flight, as many kept for reuse, and the experts read but
+        # not yet placed. Automatic budgets leave it out (a model that fits needs none).
+        self.read_window = max(2, 2 * tiers.io_threads)
+        raw = self.disk.buffer_bytes(self.layer_ids[0], 0) if self.layer_ids else 0
+        self.disk.keep_spare(self.read_window * raw)
+        self.read_reserve = self.read_window * (2 * raw + self.expert_bytes)
+        n = len(self.layer_ids)
+        self.plan: Plan = plan(tiers, n, self.E, self.expert_bytes, cpu)
+        if not self.plan.all_resident(self.E):
+            self.plan = plan(tiers, n, self.E, self.expert_bytes, cpu, self.read_reserve)
         self.stats = ExpertStats(len(self.layer_ids), self.E, self.expert_bytes)
         self.usage_path = Path(usage_path) if usage_path else None
         if self.usage_path:
@@ -67,7 +78,6 @@ class ExpertStore:
         self._needed: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], Future] = {}
         self._lock = threading.RLock()  # tier bookkeeping from the reader pool (PILOT)
-        self.disk = DiskReader(ckpt, cfg, tiers.io_threads, tiers.direct_io, held=self.held)
         self._pinned = _pinned_host()
         if self.all_resident:
             self._load_resident(progress)
@@ -139,10 +149,19 @@ class ExpertStore:
         on_device = [e for e in needed if s.slot_of[e] >= 0]
         in_ram = [e for e in needed if s.slot_of[e] < 0 and (row, e) in self.ram]
         t0 = time.perf_counter()
-        futures = {  # a miss: neither on device nor in RAM, so it is read from disk
-            e: self._read_async(row, e) for e in needed if s.slot_of[e] < 0 and e not in in_ram
-        }
-        self.stats.record_lookups(len(needed), len(on_device) + len(in_ram), len(futures))
+        # A miss is neither on device nor in RAM, so it is read from disk: read_window of them
+        # at once, the next one started as each is placed, so what reading holds is bounded
+        # (`read_reserve`) however many a layer misses.
+        unread = [e for e in needed if s.slot_of[e] < 0 and e not in in_ram]
+        self.stats.record_lookups(len(needed), len(on_device) + len(in_ram), len(unread))
+        futures: dict[int, Future] = {}
+
+        def read_more() -> None:
+            while unread and len(futures) < self.read_window:  # started, not yet placed
+                e = unread.pop(0)
+                futures[e] = self._read_async(row, e)
+
+        read_more()
         pending = sorted(needed, key=lambda e: s.slot_of[e] < 0)  # resident ones first
         # While reads are in flight, the experts already on device are computed first, alone:
         # the forward waits only for what it truly lacks, after computing what it has.
@@ -151,17 +170,21 @@ class ExpertStore:
             protect = {int(s.slot_of[e]) for e in pending if s.slot_of[e] >= 0}
             chunk = [e for e in pending if s.slot_of[e] >= 0]
             missing = [e for e in pending if s.slot_of[e] < 0]
-            # those in RAM or read already first, then those still being read
-            missing.sort(key=lambda e: e in futures and not futures[e].done())
+            # those in RAM or read already first, then those being read, then those not started
+            missing.sort(key=lambda e: 2 if e in unread else e in futures and not futures[e].done())
             for e in [] if overlap else missing:
                 slot = s.victim(protect, self.tiers.policy, self.stats.counts[row], e)
                 if slot is None:  # its device's slots are taken (other devices may have room)
                     continue
+                if e in unread:  # not started yet: now, ahead of those still waiting
+                    unread.remove(e)
+                    futures[e] = self._read_async(row, e)
                 w = self.ram.get((row, e))
                 if w is None:
-                    w = futures[e].result() if e in futures else self._fetch(row, e)
+                    w = futures.pop(e).result() if e in futures else self._fetch(row, e)
                     self._ram_put(row, e, w)
                 self._stage(row, slot, e, w)
+                read_more()
                 protect.add(slot)
                 chunk.append(e)
             overlap = False
@@ -219,6 +242,8 @@ class ExpertStore:
         for e in (int(x) for x in predicted):
             if self.slots[row].slot_of[e] >= 0 or (row, e) in self.ram or self.ram.budget == 0:
                 continue
+            if self.disk.in_flight() >= self.read_window:  # a guess: never past the window
+                break
             f = self._read_async(row, e, urgent=False)
             f.add_done_callback(lambda f, k=(row, e): self._prefetched(k, f))
 
