@@ -22,6 +22,11 @@ def _put(bufs: dict, slot: jax.Array, g: jax.Array, u: jax.Array, d: jax.Array) 
     }
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def _put_one(buf: jax.Array, slot: jax.Array, x: jax.Array) -> jax.Array:
+    return buf.at[slot].set(x)
+
+
 class ExpertSlots:
     """`n` slots of one layer's experts on device: gate/up [n, F, D], down [n, D, F] as held
     (`shapes`: one expert's, weights.expert_shapes; `dtype`: weights.expert_dtype).
@@ -59,6 +64,21 @@ class ExpertSlots:
         """Whether pinning `expert` leaves its device a slot for the others."""
         return int(self.pinned[self.slots_for(expert)].sum()) < self.per_device - 1
 
+    def _put_on_owner(self, slot: int, w: Weights) -> None:
+        """Several devices: the expert goes to the device that owns `slot` alone, into its
+        shard of each split buffer, updated in place; the other shards are left as they are."""
+        d = slot // self.per_device
+        owner = parallel.devices()[d]
+        local = jnp.int32(slot - d * self.per_device)
+        for name, a in zip(("gate", "up", "down"), w, strict=True):
+            buf = self.bufs[name]
+            shards = [s.data for s in buf.addressable_shards]
+            at = [x.device for x in shards].index(owner)
+            shards[at] = _put_one(shards[at], local, jax.device_put(a, owner))
+            self.bufs[name] = jax.make_array_from_single_device_arrays(
+                buf.shape, buf.sharding, shards
+            )
+
     def touch(self, slots: np.ndarray, tick: int) -> None:
         self.last_used[slots] = tick
 
@@ -85,9 +105,9 @@ class ExpertSlots:
         if parallel.mesh() is None:
             dev = self.bufs["gate"].sharding
             w = tuple(jax.device_put(a, dev) for a in w)  # host (or pinned host) -> device
-        else:  # on every device; the update keeps the owner's (a copy to each, for now)
-            w = parallel.replicated(w)
-        self.bufs = _put(self.bufs, jnp.int32(slot), *w)
+            self.bufs = _put(self.bufs, jnp.int32(slot), *w)
+        else:
+            self._put_on_owner(slot, w)
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         return old
