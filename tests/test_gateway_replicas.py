@@ -58,8 +58,9 @@ def test_routing_prefix_first_then_the_least_loaded_replica():
         assert await take("y", "y2", "Y asks, Y answers, Y asks again") == (1, 0)
         # ... and a plain completion continuing x's prompt to x's slot
         assert await take(None, None, "X asks, and more") == (0, 0)
-        assert await take(None, "w", "W asks") == (0, 1)  # loads 1 and 1: a tie
-        assert await take(None, "q", "Q asks") == (1, 1)
+        # loads 1 and 1: replica 1 still has a slot that never served, replica 0 has none
+        assert await take(None, "w", "W asks") == (1, 1)
+        assert await take(None, "q", "Q asks") == (0, 1)
         v = asyncio.ensure_future(take(None, "v", "V asks"))  # both full: 0's queue
         await asyncio.sleep(0)
         u = asyncio.ensure_future(take(None, "u", "U asks"))  # then 1's

@@ -4,6 +4,7 @@ A request goes to a (replica, slot). The replica is the one whose free slot hold
 prefix (the conversation's key, else the longest earlier prompt it continues: what
 `SlotPool.match` reports), so a conversation's next turn finds its cache again; a request no
 free slot holds goes to the replica with the fewest requests in flight or queued (ties: the
+one with more slots that never served a request, whose caches it evicts nothing from; then the
 lowest index). Within the replica its `SlotPool` picks the slot, or queues the request.
 
 A replica whose engine is lost fails its own requests, those in flight and those queued for its
@@ -64,14 +65,15 @@ class Replicas:
 
     def route(self, affinity: Affinity, prompt: str) -> Replica:
         """The running replica whose free slot holds the most of the request, else the least
-        loaded one (first by index); Unavailable when none is running."""
+        loaded one (then the one with more never-used slots, then by index); Unavailable when
+        none is running."""
         up = self.alive
         if not up:
             raise Unavailable(self.why_down())
         held = max(up, key=lambda r: r.pool.match(affinity, prompt))  # the first of equals
         if held.pool.match(affinity, prompt) > NO_MATCH:
             return held
-        return min(up, key=lambda r: (r.load, r.index))
+        return min(up, key=lambda r: (r.load, -r.pool.fresh, r.index))
 
     async def acquire(self, affinity: Affinity, prompt: str) -> tuple[Replica, int]:
         """A replica and one of its slots (after waiting in its queue if it must); Unavailable,

@@ -62,6 +62,11 @@ class SlotPool:
     def waiting(self) -> int:
         return sum(not w.done() for w in self._waiters)
 
+    @property
+    def fresh(self) -> int:
+        """Free slots that never served a request: a new conversation there evicts nothing."""
+        return sum(not s.busy and s.used == 0 for s in self.slots)
+
     async def acquire(self, affinity: Affinity, prompt: str) -> int:
         """A slot index for this request; QueueFull when it cannot even wait."""
         slot = None if self.waiting else self._pick(affinity, prompt)
