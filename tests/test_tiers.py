@@ -188,7 +188,12 @@ def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
             ),
             False,
         ),
-        "pilot": (TierConfig(device_bytes=2 * per_layer, ram_bytes=6 * eb, pilot=True), False),
+        # PILOT reading ahead beside the slots (unified memory), and into a RAM tier
+        "pilot": (TierConfig(device_bytes=2 * per_layer, ram_bytes=0, pilot=True), False),
+        "pilot-ram": (
+            TierConfig(device_bytes=2 * per_layer, ram_bytes=6 * eb, pilot=True, unified=False),
+            False,
+        ),
         "direct-io": (TierConfig(device_bytes=per_layer, ram_bytes=0, direct_io=True), False),
     }
 
@@ -217,6 +222,7 @@ def test_greedy_identical_under_every_policy_and_budget(family, checkpoints, tmp
             assert (on_device <= model.store.plan.slots_per_layer).all(), name
         if tiers.pilot:
             assert 0 < model.store.pilot_recall() <= 1
+            assert (model.store.pilot_read_ahead > 0) == (tiers.unified is None), name
         if tiers.repin:
             assert all(s.pinned.sum() == 1 for s in model.store.slots), name
         model.store.close()
@@ -343,9 +349,9 @@ def test_a_layer_reads_at_most_its_window_of_misses_at_once(checkpoints, monkeyp
     model = load_model(d, tiers=TierConfig(cap=1, ram_bytes=0, io_threads=1), progress=False)
     store = model.store
     assert store.read_window == 2 and not store.all_resident
-    assert store.read_reserve == 2 * (
-        2 * store.disk.buffer_bytes(store.layer_ids[0], 0) + store.expert_bytes
-    )
+    # buffers in flight and kept, experts read and not placed, as many read ahead by PILOT
+    raw = store.disk.buffer_bytes(store.layer_ids[0], 0)
+    assert store.read_reserve == 2 * (2 * raw + 2 * store.expert_bytes)
     started: set[tuple[int, int]] = set()
     most = []
     read_async, stage = store._read_async, store._stage

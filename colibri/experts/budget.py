@@ -32,7 +32,7 @@ class TierConfig:
     direct_io: bool = False  # DIRECT_IO: read experts with O_DIRECT (bypass the page cache)
     io_threads: int = 4  # IO_THREADS: disk reader pool size
     # UNIFIED: the RAM budget as more device slots, no RAM tier (None: on when the device is
-    # the CPU, whose "device" memory is host RAM, and PILOT is off; PILOT prefetches into RAM).
+    # the CPU, whose "device" memory is host RAM; PILOT then reads a window of experts ahead).
     unified: bool | None = None
 
     VARIABLES: ClassVar[tuple[str, ...]] = (
@@ -156,7 +156,7 @@ def plan(
         slots = min(slots, tc.cap)
     left = max(0, total - n_layers * slots * expert_bytes)
     ram = tc.ram_bytes if tc.ram_bytes is not None else min(left, avail // 4)
-    if tc.unified if tc.unified is not None else (cpu and not tc.pilot):
+    if tc.unified if tc.unified is not None else cpu:
         more = min(ram, left) // max(1, n_layers * expert_bytes)
         slots, ram = min(num_experts, slots + more), 0
         if tc.cap:

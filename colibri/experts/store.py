@@ -61,7 +61,7 @@ class ExpertStore:
         self.read_window = max(2, 2 * tiers.io_threads)
         raw = self.disk.buffer_bytes(self.layer_ids[0], 0) if self.layer_ids else 0
         self.disk.keep_spare(self.read_window * raw)
-        self.read_reserve = self.read_window * (2 * raw + self.expert_bytes)
+        self.read_reserve = self.read_window * (2 * raw + 2 * self.expert_bytes)  # PILOT's too
         n = len(self.layer_ids)
         self.plan: Plan = plan(tiers, n, self.E, self.expert_bytes, cpu)
         if not self.plan.all_resident(self.E):
@@ -75,8 +75,12 @@ class ExpertStore:
         self.pilot_predicted = 0
         self.pilot_correct = 0
         self.pilot_actual = 0
+        self.pilot_read_ahead = 0  # misses whose read PILOT had started (no RAM tier)
         self._needed: set[tuple[int, int]] = set()
         self._inflight: dict[tuple[int, int], Future] = {}
+        # PILOT without a RAM tier: reads of the next layer's predicted experts, kept until that
+        # layer's `chunks` takes them (at most read_window of them)
+        self._ahead: dict[tuple[int, int], Future] = {}
         self._lock = threading.RLock()  # tier bookkeeping from the reader pool (PILOT)
         self._pinned = _pinned_host()
         if self.all_resident:
@@ -155,6 +159,13 @@ class ExpertStore:
         unread = [e for e in needed if s.slot_of[e] < 0 and e not in in_ram]
         self.stats.record_lookups(len(needed), len(on_device) + len(in_ram), len(unread))
         futures: dict[int, Future] = {}
+        for key in [k for k in self._ahead if k[0] == row]:  # PILOT's reads for this layer
+            f = self._ahead.pop(key)
+            if key[1] in unread:
+                unread.remove(key[1])
+                self.disk.promote(f)  # now needed: its queued pieces go first
+                futures[key[1]] = f
+                self.pilot_read_ahead += 1
 
         def read_more() -> None:
             while unread and len(futures) < self.read_window:  # started, not yet placed
@@ -237,13 +248,20 @@ class ExpertStore:
     # -- PILOT: router lookahead ---------------------------------------------------------
 
     def prefetch(self, row: int, predicted: np.ndarray) -> None:
-        """Start disk reads into RAM for experts MoE row `row` is predicted to need."""
+        """Start disk reads for experts MoE row `row` is predicted to need: into RAM, or with
+        no RAM tier (unified memory) held for that row's `chunks`, a window of them."""
         self.pilot_predicted += len(predicted)
+        ahead = self.ram.budget == 0  # no RAM tier (unified memory): held until row's chunks
         for e in (int(x) for x in predicted):
-            if self.slots[row].slot_of[e] >= 0 or (row, e) in self.ram or self.ram.budget == 0:
+            if self.slots[row].slot_of[e] >= 0 or (row, e) in self.ram or (row, e) in self._ahead:
                 continue
             if self.disk.in_flight() >= self.read_window:  # a guess: never past the window
                 break
+            if ahead:
+                if len(self._ahead) >= self.read_window:
+                    break
+                self._ahead[(row, e)] = self._read_async(row, e, urgent=False)
+                continue
             f = self._read_async(row, e, urgent=False)
             f.add_done_callback(lambda f, k=(row, e): self._prefetched(k, f))
 
