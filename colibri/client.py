@@ -2,9 +2,10 @@
 
 `Engine` spawns the engine on the mux protocol, waits for its handshake and reads its stdout on
 one thread. Each `submit` returns a `Request` (a queue of that request's events, its text with
-UTF-8 reassembled, `wait()` for the finished `Turn`); engine-wide telemetry (EMAP, TIERS, HITS,
-GPUS, HWINFO, REPIN) updates the session's latest state and reaches subscribers, which is how the
-live widgets in `colibri.widgets` redraw. Unknown line kinds are ignored (the protocol's
+UTF-8 reassembled, `wait()` for the finished `Turn`; with `gates`, every token's routing, which
+`gates_df()` tabulates); engine-wide telemetry (EMAP, TIERS, HITS, GPUS, HWINFO, REPIN) updates
+the session's latest state and reaches subscribers, which is how the live widgets in
+`colibri.widgets` redraw. Unknown line kinds are ignored (the protocol's
 forward-compatibility rule).
 
 Which request each line belongs to is `colibri.protocol.session`'s rule, shared with the
@@ -43,6 +44,7 @@ from colibri.protocol.codec import (
     Emap,
     Entropy,
     Error,
+    Gates,
     Gpus,
     Hits,
     HwInfo,
@@ -230,6 +232,7 @@ class Turn:
     repins: tuple[Repin, ...]  # REPIN swaps while in flight
     prof: Prof | None = None  # the turn's PROF line (colibrì's profiling numbers)
     clock: Clock | None = None  # when this client saw its milestones
+    gates: tuple[Gates, ...] = ()  # GATES lines in arrival order (SERVE_GATES), by position
 
     @property
     def ok(self) -> bool:
@@ -265,6 +268,10 @@ class Turn:
         ]
         return pd.DataFrame(rows, columns=["step", "rank", "logprob", "candidate"])
 
+    def gates_df(self) -> pd.DataFrame:
+        """This turn's GATES (SERVE_GATES), laid out as `gates_frame` lays them (turn 0)."""
+        return _gates_table([(0, self)])
+
 
 class Request:
     """A submitted prompt: its events as they arrive, its text so far, and `wait()`.
@@ -286,6 +293,7 @@ class Request:
         self._got: dict[str, object] = {}
         self._tokens: list[bytes] = []
         self._topk: list[TopK] = []
+        self._gates: list[Gates] = []
         self._hits: list[Hits] = []
         self._repins: list[Repin] = []
         self.t_submit = time.monotonic()  # milestones as `Clock` names them (Engine.submit
@@ -383,6 +391,8 @@ class Request:
                 self._text.append(self._asm.feed(ev.payload))
             elif isinstance(ev, TopK):
                 self._topk.append(ev)
+            elif isinstance(ev, Gates):
+                self._gates.append(ev)
             elif isinstance(ev, Hits):
                 self._hits.append(ev)
             elif isinstance(ev, Repin):
@@ -418,6 +428,7 @@ class Request:
                 repins=tuple(self._repins),
                 prof=g.get("Prof"),
                 clock=Clock(self.t_submit, self.t_accept, self.t_first, self.t_last, self.t_end),
+                gates=tuple(self._gates),
             )
         self.events.put(ev)
         self._finished.set()
@@ -556,6 +567,12 @@ class Session:
     def entropy_df(self) -> pd.DataFrame:
         return entropy_frame(self.turns)
 
+    def gates_df(self) -> pd.DataFrame:
+        frame = gates_frame(self.turns)
+        if self.emap is not None:
+            frame.attrs["n_experts"] = self.emap.cols
+        return frame
+
     def emap_df(self) -> pd.DataFrame:
         return emap_frame(self.emap, self.hits) if self.emap else emap_frame(None)
 
@@ -667,6 +684,105 @@ def entropy_frame(turns: list[Turn]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["turn", "id", "tag", "layer", "entropy_bits"])
 
 
+# The gates table's columns (`gates_frame`): trace_corpus's layout, a request in place of a doc
+GATES_COLUMNS = (
+    "turn",
+    "id",
+    "tag",
+    "position",
+    "token",
+    "token_text",
+    "step",
+    "layer",
+    "rank",
+    "expert",
+    "weight",
+    "entropy",
+    "margin",
+)
+_GATES_DTYPES = dict(
+    turn=np.int32, id=np.int64, tag=object, position=np.int32, token=np.int32,
+    token_text=object, step=np.int32, layer=np.int16, rank=np.int8, expert=np.int32,
+    weight=np.float32, entropy=np.float32, margin=np.float32,
+)  # fmt: skip
+
+
+def gates_frame(turns: list[Turn]) -> pd.DataFrame:
+    """One row per (finished turn, GATES line, MoE layer, rank), in that order: the routing of
+    every token the engine fed with SERVE_GATES on, laid out as `analysis.trace_corpus` lays
+    out a corpus (`routing_stats` takes it with ``df.rename(columns={"id": "doc"})``).
+
+    `position` is the fed token's position in its slot and `token` its id; `token_text` the
+    text it adds where this client saw it as a DATA (generated tokens; None for the prompt's);
+    `step` the index of the token that forward chose (its DATA), -1 for the prompt tokens
+    before the last (SERVE_GATES=2). `layer` the MoE layer, `rank` 0 .. K-1 by descending
+    gate weight, `expert`, `weight` (float32); the router's `entropy` (bits) and `margin`
+    belong to (position, layer) and repeat over its K rows.
+    """
+    return _gates_table(list(enumerate(x for x in turns if x.ok)))
+
+
+def _gates_table(turns: list[tuple[int, Turn]]) -> pd.DataFrame:
+    """`gates_frame` of (turn number, turn) pairs."""
+    parts: dict[str, list] = {c: [] for c in GATES_COLUMNS}
+    for i, t in turns:
+        _gates_rows(parts, i, t)
+    cols = {
+        c: np.concatenate(p).astype(_GATES_DTYPES[c]) if p else np.zeros(0, _GATES_DTYPES[c])
+        for c, p in parts.items()
+    }
+    cols["token_text"] = pd.Categorical(cols["token_text"])
+    frame = pd.DataFrame(cols, columns=list(GATES_COLUMNS))
+    k = next((t.gates[0].k for _, t in turns if t.gates), None)
+    if k is not None:
+        frame.attrs["top_k"] = k
+    return frame
+
+
+def _gates_rows(parts: dict[str, list], turn: int, t: Turn) -> None:
+    """Append turn `t`'s GATES rows to the columns in `parts`."""
+    if not t.gates:
+        return
+    g0 = t.gates[0]
+    L, K, G = len(g0.experts), g0.k, len(t.gates)
+    per = L * K
+    n = G * per
+    n_prompt = t.accept.prompt_tokens if t.accept else t.done.prompt_tokens if t.done else None
+    pos = np.asarray([g.pos for g in t.gates], np.int64)
+    texts = _token_texts(t.tokens)
+    if n_prompt is None:
+        step, said = np.full(G, -1), [None] * G
+    else:
+        step = np.where(pos >= n_prompt - 1, pos - n_prompt + 1, -1)
+        said = [texts[p - n_prompt] if 0 <= p - n_prompt < len(texts) else None for p in pos]
+    tag = np.empty(n, object)
+    tag[:] = [t.tag] * n
+    parts["turn"].append(np.full(n, turn))
+    parts["id"].append(np.full(n, t.id))
+    parts["tag"].append(tag)
+    parts["position"].append(np.repeat(pos, per))
+    parts["token"].append(np.repeat([g.token for g in t.gates], per))
+    parts["token_text"].append(np.repeat(np.asarray(said, object), per))
+    parts["step"].append(np.repeat(step, per))
+    parts["layer"].append(np.tile(np.repeat(np.arange(L), K), G))
+    parts["rank"].append(np.tile(np.arange(K), G * L))
+    parts["expert"].append(np.asarray([g.experts for g in t.gates]).reshape(-1))
+    parts["weight"].append(np.asarray([g.weights for g in t.gates], np.float32).reshape(-1))
+    for col in ("entropy", "margin"):
+        per_layer = np.asarray([getattr(g, col) for g in t.gates], np.float32).reshape(-1)
+        parts[col].append(np.repeat(per_layer, K))
+
+
+def _token_texts(payloads: tuple[bytes, ...]) -> list[str]:
+    """The text each DATA payload adds: a character split over several tokens belongs to the
+    token that completes it (as `analysis.token_texts`)."""
+    asm = UTF8Assembler()
+    out = [asm.feed(p) for p in payloads]
+    if out:
+        out[-1] += asm.flush()
+    return out
+
+
 def emap_frame(emap: Emap | None, hits: Hits | np.ndarray | None = None) -> pd.DataFrame:
     """One row per (layer, expert): tier (2 device, 1 RAM, 0 disk), its name, heat, hit."""
     cols = ["layer", "expert", "tier", "tier_name", "heat", "hit"]
@@ -725,6 +841,7 @@ def engine_env(
     ctx: int | None = None,
     ngen: int | None = None,
     topk: bool = True,
+    gates: int = 0,
     seed: int = 0,
     device_gb: float | None = None,
     ram_gb: float | None = None,
@@ -738,7 +855,8 @@ def engine_env(
     base: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The engine's environment: `base` (default os.environ) without engine settings, plus
-    these (the mux protocol, every line kind); budgets left None are auto-sized."""
+    these (the mux protocol, every line kind; `gates` is SERVE_GATES); budgets left None are
+    auto-sized."""
     tiers = TierConfig.of_gb(
         device_gb, ram_gb, pin_gb, cap=cap, policy=policy, repin=repin, pilot=pilot
     )
@@ -749,6 +867,7 @@ def engine_env(
         ctx=ctx,
         ngen=ngen or 0,
         serve_topk=topk,
+        serve_gates=gates,
         seed=seed,
         profile=profile,
         state_dir=None if state_dir is None else str(state_dir),
@@ -762,7 +881,9 @@ class Engine:
 
     ``Engine(model, slots=2, device_gb=0.01)`` starts it and waits for the handshake. Budgets
     left None are auto-sized by the engine; `profile=True` sets PROFILE=1, asking for the
-    layer-by-layer path (phase timers in PERF) even when every expert fits. `state_dir` holds
+    layer-by-layer path (phase timers in PERF) even when every expert fits. `gates=1` sets
+    SERVE_GATES=1: the routing of the forward behind every token (`gates_df`; 2: of every
+    prompt token too), decoding one step a forward meanwhile. `state_dir` holds
     `.coli_usage` (pins are learned from it): by default a fresh temporary folder, removed at
     close, so runs neither depend on each other nor write into the model folder. `env` entries
     override everything. Close with `close()`, a `with` block, or let interpreter exit do it.
@@ -776,6 +897,7 @@ class Engine:
         ctx: int | None = None,
         ngen: int | None = None,
         topk: bool = True,
+        gates: int = 0,
         seed: int = 0,
         device_gb: float | None = None,
         ram_gb: float | None = None,
@@ -797,6 +919,7 @@ class Engine:
             ctx=ctx,
             ngen=ngen,
             topk=topk,
+            gates=gates,
             seed=seed,
             device_gb=device_gb,
             ram_gb=ram_gb,
@@ -931,6 +1054,11 @@ class Engine:
     def entropy_df(self) -> pd.DataFrame:
         """One row per (turn, MoE layer): routing entropy in bits."""
         return self.session.entropy_df()
+
+    def gates_df(self) -> pd.DataFrame:
+        """One row per (finished turn, fed token, MoE layer, rank): the experts and gate weights
+        of every token, the router's entropy and margin (`gates_frame`; needs `gates`)."""
+        return self.session.gates_df()
 
     def emap_df(self) -> pd.DataFrame:
         """One row per (layer, expert) of the latest EMAP: tier, heat, and the latest HITS bit."""

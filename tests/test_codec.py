@@ -16,6 +16,7 @@ from colibri.protocol.codec import (
     Entropy,
     Error,
     FrameError,
+    Gates,
     Gpus,
     Hits,
     HwInfo,
@@ -68,6 +69,18 @@ def hits(draw: st.DrawFn) -> Hits:
     return Hits.from_set(rows, cols, chosen)
 
 
+@st.composite
+def gates(draw: st.DrawFn) -> Gates:
+    layers, k = draw(st.integers(0, 3)), draw(st.integers(0, 3))
+    row = st.lists(counts, min_size=k, max_size=k).map(tuple)
+    wts = st.lists(fixed(7, 0), min_size=k, max_size=k).map(tuple)
+    per_layer = st.lists(fixed(7, 0), min_size=layers, max_size=layers).map(tuple)
+    experts = tuple(draw(row) for _ in range(layers))
+    weights = tuple(draw(wts) for _ in range(layers))
+    entropy, margin = draw(per_layer), draw(per_layer)
+    return Gates(draw(ids), draw(counts), draw(counts), experts, weights, entropy, margin)
+
+
 events = st.one_of(
     st.just(Ready()),
     st.builds(Stat, counts, fixed(2, 0), fixed(1, 0, 1000), gb),
@@ -81,6 +94,7 @@ events = st.one_of(
     st.builds(
         TopK, ids, st.lists(st.tuples(fixed(4), st.binary(max_size=8)), max_size=6).map(tuple)
     ),
+    gates(),
     st.builds(Repin, signed, signed, signed, signed),
     st.builds(Perf, ids, sec, sec, sec, sec, sec, sec, sec),
     st.builds(Prof, fixed(3, 0), counts, counts, *[fixed(3, 0)] * 5, counts),
@@ -140,6 +154,10 @@ EXACT = [
     (Data(5, b"a\nb"), b"DATA 5 3\na\nb\n"),
     (TopK(3, ((-0.1, b"hi"), (-2.5, b" "))), b"TOPK 3 2 -0.1000 6869 -2.5000 20\n"),
     (TopK(3, ((-0.5, b""),)), b"TOPK 3 1 -0.5000 \n"),
+    (
+        Gates(3, 17, 42, ((5, 1),), ((0.75, 0.25),), (1.5,), (0.5,)),
+        b"GATES 3 17 42 1 2 5 1 0.7500000 0.2500000 1.5000000 0.5000000\n",
+    ),
     (Repin(4, 17, 1, 0), b"REPIN 4 17 1 0\n"),
     (
         Perf(9, 1.5, 0.25, 0.125, 0.5, 0.3, 0.0, 0.01),
@@ -328,6 +346,7 @@ def test_overlong_unknown_line_is_truncated_not_buffered():
         b"EMAP 2 2 00\n",
         b"HITS 2 2 zz\n",
         b"TOPK 1\n",
+        b"GATES 1 0 5 1 2 3 4 0.5 0.5 1.0\n",
         b"GPUS 2 1.00 2.00 3\n",
         b"HWINFO 1 1.00 1.00 0 0.00 no-separator\n",
         b"DATA 1 3\nabcX",

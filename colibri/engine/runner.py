@@ -52,8 +52,9 @@ def _feed(weights_def, weights, rows, fed):
     return params, experts, jnp.where(take >= 0, fed[jnp.maximum(take, 0)], tokens), pos, slots
 
 
-def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len, rope=None):
-    """One token per row: logits, cache, routes and the rows' greedy tokens."""
+def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len, rope=None, trace=False):
+    """One token per row: logits, cache, routes (a `transformer.Routing` where `trace`) and
+    the rows' greedy tokens."""
     logits, cache, routes = transformer.forward(
         cfg,
         params,
@@ -65,6 +66,7 @@ def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len, rope=Non
         jnp.zeros_like(slots),
         kv_len=kv_len,
         rope=rope,
+        trace=trace,
     )
     return logits, cache, routes, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
@@ -86,6 +88,18 @@ def _decode_forward(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
         cfg, params, experts, cache, toks, pos, slots, kv_len
     )
     return logits, cache, routes, _padded(fed, greedy)
+
+
+@partial(jax.jit, static_argnums=(0, 1), static_argnames=("kv_len",), donate_argnums=(3,))
+def _decode_traced(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
+    """`_decode_forward` through `forward(trace=True)` (SERVE_GATES), a program of its own:
+    its routing is a `transformer.Routing` (ids, gate weights, the router's entropy and
+    margin), the rest as `_decode_forward` returns it."""
+    params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
+    logits, cache, routing, greedy = _greedy_step(
+        cfg, params, experts, cache, toks, pos, slots, kv_len, trace=True
+    )
+    return logits, cache, routing, _padded(fed, greedy)
 
 
 @partial(
@@ -149,7 +163,8 @@ class InFlight:
     [n_moe, B, K], as `Runner.decode` does, or for a burst None and routes
     [ran, n_moe, B, K]; `tokens()` its rows' greedy tokens at every step [ran, B] (the
     argmax of their logits, lowest id on ties). `ran()`: the steps it ran, `steps` unless a
-    cuttable burst was cut short."""
+    cuttable burst was cut short. A traced step (`traced`: its `transformer.Routing`) also
+    has `routing()`."""
 
     def __init__(
         self,
@@ -159,6 +174,7 @@ class InFlight:
         greedy: jax.Array,
         steps: int = 1,
         ran: jax.Array | None = None,
+        traced: transformer.Routing | None = None,
     ):
         self._runner, self._batch, self._out = runner, batch, out
         self.steps = steps
@@ -167,6 +183,7 @@ class InFlight:
         self.t_start = time.perf_counter()  # when it was started (queued, if chained)
         self.greedy_dev = greedy  # [Bmax] on the device, the last step's: what chained rows feed
         self._value: tuple[np.ndarray | None, np.ndarray] | None = None
+        self._traced = traced
 
     def ran(self) -> int:
         """Steps the forward ran (waits for a cuttable burst to end)."""
@@ -198,6 +215,14 @@ class InFlight:
     def greedy(self) -> np.ndarray:
         """The rows' greedy tokens at the last step [B]."""
         return self.tokens()[-1]
+
+    def routing(self) -> transformer.Routing:
+        """A traced step's routing of its real rows, as host arrays: ids and gate weights
+        [n_moe, B, K], the router's entropy and margin [n_moe, B] (waits for it)."""
+        if self._traced is None:
+            raise ValueError("not a traced forward: decode_async(..., trace=True) makes one")
+        rows = self._batch.rows
+        return transformer.Routing(*(np.asarray(a)[:, :rows, 0] for a in self._traced))
 
 
 def _host_routing(ids: np.ndarray, traced: list, shape: tuple[int, int]) -> transformer.Routing:
@@ -355,7 +380,12 @@ class Runner:
         return self.decode_async(rows).result()
 
     def decode_async(
-        self, rows: list[Row], after: InFlight | None = None, steps: int = 1, cuttable=False
+        self,
+        rows: list[Row],
+        after: InFlight | None = None,
+        steps: int = 1,
+        cuttable=False,
+        trace: bool = False,
     ) -> InFlight:
         """Start the forward of `decode(rows)` and return at once; `result()` waits for it.
 
@@ -369,7 +399,13 @@ class Runner:
         the host dispatches once and its thread is free meanwhile. `cuttable` (where
         `cuts`): the burst ends after the step in which `kernels.request_cut(True)` is called
         (at least one step runs); nothing can be chained behind it, as its length is known
-        only when it lands."""
+        only when it lands.
+
+        `trace` (one step): the traced program (`forward(trace=True)`, or the traced router
+        layer by layer), whose `InFlight.routing()` gives the gate weights and the router's
+        entropy and margin too; the untraced programs are not touched."""
+        if trace and steps > 1:
+            raise ValueError("a traced forward is one decode step")
         if steps > 1 and not self.chains:
             raise ValueError("bursts of decode steps need every expert resident and no profile")
         if cuttable and not self.cuts:
@@ -401,11 +437,15 @@ class Runner:
             kv_len=self.capacity if self._decode_kv_free else self._kv_len(last),
         )
         if self.split:
-            logits, routes = self._forward_split(batch, all_logits=False)
+            logits, routes = self._forward_split(batch, all_logits=False, trace=trace)
+            traced, routes = (routes, routes.ids) if trace else (None, routes)
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return InFlight(self, batch, (logits, routes), greedy)
+            return InFlight(self, batch, (logits, routes), greedy, traced=traced)
         fed = after.greedy_dev if chained else self._no_tokens
         args = (self.cfg, self._weights_def, self._weights, self.cache, packed, fed)
+        if trace:
+            logits, self.cache, routing, greedy = _decode_traced(*args, kv_len=batch.kv_len)
+            return InFlight(self, batch, (logits, routing.ids), greedy, traced=routing)
         if steps > 1:
             self.cache, r, tokens, greedy, ran = _decode_burst(
                 *args, kv_len=batch.kv_len, steps=steps, cuttable=cuttable

@@ -63,6 +63,7 @@ class SchedulerConfig:
     ngen: int = 0  # cap on every request's max_tokens (0 = no cap)
     seed: int = 0  # sampling seed; each request draws from (seed, id)
     topk: int = 0  # candidates reported with each token (0 = none)
+    gates: int = 0  # routing reported: 1 each token's forward, 2 also prompt tokens (0 = none)
     hits_every: int = 6  # decode steps between HitsTick events
     prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
@@ -75,6 +76,8 @@ class SchedulerConfig:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.gates not in (0, 1, 2):
+            raise ValueError(f"gates={self.gates} must be 0, 1 or 2")
         if self.hits_every < 1:
             raise ValueError(f"hits_every={self.hits_every} must be >= 1")
         if self.burst < 1:
@@ -104,6 +107,10 @@ class InFlightLike(Protocol):
         """A step's (logits [B, V], routes [n_moe, B, K]), a burst's (None, routes [ran, n_moe,
         B, K]); only rows in `keep` ([B], or [ran, B]) count in the statistics."""
 
+    def routing(self) -> Any:
+        """A traced step's host routing (`transformer.Routing`): ids and gate weights
+        [n_moe, B, K], the router's entropy and margin [n_moe, B]."""
+
 
 F = TypeVar("F", bound=InFlightLike)  # the runner's own kind of forward, fed back as `after`
 
@@ -130,10 +137,17 @@ class RunnerLike(Protocol[F]):
     ) -> tuple[np.ndarray, np.ndarray]:
         """Feed tokens at positions start..: logits [V] after the last one, routes [n_moe, T, K]."""
 
+    def prefill_traced(
+        self, feeds: Sequence[tuple[int, Sequence[int], int]]
+    ) -> tuple[np.ndarray, list[Any]]:
+        """`prefill` of (slot, tokens, start) feeds through the traced program: logits [n, V]
+        and each feed's host routing (`transformer.Routing`, [n_moe, T, ...]); with gates only."""
+
     def decode_async(
         self, rows: list[Row], after: F | None = None, steps: int = 1, cuttable: bool = False
     ) -> F:
-        """Start a forward of one token per row (a burst of greedy `steps`), behind `after`."""
+        """Start a forward of one token per row (a burst of greedy `steps`), behind `after`;
+        with gates the scheduler also passes `trace=True` (one step, routing() then works)."""
 
     def end_turn(self) -> None:
         """A turn ended: persist the expert usage (called where the runner has it)."""
@@ -165,6 +179,24 @@ class Token:
     token: int
     text: bytes
     topk: tuple[tuple[float, bytes], ...] = ()  # (natural-log prob, token bytes), best first
+    gates: TokenGates | None = None  # the routing of the forward that chose it (if configured)
+
+
+@dataclass(frozen=True)
+class TokenGates:
+    """The routing of one token fed to the model (`SchedulerConfig.gates`): per MoE layer its
+    K experts by descending gate weight (ties in the router's order), their gate weights, and
+    the entropy (bits) and top-1 minus top-2 margin of the router's distribution. A `Token`
+    carries the gates of the forward that chose it, whose input is the token before it; those
+    of the other prompt tokens are events of their own (gates 2)."""
+
+    id: int
+    pos: int  # position of the fed token in its slot
+    token: int  # the fed token
+    experts: np.ndarray  # [n_moe, K] int32
+    weights: np.ndarray  # [n_moe, K] float32
+    entropy: np.ndarray  # [n_moe] float32
+    margin: np.ndarray  # [n_moe] float32
 
 
 @dataclass(frozen=True)
@@ -207,7 +239,7 @@ class HitsTick:
     hits: np.ndarray  # bool [rows, cols]
 
 
-Event = Accepted | Token | Finished | Failed | HitsTick | RepinEvent
+Event = Accepted | Token | TokenGates | Finished | Failed | HitsTick | RepinEvent
 
 
 # ---------------------------------------------------------------------------- state
@@ -238,7 +270,8 @@ class _Run:
 
 
 _Forward = tuple[list[_Run], InFlightLike]  # a decode forward started, and its rows' requests
-_Chosen = tuple[_Run, int, np.ndarray | None]  # a request's next token, and its logits if any
+# a request's next token, its logits if any, and its gates if configured
+_Chosen = tuple[_Run, int, np.ndarray | None, TokenGates | None]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -247,6 +280,27 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
+
+
+def by_weight(routing: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, weights, entropy, margin) of a host routing (`transformer.Routing`: ids and
+    weights [n_moe, N, K], entropy and margin [n_moe, N]), each row's K experts by descending
+    gate weight (stable: ties keep the router's order)."""
+    order = np.argsort(-np.asarray(routing.weights), axis=-1, kind="stable")
+    ids = np.take_along_axis(np.asarray(routing.ids, np.int32), order, -1)
+    wts = np.take_along_axis(np.asarray(routing.weights, np.float32), order, -1)
+    ent, margin = np.asarray(routing.entropy, np.float32), np.asarray(routing.margin, np.float32)
+    return ids, wts, ent, margin
+
+
+def gates_of(rid: int, start: int, tokens: Sequence[int], routing: Any) -> list[TokenGates]:
+    """The `TokenGates` of tokens fed at positions start.., from their host routing
+    ([n_moe, T, ...], `by_weight`)."""
+    ranked = by_weight(routing)
+    return [
+        TokenGates(rid, start + t, int(tok), *(a[:, t] for a in ranked))
+        for t, tok in enumerate(tokens)
+    ]
 
 
 def entropy_bits(counts: np.ndarray) -> tuple[float, ...]:
@@ -273,6 +327,8 @@ class Scheduler:
         self.token_bytes = token_bytes
         self.config = config
         self.kv_store = kv_store
+        # With gates every decode forward is the traced program (one step; no bursts)
+        self._trace = {"trace": True} if config.gates else {}
         self.slots = [_Slot() for _ in range(runner.slots)]
         self.waiting: deque[GenRequest] = deque()
         self.active: dict[int, _Run] = {}  # id -> run, in admission order
@@ -341,12 +397,13 @@ class Scheduler:
 
     def warmup(self) -> Iterator[str]:
         """The runner's warm-up (`Runner.warmup`: every program traffic can reach, one a
-        `next()`) for this scheduler's bursts and KV store; none where the runner has none."""
+        `next()`) for this scheduler's bursts and KV store; none where the runner has none,
+        nor with gates (its programs are not those traffic reaches then)."""
         warm = getattr(self.runner, "warmup", None)
-        if warm is None:
+        if warm is None or self.config.gates:  # (gates: the traced programs run instead)
             return iter(())
         n = min(self.config.burst, self.config.hits_every)
-        bursts = n > 1 and self.runner.chains and not self.config.topk
+        bursts = n > 1 and self.runner.chains and not (self.config.topk or self.config.gates)
         return warm(steps=n if bursts else 1, export=self.kv_store is not None)
 
     def step(self) -> list[Event]:
@@ -358,10 +415,10 @@ class Scheduler:
         started before the host waits for it, fed from its greedy tokens on the device; a row
         whose token turns out to be a stop token is then computed once for nothing.
 
-        When moreover no prompt waits, no TOPK is asked for and every request has tokens
-        enough left, a forward is a burst of `config.burst` steps in one program (experts
-        resident): the host dispatches once for them all, where that costs as much as the
-        step itself on small models, and on larger ones takes cores from the kernels. Bursts
+        When moreover no prompt waits, no TOPK or gates are asked for and every request has
+        tokens enough left, a forward is a burst of `config.burst` steps in one program
+        (experts resident): the host dispatches once for them all, where that costs as much as
+        the step itself on small models, and on larger ones takes cores from the kernels. Bursts
         end on the HITS ticks. One that the recent steps say would last at most
         `config.burst_ms` (`config.full_burst_ms` while every KV slot is taken: no new prompt
         can start until a request ends, and only CANCEL, STOP and refusals wait for the
@@ -419,12 +476,28 @@ class Scheduler:
         events: list[Event] = [Accepted(req.id, len(req.prompt), reused)]
         slot = self.slots[req.slot]
         del slot.history[reused:]
-        logits, routes = self.runner.prefill(req.slot, list(req.prompt[reused:]), start=reused)
+        fed = list(req.prompt[reused:])
+        gates: list[TokenGates] = []
+        if self.config.gates:
+            logits, routes, gates = self._prefill_traced(req, fed, reused)
+        else:
+            logits, routes = self.runner.prefill(req.slot, fed, start=reused)
         self.forwards += 1
-        slot.history.extend(req.prompt[reused:])
+        slot.history.extend(fed)
         run.routes.append(routes)
         run.t_first = time.perf_counter()
-        return events + self._repins() + self._advance(run, logits)
+        first = gates.pop() if gates else None  # the last prompt token's: the first token's
+        return events + gates + self._repins() + self._advance(run, logits, first)
+
+    def _prefill_traced(
+        self, req: GenRequest, fed: list[int], start: int
+    ) -> tuple[np.ndarray, np.ndarray, list[TokenGates]]:
+        """`prefill` through the traced program: logits [V], routes [n_moe, T, K], and the
+        gates of the last token fed (gates 1) or of every one (gates 2)."""
+        logits, (routing,) = self.runner.prefill_traced([(req.slot, fed, start)])
+        keep = 0 if self.config.gates > 1 else len(fed) - 1
+        tail = type(routing)(*(np.asarray(a)[:, keep:] for a in routing))
+        return logits[0], routing.ids, gates_of(req.id, start + keep, fed[keep:], tail)
 
     def _new_run(self, req: GenRequest) -> _Run:
         limit = self.runner.capacity - len(req.prompt)  # prompt + answer fit in the context
@@ -447,7 +520,8 @@ class Scheduler:
         rows = [self._row(r) for r in runs]
         steps, cut = self._burst(runs, [r.limit - r.chosen for r in runs], self.steps)
         try:
-            return (runs, self.runner.decode_async(rows, steps=steps, cuttable=cut)), []
+            fwd = self.runner.decode_async(rows, steps=steps, cuttable=cut, **self._trace)
+            return (runs, fwd), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return None, [ev for r in runs for ev in self._fail(r.req.id)]
@@ -482,7 +556,9 @@ class Scheduler:
         left = [r.limit - r.chosen - n for r in chained] + [r.limit - r.chosen for r in fresh]
         steps, cut = self._burst(chained + fresh, left, self.steps + n)
         try:
-            fwd = self.runner.decode_async(rows, after=fwd, steps=steps, cuttable=cut)
+            fwd = self.runner.decode_async(
+                rows, after=fwd, steps=steps, cuttable=cut, **self._trace
+            )
             return chained + fresh, fwd
         except Exception:
             log.exception("starting a chained decode step failed; it starts after this one")
@@ -502,6 +578,7 @@ class Scheduler:
             greedy = fwd.tokens()  # [steps, B]: what chained rows fed; sampled rows draw below
             masks = self._live_steps(runs, keep, greedy) if fwd.steps > 1 else [keep]
             logits, routes = fwd.result(keep if fwd.steps == 1 else masks)
+            ranked = by_weight(fwd.routing()) if self.config.gates else None
         except Exception:
             live = [r for r, k in zip(runs, keep, strict=True) if k]
             log.exception("decode step failed; ending its %d requests", len(live))
@@ -520,7 +597,12 @@ class Scheduler:
             for i, run in enumerate(runs):
                 if not live[i] or active.get(run.req.id) is not run:  # (failed meanwhile)
                     continue
-                slots[run.req.slot].history.append(run.pending)
+                history = slots[run.req.slot].history
+                gates = None
+                if ranked is not None:  # (no bursts: s == 0) the input's position and token
+                    row = (a[:, i] for a in ranked)
+                    gates = TokenGates(run.req.id, len(history), run.pending, *row)
+                history.append(run.pending)
                 run.routes.append(routes[s, :, i : i + 1])  # a view, counted at the turn's end
                 try:
                     temp = run.req.temperature
@@ -529,7 +611,7 @@ class Scheduler:
                     log.exception("request %d failed", run.req.id)
                     events += self._fail(run.req.id)
                     continue
-                chosen.append((run, tok, None if logits is None else logits[i]))
+                chosen.append((run, tok, None if logits is None else logits[i], gates))
                 self._choose(run, tok)
             if self.steps % self.config.hits_every == 0:
                 events.append(HitsTick(self.runner.stats.take_hits()))
@@ -553,17 +635,17 @@ class Scheduler:
     def _burst(self, runs: list[_Run], left: list[int], at: int) -> tuple[int, bool]:
         """(steps, cuttable) of the next forward over `runs`, which have `left` tokens to go
         and start at decode step `at`: a burst when every request decodes greedily on
-        resident experts, no prompt waits and no TOPK is asked for, by the next HITS tick and
-        before any request's limit. A burst due to end within `burst_ms` (`full_burst_ms`
-        while every slot is taken; the engine's first forward, of unknown length, is given
-        the chance) runs whole and can be chained behind; a longer one is cuttable (with
-        `cut_bursts`, where the runner `cuts`): the input thread cuts it after the step in
-        which a frame comes in, so that frame waits no longer than for single steps.
-        Otherwise 1 (one length of burst only: each is a program compiled per batch and
-        context size)."""
+        resident experts, no prompt waits and no TOPK or gates are asked for, by the next HITS
+        tick and before any request's limit. A burst due to end within `burst_ms`
+        (`full_burst_ms` while every slot is taken; the engine's first forward, of unknown
+        length, is given the chance) runs whole and can be chained behind; a longer one is
+        cuttable (with `cut_bursts`, where the runner `cuts`): the input thread cuts it after
+        the step in which a frame comes in, so that frame waits no longer than for single
+        steps. Otherwise 1 (one length of burst only: each is a program compiled per batch
+        and context size)."""
         cfg = self.config
         n = min(cfg.burst, cfg.hits_every)
-        if n == 1 or not self.runner.chains or self.waiting or cfg.topk:
+        if n == 1 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
             return 1, False
         if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
             return 1, False
@@ -590,18 +672,21 @@ class Scheduler:
         return out
 
     def _report_decoded(self, events: list[Event], chosen: list[_Chosen]) -> list[Event]:
-        for run, tok, logits in chosen:
-            events += self._guarded(run.req.id, self._report, run, tok, logits)
+        for run, tok, logits, gates in chosen:
+            events += self._guarded(run.req.id, self._report, run, tok, logits, gates)
         return events
 
     def _sample(self, run: _Run, logits: np.ndarray) -> int:
         return sample(logits, run.req.temperature, run.req.top_p, run.rng)
 
-    def _advance(self, run: _Run, logits: np.ndarray) -> list[Event]:
-        """Sample the next token from logits [V]: emit it, or end the turn."""
+    def _advance(
+        self, run: _Run, logits: np.ndarray, gates: TokenGates | None = None
+    ) -> list[Event]:
+        """Sample the next token from logits [V]: emit it (with the gates of the forward that
+        gave the logits, if any), or end the turn."""
         tok = self._sample(run, logits)
         self._choose(run, tok)
-        return self._report(run, tok, logits)
+        return self._report(run, tok, logits, gates)
 
     def _ends(self, run: _Run, tok: int, ahead: int = 0) -> bool:
         """Whether `tok`, chosen `ahead` tokens after the run's last choice, ends its turn."""
@@ -616,12 +701,15 @@ class Scheduler:
         if ends:
             self.active.pop(run.req.id)
 
-    def _report(self, run: _Run, tok: int, logits: np.ndarray | None) -> list[Event]:
+    def _report(
+        self, run: _Run, tok: int, logits: np.ndarray | None, gates: TokenGates | None = None
+    ) -> list[Event]:
         """The events of a chosen token: the token itself, then DONE if the turn ended."""
         if tok in self.config.stop_ids:
             return self._finish(run, limited=False)
         req = run.req
-        events: list[Event] = [Token(req.id, tok, self.token_bytes(tok), self._topk(logits))]
+        text = self.token_bytes(tok)
+        events: list[Event] = [Token(req.id, tok, text, self._topk(logits), gates)]
         run.emitted += 1
         if run.emitted >= run.limit:
             return events + self._finish(run, limited=True)

@@ -32,6 +32,7 @@ class EngineSettings:
     ctx: int | None = None  # CTX: positions per slot; None = min(2048, the model's maximum)
     ngen: int = 0  # NGEN: cap on tokens per answer (0 = only max_tokens caps)
     serve_topk: bool = False  # SERVE_TOPK=1: a TOPK line after every DATA
+    serve_gates: int = 0  # SERVE_GATES: 1 a GATES line after every DATA, 2 also per prompt token
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
     burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
@@ -50,7 +51,8 @@ class EngineSettings:
 
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
-        *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "KVSAVE", "SEED"),
+        *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "SERVE_GATES"),
+        *("KVSAVE", "SEED"),
         *("BURST", "BURST_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
         *("DEVICES", "COORDINATOR", "PROCESSES", "PROCESS_ID"),
@@ -72,6 +74,7 @@ class EngineSettings:
             ctx=d.ctx if ctx is None else ctx,
             ngen=r.int("NGEN", d.ngen, lo=0),
             serve_topk=r.flag("SERVE_TOPK", d.serve_topk),
+            serve_gates=r.int("SERVE_GATES", d.serve_gates, lo=0, hi=2),
             kvsave=r.flag("KVSAVE", d.kvsave),
             seed=r.int("SEED", d.seed, lo=0),
             burst=r.int("BURST", d.burst, lo=1, hi=6),
@@ -96,6 +99,7 @@ class EngineSettings:
             "CTX": None if self.ctx is None else str(self.ctx),
             "NGEN": str(self.ngen),
             "SERVE_TOPK": _bit(self.serve_topk),
+            "SERVE_GATES": str(self.serve_gates),
             "KVSAVE": _bit(self.kvsave),
             "SEED": str(self.seed),
             "BURST": str(self.burst),

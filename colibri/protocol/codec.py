@@ -15,6 +15,7 @@ GB values                 ``%.2f`` (HWINFO, TIERS, GPUS)
 ``PROF`` seconds          ``%.3f`` (as colibrì's engine writes them)
 ``ENTROPY`` bits          ``%.4f``
 ``TOPK`` logprob          ``%.4f``; token bytes as lowercase hex
+``GATES`` numbers         weight, entropy (bits) and margin ``%.7f``
 ``SUBMIT`` sampling       temperature, top_p as ``repr(float)`` (shortest exact round trip)
 ========================  =========================================================
 
@@ -337,6 +338,66 @@ class TopK:
 
 
 @dataclass(frozen=True)
+class Gates:
+    """Routing of one fed token (SERVE_GATES): ``GATES <id> <pos> <token> <layers> <k>
+    (<expert>*k <weight>*k <entropy> <margin>)*layers``.
+
+    `pos` is the token's position in its KV slot and `token` its id; the GATES after a DATA is
+    that of the forward that chose the DATA's token, so it describes the token fed before it
+    (the prompt's last for the first DATA). Per MoE layer: the k experts by descending gate
+    weight, their gate weights, and the entropy (bits) and top-1 minus top-2 margin of the
+    router's distribution over all experts.
+    """
+
+    id: int
+    pos: int
+    token: int
+    experts: tuple[tuple[int, ...], ...]  # [layers][k]
+    weights: tuple[tuple[float, ...], ...]  # [layers][k]
+    entropy: tuple[float, ...]  # [layers]
+    margin: tuple[float, ...]  # [layers]
+    KIND: ClassVar[bytes] = b"GATES"
+    MAXSPLIT: ClassVar[int] = -1
+
+    def __post_init__(self) -> None:
+        n, k = len(self.experts), self.k
+        per_layer = (len(self.weights), len(self.entropy), len(self.margin))
+        rows = [*self.experts, *self.weights]
+        if per_layer != (n, n, n) or any(len(row) != k for row in rows):
+            raise ValueError(f"GATES needs {n} layers of {k} experts and weights each")
+
+    @property
+    def k(self) -> int:
+        """Experts per layer."""
+        return len(self.experts[0]) if self.experts else 0
+
+    def to_fields(self) -> list[str]:
+        head = [str(self.id), str(self.pos), str(self.token), str(len(self.experts)), str(self.k)]
+        layers = zip(self.experts, self.weights, self.entropy, self.margin, strict=True)
+        body = [
+            s
+            for ids, wts, h, m in layers
+            for s in (*map(str, ids), *(_f(w, 7) for w in wts), _f(h, 7), _f(m, 7))
+        ]
+        return head + body
+
+    @classmethod
+    def from_fields(cls, w: list[bytes]) -> Gates:
+        layers, k = _uint(w[3]), _uint(w[4])
+        f = _arity(w[5:], layers * (2 * k + 2))
+        per = [f[i : i + 2 * k + 2] for i in range(0, len(f), 2 * k + 2)]
+        return cls(
+            _uint(w[0]),
+            _uint(w[1]),
+            _uint(w[2]),
+            tuple(tuple(_uint(x) for x in p[:k]) for p in per),
+            tuple(tuple(_float(x) for x in p[k : 2 * k]) for p in per),
+            tuple(_float(p[2 * k]) for p in per),
+            tuple(_float(p[2 * k + 1]) for p in per),
+        )
+
+
+@dataclass(frozen=True)
 class Repin:
     """One hot-store swap: ``REPIN <layer> <eid> <old_tier> <gpu>``."""
 
@@ -540,6 +601,7 @@ Event = (
     | Hits
     | Data
     | TopK
+    | Gates
     | Repin
     | Perf
     | Prof
@@ -557,6 +619,7 @@ _LINE_KINDS = (
     Emap,
     Hits,
     TopK,
+    Gates,
     Repin,
     Perf,
     Prof,

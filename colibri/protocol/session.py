@@ -5,7 +5,7 @@ the gateway) feeds it the parsed events in stream order and delivers them where 
 How lines are attributed. The engine's one stdout writer emits a turn's block contiguously,
 ``HWINFO PERF ENTROPY GPUS TIERS EMAP HITS PROF DONE``, so nothing interleaves inside it:
 
-- DATA, TOPK, ACCEPT, PERF, DONE and ERROR carry the request id.
+- DATA, TOPK, GATES, ACCEPT, PERF, DONE and ERROR carry the request id.
 - ENTROPY, GPUS, TIERS, EMAP and PROF after a PERF belong to that PERF's request until its
   DONE; the HWINFO just before the PERF does too (delivered with the PERF).
 - HITS (every few decode steps, and in each turn block) and REPIN describe the whole engine:
@@ -26,6 +26,7 @@ from colibri.protocol.codec import (
     Entropy,
     Error,
     Event,
+    Gates,
     Gpus,
     Hits,
     HwInfo,
@@ -136,7 +137,7 @@ class Session:
             self._handshake(ev)
             return NOBODY
         self.telemetry.update(ev)
-        if isinstance(ev, Data | TopK | Accept | Perf):
+        if isinstance(ev, Data | TopK | Gates | Accept | Perf):
             if ev.id not in self._open:
                 return Routed(stray=True)
             if isinstance(ev, Perf):

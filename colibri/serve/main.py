@@ -62,6 +62,7 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
             ngen=settings.ngen,
             seed=settings.seed,
             topk=TOPK if settings.serve_topk else 0,
+            gates=_gates(settings),
             stop_ids=cfg.eos_token_ids,
             burst=settings.burst,
             burst_ms=settings.burst_ms,
@@ -97,6 +98,15 @@ def _exit(status: int) -> NoReturn:
     logging.shutdown()
     sys.stderr.flush()
     os._exit(status)
+
+
+def _gates(settings: EngineSettings) -> int:
+    """SERVE_GATES where a GATES line can go out: on the mux protocol's full wire. Elsewhere
+    nothing is traced, so the steps stay the untraced programs (and bursts)."""
+    if settings.serve_gates and not (settings.serve_batch and settings.wire == "full"):
+        log.info("engine: SERVE_GATES=%d ignored (no GATES on this wire)", settings.serve_gates)
+        return 0
+    return settings.serve_gates
 
 
 def _kv_store(settings: EngineSettings, model_dir: Path) -> KVStore | None:

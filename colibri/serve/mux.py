@@ -31,6 +31,7 @@ from colibri.engine.scheduler import (
     HitsTick,
     Scheduler,
     Token,
+    TokenGates,
     TurnReport,
 )
 from colibri.experts.stats import ExpertStats, RepinEvent
@@ -45,6 +46,7 @@ from colibri.protocol.codec import (
     Entropy,
     Error,
     FrameError,
+    Gates,
     Gpus,
     Hits,
     HwInfo,
@@ -188,10 +190,22 @@ def hits_line(hits: np.ndarray) -> Hits:
     return Hits(rows, cols, np.packbits(hits.reshape(-1), bitorder="little").tobytes())
 
 
+def gates_line(g: TokenGates) -> Gates:
+    """GATES of one fed token's routing."""
+    experts = tuple(map(tuple, g.experts.tolist()))
+    weights = tuple(map(tuple, g.weights.tolist()))
+    entropy, margin = tuple(g.entropy.tolist()), tuple(g.margin.tolist())
+    return Gates(g.id, g.pos, g.token, experts, weights, entropy, margin)
+
+
 def lines(ev: Event) -> list[codec.Event]:
     """The wire lines of one engine event."""
     if isinstance(ev, Token):
-        return [Data(ev.id, ev.text), *([TopK(ev.id, ev.topk)] if ev.topk else [])]
+        topk = [TopK(ev.id, ev.topk)] if ev.topk else []
+        gates = [gates_line(ev.gates)] if ev.gates is not None else []
+        return [Data(ev.id, ev.text), *topk, *gates]
+    if isinstance(ev, TokenGates):
+        return [gates_line(ev)]
     if isinstance(ev, Accepted):
         return [Accept(ev.id, ev.prompt_tokens, ev.reused_tokens)]
     if isinstance(ev, Finished):
@@ -257,7 +271,8 @@ class _Loop:
 
     def emit(self, events: list[Event]) -> None:
         for ev in events:
-            if type(ev) is Token and not ev.topk:  # most lines, built without a Data object
+            plain = type(ev) is Token and not ev.topk and ev.gates is None
+            if plain:  # most lines, built without a Data object
                 self.out.send(codec.format_data(ev.id, ev.text))
             else:
                 self.send(*lines(ev))
