@@ -19,9 +19,8 @@ import tiny
 
 from colibri.cli import main as cli
 from colibri.config import ConfigError, config_from_dict
-from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
-from colibri.engine.runner import Row, Runner
+from colibri.engine.runner import Runner
 from colibri.formats import FP8_ROWS
 from colibri.model import indexer
 
@@ -53,23 +52,11 @@ def case(request, built):
     return d, load_model(d, progress=False), tiny.hf_model(d)
 
 
-def hf_greedy(hf, ids: list[int], n: int = 32) -> list[int]:
-    import torch
-
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(ids) :].tolist()
-
-
 def test_full_sequence_logits_match_transformers(case):
-    import torch
-
     _, model, hf = case
     ids = model.tokenizer.encode(PROMPT)
     assert len(ids) > 4 * TOPK
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(Runner(model, capacity=128).full_logits(ids), ref, atol=1e-4, rtol=0)
+    tiny.check_full_logits(model, hf, ids)
 
 
 def test_fp8_logits_match_transformers(built):
@@ -87,23 +74,13 @@ def test_fp8_logits_match_transformers(built):
 
 def test_incremental_decode_matches_full_forward(case):
     _, model, _ = case
-    ids = model.tokenizer.encode(PROMPT)
-    full = Runner(model, capacity=128).full_logits(ids)
-    runner = Runner(model, slots=3, capacity=128)
-    split = 2 * TOPK  # the prefill already chooses; each decoded token chooses again
-    last, _ = runner.prefill(2, ids[:split])
-    steps = [last]
-    for p in range(split, len(ids)):
-        logits, _ = runner.decode([Row(2, ids[p], p)])
-        steps.append(logits[0])
-    np.testing.assert_allclose(np.stack(steps), full[split - 1 :], atol=1e-4, rtol=0)
+    # the prefill already chooses; each decoded token chooses again
+    tiny.check_incremental_decode(model, model.tokenizer.encode(PROMPT), split=2 * TOPK)
 
 
 def test_greedy_tokens_identical_to_transformers_generate(case):
     _, model, hf = case
-    ids = model.tokenizer.encode(PROMPT)
-    ours = list(generate_ids(Runner(model, capacity=128), ids, max_tokens=32))
-    assert ours == hf_greedy(hf, ids)
+    tiny.check_greedy(model, hf, model.tokenizer.encode(PROMPT))
 
 
 # ---- the indexer's choice -------------------------------------------------------------------
@@ -142,7 +119,7 @@ def test_indexer_chooses_what_transformers_does_with_no_tie_at_the_cut(family, b
     d = built(family)
     model, hf = load_model(d, progress=False), tiny.hf_model(d)
     cfg, ids = model.cfg, model.tokenizer.encode(PROMPT)
-    ids = ids + hf_greedy(hf, ids)
+    ids = ids + tiny.hf_greedy(hf, ids)
     chosen = _oracle_selections(hf, ids)
     full = [i for i in range(cfg.num_layers) if not cfg.dsa.shared[i]]
     assert sorted(chosen) == full and len(full) >= 2
@@ -185,14 +162,10 @@ def test_context_within_index_topk_attends_to_all_of_it(built, tmp_path):
     shutil.copytree(built("deepseek_v32"), d)
     raw = tiny.saved_config(d)
     (d / "config.json").write_text(json.dumps({**raw, "index_topk": 80}))
-    import torch
-
     model, hf = load_model(d, progress=False), tiny.hf_model(d)
     ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(Runner(model, capacity=128).full_logits(ids), ref, atol=1e-4)
-    assert list(generate_ids(Runner(model, capacity=128), ids, max_tokens=32)) == hf_greedy(hf, ids)
+    tiny.check_full_logits(model, hf, ids)
+    tiny.check_greedy(model, hf, ids)
 
 
 def test_shared_layers_run_no_indexer(built):

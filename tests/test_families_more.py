@@ -10,9 +10,8 @@ import tiny
 
 from colibri.cli import main as cli
 from colibri.config import ConfigError, config_from_dict, load_config
-from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
-from colibri.engine.runner import Row, Runner
+from colibri.engine.runner import Runner
 from colibri.formats import FP8_ROWS, INT4_ROWS
 
 PROMPT = "def add(a, b): The quick brown fox, naïve café 🐦"
@@ -34,42 +33,18 @@ def case(request, checkpoints):
 
 
 def test_full_sequence_logits_match_transformers(case):
-    import torch
-
     _, model, hf = case
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    ours = Runner(model, capacity=128).full_logits(ids)
-    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    tiny.check_full_logits(model, hf, model.tokenizer.encode(PROMPT))
 
 
 def test_incremental_decode_matches_full_forward(case):
     _, model, _ = case
-    ids = model.tokenizer.encode(PROMPT)
-    full = Runner(model, capacity=128).full_logits(ids)
-    runner = Runner(model, slots=3, capacity=128)
-    split = len(ids) // 2
-    last, _ = runner.prefill(2, ids[:split])
-    steps = [last]
-    for p in range(split, len(ids)):
-        logits, _ = runner.decode([Row(2, ids[p], p)])
-        steps.append(logits[0])
-    np.testing.assert_allclose(np.stack(steps[:-1]), full[split - 1 : -1], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(steps[-1], full[-1], atol=1e-4, rtol=0)
+    tiny.check_incremental_decode(model, model.tokenizer.encode(PROMPT))
 
 
 def test_greedy_tokens_identical_to_transformers_generate(case):
-    import torch
-
     _, model, hf = case
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-        )
-    ours = list(generate_ids(Runner(model, capacity=128), ids, max_tokens=32))
-    assert ours == out[0, len(ids) :].tolist()
+    tiny.check_greedy(model, hf, model.tokenizer.encode(PROMPT))
 
 
 def test_tiny_configs_exercise_what_is_new(checkpoints):

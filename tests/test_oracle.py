@@ -10,7 +10,6 @@ import pytest
 import tiny
 from conftest import FAMILIES, VARIANTS
 
-from colibri.engine.generate import generate_ids
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.weights import load_dense
@@ -48,15 +47,8 @@ def case(request, checkpoints):
 
 
 def test_full_sequence_logits_match_transformers(case):
-    import torch
-
-    d, model, hf = case
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    ours = Runner(model, capacity=128).full_logits(ids)
-    assert ours.shape == ref.shape
-    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    _, model, hf = case
+    tiny.check_full_logits(model, hf, model.tokenizer.encode(PROMPT))
 
 
 def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
@@ -81,28 +73,9 @@ def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
 
 def test_incremental_decode_matches_full_forward(case):
     _, model, _ = case
-    ids = model.tokenizer.encode(PROMPT)
-    full = Runner(model, capacity=128).full_logits(ids)
-    runner = Runner(model, slots=3, capacity=128)
-    split = len(ids) // 2
-    last, _ = runner.prefill(2, ids[:split])
-    steps = [last]
-    for p in range(split, len(ids)):
-        logits, _ = runner.decode([Row(2, ids[p], p)])
-        steps.append(logits[0])
-    np.testing.assert_allclose(np.stack(steps[:-1]), full[split - 1 : -1], atol=1e-4, rtol=0)
-    np.testing.assert_allclose(steps[-1], full[-1], atol=1e-4, rtol=0)
+    tiny.check_incremental_decode(model, model.tokenizer.encode(PROMPT))
 
 
 def test_greedy_tokens_identical_to_transformers_generate(case):
-    import torch
-
     _, model, hf = case
-    ids = model.tokenizer.encode(PROMPT)
-    with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False
-        )
-    ref = out[0, len(ids) :].tolist()
-    ours = list(generate_ids(Runner(model, capacity=128), ids, max_tokens=32))
-    assert ours == ref
+    tiny.check_greedy(model, hf, model.tokenizer.encode(PROMPT))

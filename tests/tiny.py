@@ -611,3 +611,55 @@ def hf_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 def saved_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
+
+
+# ---------------------------------------------------------------------------- oracle checks
+
+
+def check_full_logits(model, hf, ids: list[int], atol: float = 1e-4) -> None:
+    """colibri's logits at every position of `ids` are transformers' within atol."""
+    import torch
+
+    from colibri.engine.runner import Runner
+
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(Runner(model, capacity=128).full_logits(ids), ref, atol=atol, rtol=0)
+
+
+def check_incremental_decode(
+    model, ids: list[int], split: int | None = None, atol: float = 1e-4
+) -> None:
+    """ids[:split] (default half) prefilled into slot 2, the rest decoded one at a time: each
+    step's logits are the full forward's at that position."""
+    from colibri.engine.runner import Row, Runner
+
+    full = Runner(model, capacity=128).full_logits(ids)
+    runner = Runner(model, slots=3, capacity=128)
+    split = len(ids) // 2 if split is None else split
+    last, _ = runner.prefill(2, ids[:split])
+    steps = [last]
+    for p in range(split, len(ids)):
+        logits, _ = runner.decode([Row(2, ids[p], p)])
+        steps.append(logits[0])
+    np.testing.assert_allclose(np.stack(steps[:-1]), full[split - 1 : -1], atol=atol, rtol=0)
+    np.testing.assert_allclose(steps[-1], full[-1], atol=atol, rtol=0)
+
+
+def hf_greedy(hf, ids: list[int], n: int = 32) -> list[int]:
+    """transformers' `generate`: n greedy tokens after `ids`."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+def check_greedy(model, hf, ids: list[int], n: int = 32) -> None:
+    """n greedy tokens after `ids` are transformers' `generate`'s."""
+    from colibri.engine.generate import generate_ids
+    from colibri.engine.runner import Runner
+
+    assert list(generate_ids(Runner(model, capacity=128), ids, max_tokens=n)) == hf_greedy(
+        hf, ids, n
+    )
