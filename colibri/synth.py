@@ -176,22 +176,9 @@ def hf_config(s: SynthSpec) -> dict:
         ),
         "deepseek_v3": dict(
             architectures=["DeepseekV3ForCausalLM"],
-            n_routed_experts=s.experts,
-            moe_intermediate_size=s.moe_ff,
-            intermediate_size=4 * s.moe_ff,
-            n_shared_experts=1,
-            n_group=_groups(s.experts),
-            topk_group=max(1, _groups(s.experts) // 2),
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            kv_lora_rank=max(16, s.hidden // 4),
-            q_lora_rank=max(16, s.hidden // 2),
-            qk_rope_head_dim=16,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
+            **_v3_routing(s),
+            **_v3_mla(s),
             rope_interleave=True,
-            num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
         ),
         "deepseek_v2": dict(
             architectures=["DeepseekV2ForCausalLM"],
@@ -231,15 +218,7 @@ def hf_config(s: SynthSpec) -> dict:
         "dots1": dict(
             architectures=["Dots1ForCausalLM"],
             head_dim=s.head_dim,
-            n_routed_experts=s.experts,
-            moe_intermediate_size=s.moe_ff,
-            intermediate_size=4 * s.moe_ff,
-            n_shared_experts=1,
-            n_group=_groups(s.experts),
-            topk_group=max(1, _groups(s.experts) // 2),
-            first_k_dense_replace=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
+            **_v3_routing(s),
             attention_bias=False,
             sliding_window=None,
         ),
@@ -294,9 +273,9 @@ def _kimi_k25_config(s: SynthSpec) -> dict:
     return {**out, "quantization_config": quant} if quant else out
 
 
-def _dsa_config(s: SynthSpec) -> dict:
-    """DeepSeek-V3.2's and GLM-5's fields: DeepSeek-V3's MLA and routing, and the lightning
-    indexer as they ship it (half as many heads as attention, 2048 positions a query)."""
+def _v3_routing(s: SynthSpec) -> dict:
+    """DeepSeek-V3's routed and shared experts and grouped router for this shape (dots1, GLM-5
+    and DeepSeek-V3.2 have the same)."""
     return dict(
         n_routed_experts=s.experts,
         moe_intermediate_size=s.moe_ff,
@@ -307,12 +286,27 @@ def _dsa_config(s: SynthSpec) -> dict:
         first_k_dense_replace=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
+    )
+
+
+def _v3_mla(s: SynthSpec) -> dict:
+    """DeepSeek-V3's MLA for this shape (GLM-5 and DeepSeek-V3.2 have the same)."""
+    return dict(
         kv_lora_rank=max(16, s.hidden // 4),
         q_lora_rank=max(16, s.hidden // 2),
         qk_rope_head_dim=16,
         qk_nope_head_dim=32,
         v_head_dim=32,
         num_key_value_heads=s.n_heads,  # MLA: transformers expects one K/V per head
+    )
+
+
+def _dsa_config(s: SynthSpec) -> dict:
+    """DeepSeek-V3.2's and GLM-5's fields: DeepSeek-V3's MLA and routing, and the lightning
+    indexer as they ship it (half as many heads as attention, 2048 positions a query)."""
+    return dict(
+        **_v3_routing(s),
+        **_v3_mla(s),
         index_topk=2048,
         index_head_dim=64,
         index_n_heads=max(4, s.n_heads // 2),
