@@ -19,10 +19,14 @@ VARIANTS = list(tiny.VARIANTS)  # checkpoints(name) of a family built with other
 
 def pytest_configure(config):
     """Build the native CPU kernels once, before any engine subprocess would (first build:
-    about 25 s here), so that no engine's start-up waits on the compiler."""
+    about 25 s here), so that no engine's start-up waits on the compiler; and the narrower
+    builds this CPU can run (`kernels.isa_levels`, for test_kernels), at the same time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from colibri import kernels
 
-    kernels.build()
+    with ThreadPoolExecutor() as pool:  # the compilers run as processes of their own
+        list(pool.map(lambda isa: kernels.build(isa=isa), kernels.isa_levels()))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,20 @@ TOKENS = 12
 CTX = 128
 
 
+def _four_conversations(e: Mux) -> list:
+    """The PROMPTS decoded at once in four slots of engine `e`, which is then closed (status
+    0): every event."""
+    try:
+        for rid, prompt in enumerate(PROMPTS, start=1):
+            e.submit(rid, rid - 1, prompt, max_tokens=TOKENS)
+        evs = e.collect(*range(1, len(PROMPTS) + 1), timeout=300)
+    finally:
+        status = e.close()
+        e.kill()
+    assert status == 0, e.stderr()
+    return evs
+
+
 # One slot a layer on each device and no RAM tier: experts staged from disk at every step.
 TIERED = {"CAP": "1", "RAM_GB": "0"}
 
@@ -52,15 +66,9 @@ def test_experts_over_several_devices_decode_the_one_device_tokens(
     model_dir = checkpoints(family)
     ref = Reference(model_dir, CTX)
     want = [ref.text(p, TOKENS) for p in PROMPTS]
-    e = Mux(model_dir, DEVICES=str(devices), KV_SLOTS="4", CTX=str(CTX), **tiers)
-    try:
-        for rid, prompt in enumerate(PROMPTS, start=1):
-            e.submit(rid, rid - 1, prompt, max_tokens=TOKENS)
-        evs = e.collect(*range(1, len(PROMPTS) + 1), timeout=300)
-    finally:
-        status = e.close()
-        e.kill()
-    assert status == 0, e.stderr()
+    evs = _four_conversations(
+        Mux(model_dir, DEVICES=str(devices), KV_SLOTS="4", CTX=str(CTX), **tiers)
+    )
     assert [text(evs, rid) for rid in range(1, len(PROMPTS) + 1)] == want
     gpus = [ev for ev in evs if isinstance(ev, Gpus)][-1]
     tiers = [ev for ev in evs if isinstance(ev, Tiers)][-1]
@@ -164,18 +172,10 @@ def test_two_processes_serve_one_session_with_the_one_process_tokens(checkpoints
         cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
-        e = Mux(model_dir, PROCESS_ID="0", **common)
-        try:
-            for rid, prompt in enumerate(PROMPTS, start=1):
-                e.submit(rid, rid - 1, prompt, max_tokens=TOKENS)
-            evs = e.collect(*range(1, len(PROMPTS) + 1), timeout=300)
-        finally:
-            status = e.close()
-            e.kill()
+        evs = _four_conversations(Mux(model_dir, PROCESS_ID="0", **common))
         out, err = follower.communicate(timeout=120)
     finally:
         follower.kill()
-    assert status == 0, e.stderr()
     assert [text(evs, rid) for rid in range(1, len(PROMPTS) + 1)] == want
     assert follower.returncode == 0, err.decode()[-3000:]
     assert out == b""
