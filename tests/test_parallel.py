@@ -125,6 +125,18 @@ print(json.dumps({"E": E, "pinned": pinned, "slots": store.slots[0].n,
 """
 
 
+def test_xla_loops_split_over_devices_give_the_same_tokens(checkpoints):
+    """Without the native kernels (as on a GPU: XLA's loops inside `shard_map`, the plan from
+    the global expert count), two devices give the one-device tokens of the same loops."""
+    model_dir = checkpoints("olmoe")
+    one = _four_conversations(Mux(model_dir, COLIBRI_CPU_KERNELS="0", KV_SLOTS="4", CTX=str(CTX)))
+    two = _four_conversations(
+        Mux(model_dir, COLIBRI_CPU_KERNELS="0", DEVICES="2", KV_SLOTS="4", CTX=str(CTX))
+    )
+    texts = [[text(evs, rid) for rid in range(1, len(PROMPTS) + 1)] for evs in (one, two)]
+    assert texts[0] == texts[1] and all(texts[0])
+
+
 def test_a_pin_lands_on_the_device_that_owns_the_expert(checkpoints, tmp_path):
     """Two devices, two slots a layer each, one pin a layer: the pin starts on the hot expert
     of the usage history (device 0's); when device 1's last expert becomes the hottest, REPIN
