@@ -55,7 +55,7 @@ def test_native_kernel_builds_here():
     assert kernels.available()
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     rows=st.integers(1, 9),
     top_k=st.integers(1, 4),
@@ -137,7 +137,7 @@ def _bf16_bits(a: np.ndarray) -> np.ndarray:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     dim=st.integers(1, 40),
     ff=st.integers(1, 40),
@@ -199,7 +199,7 @@ def _fp8_rows(rng, shape: tuple[int, int, int], b0: int, b1: int, huge: bool = F
     return np.stack(rows), np.stack(wide)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     b1=st.sampled_from([8, 16, 32]),
     b0=st.sampled_from([3, 8, 16]),
@@ -294,7 +294,7 @@ def packed_rows(rng, shape: tuple[int, int, int], group: int, tmp_path, kind: st
     return np.stack(rows), np.stack(wide)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     group=st.sampled_from([8, 16, 32]),
     kd=st.integers(1, 4),

@@ -198,7 +198,16 @@ def budgets(eb: int, layers: int) -> dict[str, tuple[TierConfig, bool]]:
     }
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3"])
+# qwen3_moe in `make test`; the other families' sweeps are `slow` (the suite's cold time is
+# near its budget, and test_parallel runs olmoe and deepseek_v3 tiered through the engine)
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_moe",
+        pytest.param("olmoe", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_identical_under_every_policy_and_budget(family, checkpoints, tmp_path):
     d = checkpoints(family)
     base = load_model(d, progress=False)
