@@ -39,13 +39,16 @@ TIERED = {"CAP": "1", "RAM_GB": "0"}
 
 @pytest.mark.parametrize(
     ("family", "devices", "tiers"),
+    # three in `make test` (each family once, 2 and 4 devices, resident and tiered); the other
+    # three `slow`: every new mesh size and family compiles anew, and the cold suite is near
+    # its budget
     [
-        ("qwen3_moe", 2, {}),
+        pytest.param("qwen3_moe", 2, {}, marks=pytest.mark.slow),
         ("qwen3_moe", 4, TIERED),
         ("deepseek_v3", 4, {}),
-        ("deepseek_v3", 2, TIERED),
+        pytest.param("deepseek_v3", 2, TIERED, marks=pytest.mark.slow),
         ("olmoe", 2, {}),
-        ("olmoe", 4, TIERED),
+        pytest.param("olmoe", 4, TIERED, marks=pytest.mark.slow),
     ],
     ids=[
         "qwen3_moe-2",
