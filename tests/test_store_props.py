@@ -90,6 +90,31 @@ def test_store_invariants(ckpt_dir, truth, slots, ram, pins, policy, steps):
     store.close()
 
 
+def test_cpu_slots_are_written_in_place_and_computed_on_as_written(ckpt_dir, truth):
+    """On the CPU the slot buffers are host memory the JAX arrays alias: staging writes into
+    them (no new device buffer), and a program reading the arrays sees each staged expert."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = load_config(ckpt_dir)
+    eb = 3 * cfg.moe.moe_ff * cfg.hidden * 2
+    store = ExpertStore(Checkpoint(ckpt_dir), cfg, TierConfig(device_bytes=2 * 2 * eb, ram_bytes=0))
+    layer = store.slots[0]
+    assert layer.host is not None and layer.n == 2
+    arrays = dict(layer.bufs)
+    total = jax.jit(lambda b, s: jnp.sum(b["down"][s].astype(jnp.float32)))
+    for needed in ([0, 1], [2, 3], [5, 1], [7]):
+        for mapping in store.chunks(0, np.array(needed), Timers()):
+            for e in np.nonzero(mapping >= 0)[0]:
+                want = truth[0]["down"][e].view(jnp.bfloat16).astype(np.float32).sum()
+                got = total({k: a.view(jnp.bfloat16) for k, a in layer.bufs.items()}, mapping[e])
+                np.testing.assert_allclose(float(got), want, rtol=1e-5)
+        assert all(layer.bufs[k] is arrays[k] for k in arrays)  # the same arrays, written into
+        for k, a in layer.bufs.items():
+            assert a.unsafe_buffer_pointer() == layer.host[k].ctypes.data
+    store.close()
+
+
 @given(
     budget=st.integers(0, 10),
     ops=st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4)), max_size=40),

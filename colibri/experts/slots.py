@@ -8,8 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from colibri import hugepages
 from colibri.experts.ram import Weights
 from colibri.model import parallel
+
+_NAMES = ("gate", "up", "down")
+_ALIGN = 64  # bytes: what XLA:CPU asks of a buffer it aliases
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -34,14 +38,28 @@ class ExpertSlots:
     With the experts spread over several devices (`parallel`), each device has n slots of its
     own (the buffers split over the mesh) and an expert sits only in its owner's: slots
     [i n, (i + 1) n) are device i's, and the expert outputs over the buffers are split the
-    same way (`parallel.expert_outputs`)."""
+    same way (`parallel.expert_outputs`).
+
+    On one CPU device the buffers are host memory this class owns (`host`, numpy), which the
+    JAX arrays in `bufs` alias: staging an expert is then a plain copy into its slot, 5-10x
+    faster here than XLA's in-place update of a donated buffer. A slot is only written while
+    no computation reads it: the store stages between chunks, each computed to completion.
+    """
 
     def __init__(self, n: int, num_experts: int, shapes: dict[str, tuple], dtype=np.float32):
         self.per_device = n
         self.devices = len(parallel.devices())
         self.n = n * self.devices
         self.num_experts = num_experts
-        self.bufs = {k: jnp.zeros((self.n, *shapes[k]), dtype) for k in ("gate", "up", "down")}
+        self.host = _host_buffers(self.n, shapes, dtype) if parallel.mesh() is None else None
+        if self.host is not None:
+            self.bufs = {k: jax.device_put(a) for k, a in self.host.items()}
+            if any(
+                self.bufs[k].unsafe_buffer_pointer() != a.ctypes.data for k, a in self.host.items()
+            ):
+                self.host = None  # copied, not aliased: update through XLA as elsewhere
+        if self.host is None:
+            self.bufs = {k: jnp.zeros((self.n, *shapes[k]), dtype) for k in _NAMES}
         if parallel.mesh() is not None:
             self.bufs = parallel.split_experts(self.bufs)
         self.slot_of = np.full(num_experts, -1, np.int32)  # expert -> slot, -1 if not on device
@@ -70,7 +88,7 @@ class ExpertSlots:
         d = slot // self.per_device
         owner = parallel.devices()[d]
         local = jnp.int32(slot - d * self.per_device)
-        for name, a in zip(("gate", "up", "down"), w, strict=True):
+        for name, a in zip(_NAMES, w, strict=True):
             buf = self.bufs[name]
             shards = [s.data for s in buf.addressable_shards]
             at = [x.device for x in shards].index(owner)
@@ -102,7 +120,10 @@ class ExpertSlots:
         old = int(self.expert_in[slot])
         if old >= 0:
             self.slot_of[old] = -1
-        if parallel.mesh() is None:
+        if self.host is not None:
+            for name, a in zip(_NAMES, w, strict=True):
+                self.host[name][slot] = np.asarray(a)
+        elif parallel.mesh() is None:
             dev = self.bufs["gate"].sharding
             w = tuple(jax.device_put(a, dev) for a in w)  # host (or pinned host) -> device
             self.bufs = _put(self.bufs, jnp.int32(slot), *w)
@@ -111,3 +132,23 @@ class ExpertSlots:
         self.slot_of[expert] = slot
         self.expert_in[slot] = expert
         return old
+
+
+def _host_buffers(n: int, shapes: dict[str, tuple], dtype) -> dict[str, np.ndarray] | None:
+    """Zeroed host buffers for the slots where the device is this CPU, else None. Aligned as
+    XLA wants its buffers (an unaligned one would be copied, not aliased)."""
+    if jax.devices()[0].platform != "cpu":
+        return None
+    out = {}
+    for k in _NAMES:
+        shape, dt = (n, *shapes[k]), np.dtype(dtype)
+        count = int(np.prod(shape))
+        if count * dt.itemsize >= hugepages.HUGE:
+            a = hugepages.empty(shape, dt)
+        else:  # small: 64-byte aligned inside a little more
+            raw = np.empty(count * dt.itemsize + _ALIGN, np.uint8)
+            skip = -raw.ctypes.data % _ALIGN
+            a = raw[skip : skip + count * dt.itemsize].view(dt).reshape(shape)
+        a.fill(0)
+        out[k] = a
+    return out
