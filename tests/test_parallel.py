@@ -100,6 +100,31 @@ def test_more_devices_than_there_are_is_refused_by_name(checkpoints, tmp_path):
     assert "xla_force_host_platform_device_count=3" in done.stdout
 
 
+def test_devices_left_unset_mean_every_accelerator_and_one_cpu_device():
+    """DEVICES unset (0): every local accelerator, but one device on the CPU even where XLA
+    simulates several (they share the same cores), so the engine makes no mesh there."""
+    code = (
+        "from colibri.model import parallel\n"
+        "parallel.simulate_cpu_devices(4)\n"
+        "import jax\n"
+        "from colibri.engine.settings import EngineSettings\n"
+        "n = EngineSettings.from_env({}).devices\n"
+        "print(n, len(jax.local_devices()), parallel.use_devices(n), len(parallel.devices()))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "4", "None", "1"]
+
+    class Device:
+        def __init__(self, platform: str):
+            self.platform = platform
+
+    from colibri.model import parallel
+
+    assert parallel.automatic([Device("gpu")] * 4) == 4
+    assert parallel.automatic([Device("cpu")] * 4) == 1
+
+
 _REPIN = """
 import json, sys
 import numpy as np

@@ -43,7 +43,9 @@ class EngineSettings:
     state_dir: str | None = None  # STATE_DIR: `.coli_usage` and KV files; None = the model's
     tiers: TierConfig = TierConfig()  # DEVICE_GB, RAM_GB, PIN_GB, CAP, POLICY, REPIN, ...
     holding: Holding = Holding()  # COLIBRI_BF16, COLIBRI_FP8, COLIBRI_INT4, COLIBRI_INT8
-    devices: int = 1  # DEVICES: local devices the routed experts are spread over (expert parallel)
+    # DEVICES: local devices the routed experts are spread over (expert parallel); 0: every
+    # local accelerator, one device on the CPU (parallel.automatic)
+    devices: int = 0
     # Several hosts (`jax.distributed`, engine/lockstep.py): process 0 of PROCESSES serves
     coordinator: str | None = None  # COORDINATOR: host:port of process 0's coordination service
     processes: int = 1  # PROCESSES: how many engine processes share one mesh
@@ -85,7 +87,7 @@ class EngineSettings:
             state_dir=r.text("STATE_DIR") or d.state_dir,
             tiers=TierConfig.from_env(env),
             holding=_holding(env),
-            devices=r.int("DEVICES", d.devices, lo=1),
+            devices=r.int("DEVICES", d.devices, lo=0),
             coordinator=r.text("COORDINATOR") or d.coordinator,
             processes=processes,
             process_id=r.int("PROCESS_ID", d.process_id, lo=0, hi=processes - 1),

@@ -24,13 +24,21 @@ AXIS = "expert"
 _mesh: jax.sharding.Mesh | None = None
 
 
+def automatic(local: list) -> int:
+    """How many devices `DEVICES=0` (the default) means: every local accelerator; one CPU
+    device (simulated CPU devices share the same cores: spreading over them speeds nothing)."""
+    return 1 if not local or local[0].platform == "cpu" else len(local)
+
+
 def use_devices(n: int | None) -> jax.sharding.Mesh | None:
-    """Spread the experts over the first n local devices (None or 1: one device, no mesh); with
-    several processes (`jax.distributed`), over the first n devices of each of them. On the
-    CPU, n devices exist only when XLA was asked for them before JAX started
-    (`XLA_FLAGS=--xla_force_host_platform_device_count=n` or `jax_num_cpu_devices`)."""
+    """Spread the experts over the first n local devices (0: `automatic`; None or 1: one
+    device, no mesh); with several processes (`jax.distributed`), over the first n devices of
+    each of them. On the CPU, n devices exist only when XLA was asked for them before JAX
+    started (`XLA_FLAGS=--xla_force_host_platform_device_count=n` or `jax_num_cpu_devices`)."""
     global _mesh
     local = jax.local_devices()
+    if n == 0:
+        n = automatic(local)
     if jax.process_count() > 1:  # every process's first n devices (`engine.lockstep`)
         n = n or 1
         if n > len(local):
