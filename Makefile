@@ -33,9 +33,13 @@ $(SYNTH)/config.json: | $(STAMP)
 		--moe-ff 64 --vocab 512 --seed 0 --out $(SYNTH)
 
 # The peers benchmark: the test extra (transformers) and the bench extra (llama-cpp-python,
-# compiled from source: several minutes on first install). Results in experiments/results/.
+# compiled from source on first install: the library alone, ~10 minutes on 2 cores).
+# Results in experiments/results/.
+LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+	-DLLAMA_BUILD_SERVER=OFF
 $(BSTAMP): pyproject.toml | $(PYTHON)
-	$(BIN)/pip install -q -e '.[test,bench]'
+	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP) $(TSTAMP) $@
 
 bench: $(BSTAMP)
