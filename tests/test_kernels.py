@@ -423,9 +423,11 @@ def _held_rows(f, rng, rows: int, cols: int, block: int = 8) -> np.ndarray:
 )
 def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     """The kernels built for each instruction-set level this CPU runs (AVX-512's 32 registers
-    and EVEX encodings, and AVX2 alone) compute the same bits, for every held format: the
-    linear kernel on 1, 5 and 16 rows and the expert kernel on 16 rows of top-4 over 6
-    experts. Results never depend on the CPU's vector extensions."""
+    and EVEX encodings with the paired tiles of cpu/pairs.h, and AVX2 alone) compute the same
+    bits, for every held format: the linear kernel on 1, 5, 16 and 37 rows (odd counts, more
+    than one group of 16) and the expert kernel on 16 and 40 rows of top-4 over 6 experts (up
+    to ~30 rows an expert, as in a prefill). Results never depend on the CPU's vector
+    extensions."""
     from colibri.bench.kernel_calls import expert_call, registered
 
     rng = np.random.default_rng(7)
@@ -438,19 +440,20 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # Scaled rows come in blocks of 8; the others have a scalar tail past the vectors.
             D, F = (96, 48) if f.scaled else (99, 45)
             w = jnp.asarray(_held_rows(f, rng, 70, D))
-            for rows in (1, 5, 16):
+            for rows in (1, 5, 16, 37):
                 x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
                 out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
                 theirs = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
                 np.testing.assert_array_equal(np.asarray(theirs), np.asarray(kernels.linear(x, w)))
             gate, up = (jnp.asarray(_held_rows(f, rng, 6 * F, D).reshape(6, F, -1)) for _ in "gu")
             down = jnp.asarray(_held_rows(f, rng, 6 * D, F).reshape(6, D, -1))
-            x = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
-            ids = jnp.asarray(rng.integers(0, 6, (16, 4)), jnp.int32)
-            np.testing.assert_array_equal(
-                np.asarray(experts(gate, up, down, x, ids)),
-                np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
-            )
+            for rows in (16, 40):
+                x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
+                ids = jnp.asarray(rng.integers(0, 6, (rows, 4)), jnp.int32)
+                np.testing.assert_array_equal(
+                    np.asarray(experts(gate, up, down, x, ids)),
+                    np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
+                )
 
 
 def test_the_multiply_add_ceiling_is_probed():

@@ -6,6 +6,7 @@
 //   simd.h     eight-lane float32 vectors: loads, multiply-adds, horizontal sums, e^x, silu
 //   formats.h  the held formats (COLIBRI_HELD_FORMATS) and how their weights are widened
 //   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs
+//   pairs.h    AVX-512 builds: tiles of two inputs a 512-bit vector, over inputs packed once
 //   gang.h     a call's work shared out among XLA's intra-op threads
 //   experts.h  colibri_moe_experts (one target per held format)
 //   linear.h   colibri_linear (one target per held format)

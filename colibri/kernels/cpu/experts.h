@@ -24,6 +24,7 @@
 
 #include "formats.h"
 #include "gang.h"
+#include "pairs.h"
 #include "simd.h"
 #include "tiles.h"
 #include "xla/ffi/api/ffi.h"
@@ -45,9 +46,12 @@ struct Problem {
   std::vector<int64_t> first;  // their assignments: assign[first[i] .. first[i + 1])
   std::vector<int64_t> assign;
   std::vector<const float*> xrow;  // by sorted assignment: its input row
-  std::vector<const float*> hrow;  // and its hidden row in h
-  float* h = nullptr;              // [assignments, F]: the hidden rows
-  float* u = nullptr;              // [assignments, F]: up projections, before the product
+  std::vector<const float*> hrow;  // and its hidden row in h (experts not paired)
+  float* h = nullptr;  // the hidden rows, expert by expert ([rows, F] each, or packed)
+  float* u = nullptr;  // up projections, before the product, laid out as h
+  // Per expert, where its rows go through the paired tiles (pairs.h): its inputs, hidden rows
+  // and up projections packed (in the same scratch as h and u); r = 0 where they do not.
+  std::vector<Packed> xp, hp, upp;
   int64_t fchunk, dchunk;          // weight rows per work item in each phase
   int64_t fitems, ditems;          // work items per expert in each phase
 
@@ -58,10 +62,25 @@ struct Problem {
   void hidden(int64_t i, int64_t c) {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
-    float* hq = h + q * F + f0;
     const T* G = gate + (s * F + f0) * ldg;
     const T* U = up + (s * F + f0) * ldg;
-    float* uq = u + q * F + f0;
+    if (hp[i].r) {
+      const Packed &hx = hp[i], &ux = upp[i];
+      matvecs(G, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *hx.at(j, f0 + f) = v; },
+              ldg, bg);
+      matvecs(U, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *ux.at(j, f0 + f) = v; },
+              ldg, bg);
+      // Chunks f0 / 8 .. of every group (f0 is a multiple of 8), padding lanes included (zeros).
+      const int64_t c0 = f0 / 8, nc = (f0 + nf + 7) / 8 - c0;
+      for (int64_t g = 0; g < hx.groups(); ++g) {
+        const int64_t n = hx.pairs(g) * 16;
+        swiglu(hx.group(g) + c0 * n, ux.group(g) + c0 * n, nc * n);
+      }
+      return;
+    }
+    const int64_t rows_at = hrow[q] - h;  // the expert's hidden rows, one after another
+    float* hq = h + rows_at + f0;
+    float* uq = u + rows_at + f0;
     matvecs(
         G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; }, ldg,
         bg);
@@ -94,6 +113,11 @@ struct Problem {
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
     const T* Dn = down + (s * D + d0) * ldd;
+    if (hp[i].r) {
+      matvecs(Dn, nd, F, hp[i], [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
+              ldd, bd);
+      return;
+    }
     matvecs(
         Dn, nd, F, &hrow[q], r, [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
         ldd, bd);
@@ -143,22 +167,6 @@ struct ExpertCall : Gang {
     }
   }
 };
-
-// At least n floats, not initialised, for the call this thread is making: the buffer is kept
-// from call to call (it grows, never shrinks). A vector made per call was zeroed every time
-// and, from a few MiB (the hidden rows of a prefill), mapped fresh from the kernel. It holds
-// the hidden and up rows: 2 x rows x top-k x F floats (a 256-token prefill of top-8 experts
-// with F = 2048: 32 MiB), on each thread that makes expert calls. No helper touches it once
-// the call has returned (Gang::finish).
-float* scratch(int64_t n) {
-  thread_local std::unique_ptr<float[]> buf;
-  thread_local int64_t size = 0;
-  if (n > size) {
-    buf.reset(new float[n]);
-    size = n;
-  }
-  return buf.get();
-}
 
 // The expert call over weights of element type T (float, uint16_t: bfloat16 bits, uint8_t:
 // FP8 rows, Int4: int4 rows, Int4Z: int4 rows with zero points, Int8Z: int8 rows).
@@ -233,14 +241,37 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     if (s >= 0 && s < S) p.assign[at[s]++] = a;
   }
   p.slot = std::move(used);
-  const int64_t staged = p.first.back();
-  p.h = scratch(2 * staged * F);
-  p.u = p.h + staged * F;
+  const int64_t staged = p.first.back(), experts = static_cast<int64_t>(p.slot.size());
+  // Scratch: every expert's hidden rows, then its up projections, then (paired) its inputs.
+  std::vector<int64_t> hoff(experts + 1, 0), xoff(experts + 1, 0);
+  for (int64_t i = 0; i < experts; ++i) {
+    const int64_t r = p.first[i + 1] - p.first[i];
+    const bool paired = kPairs && r >= kPairedExpertFrom;
+    hoff[i + 1] = hoff[i] + (paired ? Packed::floats(r, F) : r * F);
+    xoff[i + 1] = xoff[i] + (paired ? Packed::floats(r, D) : 0);
+  }
+  p.h = scratch<Scratch::kExperts>(2 * hoff[experts] + xoff[experts]);
+  p.u = p.h + hoff[experts];
+  float* xs = p.u + hoff[experts];
   p.xrow.resize(staged);
   p.hrow.resize(staged);
-  for (int64_t q = 0; q < staged; ++q) {
-    p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
-    p.hrow[q] = p.h + q * F;
+  p.xp.assign(experts, {});
+  p.hp.assign(experts, {});
+  p.upp.assign(experts, {});
+  for (int64_t i = 0; i < experts; ++i) {
+    const int64_t q0 = p.first[i], r = p.first[i + 1] - q0;
+    for (int64_t q = q0; q < q0 + r; ++q) {
+      p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
+      p.hrow[q] = p.h + hoff[i] + (q - q0) * F;
+    }
+    if (xoff[i + 1] > xoff[i]) {
+      p.xp[i] = Packed(xs + xoff[i], r, D);
+      p.xp[i].pack(&p.xrow[q0]);
+      p.hp[i] = Packed(p.h + hoff[i], r, F);
+      p.upp[i] = Packed(p.u + hoff[i], r, F);
+      p.hp[i].clear_padding();
+      p.upp[i].clear_padding();
+    }
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower.
   const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
@@ -249,7 +280,6 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   p.fitems = (F + p.fchunk - 1) / p.fchunk;
   p.ditems = (D + p.dchunk - 1) / p.dchunk;
 
-  const int64_t experts = static_cast<int64_t>(p.slot.size());
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
   run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes);

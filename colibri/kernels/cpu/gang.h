@@ -76,6 +76,26 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
   gang->finish();
 }
 
+// At least n floats, not initialised, for the call this thread is making: the buffer is kept
+// from call to call (it grows, never shrinks), one per kind of call. A vector made per call was
+// zeroed every time and, from a few MiB (the hidden rows of a prefill), mapped fresh from the
+// kernel. The expert call's holds its hidden and up rows (2 x rows x top-k x F floats: a
+// 256-token prefill of top-8 experts with F = 2048 takes 32 MiB) and its packed inputs; the
+// linear call's its packed inputs. No helper touches it once the call has returned
+// (Gang::finish).
+enum class Scratch { kExperts, kLinear };
+
+template <Scratch Kind>
+float* scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buf;
+  thread_local int64_t size = 0;
+  if (n > size) {
+    buf.reset(new float[n]);
+    size = n;
+  }
+  return buf.get();
+}
+
 // Weight rows per work item: about `bytes` of weights, a multiple of 8 rows.
 int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
   const int64_t n = std::max<int64_t>(8, bytes / std::max<int64_t>(row_bytes, 1) / 8 * 8);

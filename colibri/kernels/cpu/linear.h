@@ -12,6 +12,7 @@
 
 #include "formats.h"
 #include "gang.h"
+#include "pairs.h"
 #include "tiles.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -31,15 +32,18 @@ struct LinearCall : Gang {
   float* y;
   int64_t M, O, I, ld, blk, chunk, items;
   std::vector<const float*> xrow;
+  Packed packed;  // the rows packed for the paired tiles, where they are used (packed.r > 0)
   std::atomic<int64_t> next{0};
 
   void drain() override {
     [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
-      matvecs(
-          w + o0 * ld, no, I, xrow.data(), M,
-          [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; }, ld, blk);
+      auto emit = [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; };
+      if (packed.r)
+        matvecs(w + o0 * ld, no, I, packed, emit, ld, blk);
+      else
+        matvecs(w + o0 * ld, no, I, xrow.data(), M, emit, ld, blk);
     }
   }
 };
@@ -77,6 +81,10 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
+  if (kPairs && M >= kPairedFrom) {
+    call->packed = Packed(scratch<Scratch::kLinear>(Packed::floats(M, I)), M, I);
+    call->packed.pack(call->xrow.data());
+  }
   run(pool, call, call->items, O * value_bytes(kind, I) * ((M + 3) / 4));
   return ffi::Error::Success();
 }

@@ -1,0 +1,265 @@
+// Tiles of 512-bit vectors that keep the 8-lane order of the sums (AVX-512 builds): a vector
+// holds two inputs' eight columns side by side, so one multiply-add advances two dot products'
+// 8-lane accumulators at once, each exactly as tiles.h's `dots` advances it. The inputs are
+// packed for that once per call (`Packed`); a weight vector is loaded into both halves.
+//
+// With 32 registers a tile keeps three weight rows against sixteen inputs (24 sums, 3 weight
+// vectors, 1 input vector), so a row of weights met by up to 16 inputs is read once and
+// consumed in one pass, and the inputs come as one sequential stream instead of one per input.
+// Results are bitwise those of tiles.h (cpu.cc, "Exactness"; tests/test_kernels.py compares
+// this build with the AVX2 one, which has no such tiles).
+
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "formats.h"
+#include "simd.h"
+#include "tiles.h"
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+constexpr bool kPairs = true;
+#else
+constexpr bool kPairs = false;
+#endif
+
+// Linear calls with this many inputs or more go through the paired tiles (where the build has
+// them), and experts this many rows chose; fewer stream their weights through tiles.h's
+// (docs/kernels.md).
+constexpr int64_t kPairedFrom = 5;
+constexpr int64_t kPairedExpertFrom = 9;
+
+// r inputs of L floats packed for the paired tiles, in groups of 16: group g holds inputs
+// 16 g .. 16 g + 15 as ceil(L / 8) chunks of eight columns, each chunk its inputs' eight
+// columns pair by pair ([input 2p | input 2p + 1] in 16 floats), so that a tile's step reads
+// one 16-float vector a pair, one after another. A last chunk of fewer than eight columns and
+// the second half of a last pair without an input are zeros.
+struct Packed {
+  static constexpr int64_t kGroup = 16;
+  float* data = nullptr;
+  int64_t r = 0, L = 0;
+  int64_t nch = 0;     // chunks of eight columns: ceil(L / 8)
+  int64_t last = 0;    // the last group
+  int64_t tail = 0;    // pairs in the last group (every other group has 8)
+
+  Packed() = default;
+  Packed(float* data, int64_t r, int64_t L)
+      : data(data), r(r), L(L), nch((L + 7) / 8), last(r > 0 ? (r - 1) / kGroup : 0),
+        tail(r > 0 ? (r - last * kGroup + 1) / 2 : 0) {}
+
+  int64_t groups() const { return r > 0 ? last + 1 : 0; }
+  int64_t inputs(int64_t g) const { return std::min(kGroup, r - g * kGroup); }
+  int64_t pairs(int64_t g) const { return g == last ? tail : 8; }
+  // Floats r inputs of L take (every group but the last is full).
+  static int64_t floats(int64_t r, int64_t L) {
+    if (r <= 0) return 0;
+    const int64_t chunks = (L + 7) / 8, full = (r - 1) / kGroup, last = r - full * kGroup;
+    return (full * 8 + (last + 1) / 2) * 16 * chunks;
+  }
+  float* group(int64_t g) const { return data + g * 128 * nch; }
+  // Where column c of input j is.
+  float* at(int64_t j, int64_t c) const {
+    const int64_t g = j / kGroup, k = j % kGroup;
+    return group(g) + (c / 8) * pairs(g) * 16 + (k / 2) * 16 + (k % 2) * 8 + c % 8;
+  }
+  // Zeros where no input's column is: the tail chunk's lanes from L on, a missing last input.
+  void clear_padding() const {
+    const int64_t nc = nch;
+    if (L % 8)
+      for (int64_t j = 0; j < r; ++j) std::memset(at(j, L), 0, sizeof(float) * (8 - L % 8));
+    if (r % 2)
+      for (int64_t c = 0; c < nc; ++c) std::memset(at(r - 1, 8 * c) + 8, 0, sizeof(float) * 8);
+  }
+  // Copy x[0 .. r) in.
+  void pack(const float* const* x) const {
+    const int64_t L8 = L / 8 * 8;
+    for (int64_t j = 0; j < r; ++j) {
+      for (int64_t c = 0; c < L8; c += 8) std::memcpy(at(j, c), x[j] + c, sizeof(float) * 8);
+      if (L8 < L) std::memcpy(at(j, L8), x[j] + L8, sizeof(float) * (L - L8));
+    }
+    clear_padding();
+  }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 fma16(v16 a, v16 b, v16 c) {
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                               reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+}
+
+inline void in_register(v16& v) { asm("" : "+v"(v)); }
+
+// Eight weights from p, widened as loadw widens them, in both halves.
+inline v16 loadw2(const float* p) {
+  return reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(p)));
+}
+
+inline v16 loadw2(const uint16_t* p) {
+  const __m128i eight = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i twice = _mm256_broadcastsi128_si256(eight);
+  return reinterpret_cast<v16>(_mm512_slli_epi32(_mm512_cvtepu16_epi32(twice), 16));
+}
+
+// acc[i][p] += wv_i * (pair p's columns) for the tile's weight vectors, passed as values and
+// pinned in registers as in tiles.h.
+template <int TP, typename... V>
+__attribute__((always_inline)) inline void multiply_add_pairs(v16 (*acc)[TP], const float* xc,
+                                                              V... wv) {
+  (in_register(wv), ...);
+  for (int p = 0; p < TP; ++p) {
+    v16 xv = load16(xc + 16 * p);
+    in_register(xv);
+    int i = 0;
+    ((acc[i][p] = fma16(wv, xv, acc[i][p]), ++i), ...);
+  }
+}
+
+template <int TP, typename T, size_t... I>
+__attribute__((always_inline)) inline void pair_step(const T* const* w, const float* xc, int64_t c,
+                                                     v16 (*acc)[TP], std::index_sequence<I...>) {
+  multiply_add_pairs<TP>(acc, xc, loadw2(w[I] + c)...);
+}
+
+// out[i * 2 TP + j] = dot(w[i], input j) over L columns for the TW weight rows and the inputs
+// of one group of x (TP pairs): the 8-lane sums of tiles.h's `dots`, two a vector, then the
+// same horizontal sums and scalar tail.
+template <int TW, int TP, typename T>
+inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out) {
+  const int64_t L = x.L, L8 = L / 8 * 8;
+  const float* xg = x.group(g);
+  v16 acc[TW][TP];
+  for (int i = 0; i < TW; ++i)
+    for (int p = 0; p < TP; ++p) acc[i][p] = v16{};
+  for (int64_t c = 0; c < L8; c += 8) {
+    if (c % (64 / sizeof(T)) == 0)  // once a cache line, 2 KiB ahead in each row's stream
+      for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
+    pair_step<TP>(w, xg + (c / 8) * TP * 16, c, acc, std::make_index_sequence<TW>{});
+  }
+  v8 half[TW * 2 * TP];
+  for (int i = 0; i < TW; ++i)
+    for (int p = 0; p < TP; ++p) {
+      const __m512 a = reinterpret_cast<__m512>(acc[i][p]);
+      half[(i * TP + p) * 2] = reinterpret_cast<v8>(_mm512_castps512_ps256(a));
+      half[(i * TP + p) * 2 + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(a, 1));
+    }
+  hsums<TW * 2 * TP>(half, out);
+  if (L8 < L)
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < x.inputs(g); ++j) {
+        float s = out[i * 2 * TP + j];
+        const float* xj = x.at(g * Packed::kGroup + j, L8);
+        for (int64_t t = L8; t < L; ++t) s = std::fma(widen(w[i][t]), xj[t - L8], s);
+        out[i * 2 * TP + j] = s;
+      }
+}
+
+// Rows w[0 .. TW) (their indices `rows`) against every input of x: emit(row, j, value).
+template <int TW, typename T, typename Emit>
+inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, Emit& emit) {
+  float out[TW * 16];
+  for (int64_t g = 0; g < x.groups(); ++g) {
+    switch (x.pairs(g)) {
+#define COLIBRI_PAIRS(n)        \
+  case n:                       \
+    pair_dots<TW, n>(w, x, g, out); \
+    break;
+      COLIBRI_PAIRS(1) COLIBRI_PAIRS(2) COLIBRI_PAIRS(3) COLIBRI_PAIRS(4)
+      COLIBRI_PAIRS(5) COLIBRI_PAIRS(6) COLIBRI_PAIRS(7) COLIBRI_PAIRS(8)
+#undef COLIBRI_PAIRS
+    }
+    const int64_t j0 = g * Packed::kGroup, TPx2 = 2 * x.pairs(g);
+    for (int i = 0; i < TW; ++i)
+      for (int64_t j = 0; j < x.inputs(g); ++j) emit(rows[i], j0 + j, out[i * TPx2 + j]);
+  }
+}
+
+// matvecs over packed inputs, TW weight rows a tile, the rows of a tile R / TW apart (tiles.h).
+template <int TW, typename T, typename Emit>
+inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit& emit,
+                         int64_t ld, int64_t blk) {
+  const int64_t gap = R / TW;
+  if constexpr (kScaled<T>) {
+    // Scaled rows widened once, TW at a time, into float32 rows in L1 (as tiles.h does), the
+    // next TW rows prefetched into L2 meanwhile.
+    thread_local std::vector<float> wide;
+    wide.resize(TW * L);
+    const float* w[TW];
+    int64_t rows[TW];
+    for (int i = 0; i < TW; ++i) w[i] = wide.data() + i * L;
+    const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < TW; ++i) {
+        rows[i] = row + i * gap;
+        widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+      }
+      if (row + 1 < gap)
+        for (int i = 0; i < TW; ++i) {
+          const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
+          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+        }
+      pair_tiles<TW>(w, rows, x, emit);
+    }
+    for (int64_t row = gap * TW; row < R; ++row) {
+      widen_row(W + row * ld, L, blk, wide.data());
+      pair_tiles<1>(w, &row, x, emit);
+    }
+  } else {
+    (void)blk;
+    const T* w[TW];
+    int64_t rows[TW];
+    for (int64_t row = 0; row < gap; ++row) {
+      for (int i = 0; i < TW; ++i) {
+        rows[i] = row + i * gap;
+        w[i] = W + rows[i] * ld;
+      }
+      pair_tiles<TW>(w, rows, x, emit);
+    }
+    for (int64_t row = gap * TW; row < R; ++row) {
+      w[0] = W + row * ld;
+      pair_tiles<1>(w, &row, x, emit);
+    }
+  }
+}
+
+#endif
+
+// Apply the rows w[0..R) of a [R, L] matrix (rows `ld` elements apart) to the inputs packed in
+// x (x.L == L): emit(row, j, value) for every row and input, bitwise as tiles.h's `matvecs`
+// over the same inputs as rows. Three weight rows a tile (up to 24 sums), four where the first
+// group has only one or two pairs. Only where kPairs.
+template <typename T, typename Emit>
+void matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit emit, int64_t ld = 0,
+             int64_t blk = 0) {
+  if (ld == 0) ld = L;
+  if (x.r <= 0) return;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if (x.pairs(0) > 2)
+    pair_matvecs<3>(W, R, L, x, emit, ld, blk);
+  else
+    pair_matvecs<4>(W, R, L, x, emit, ld, blk);
+#else
+  (void)W, (void)R, (void)emit, (void)blk;
+#endif
+}
+
+}  // namespace
