@@ -31,13 +31,15 @@ Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (burs
 over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
 experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json.
 
---level peers (--format int8; needs the `bench` extra's llama-cpp-python, as
-experiments/bench_peers.py): colibri on the int8 checkpoint against llama.cpp on its own 8-bit
-format, q8_0 (blocks of 32 with a float16 scale; norms and routers stay f32), of the float32
-checkpoint the peers benchmark runs: two quantizations of one model, so their greedy tokens
-need not agree. Each in a process of its own, --rounds (default 3) alternating rounds, batch 1,
-64 tokens after a 128-token prompt; best of rounds (experiments/bench_bf16.py's peers level).
-Writes experiments/results/int8_peers.md and .json.
+--level peers (--format int8 or int4; needs the `bench` extra's llama-cpp-python, as
+experiments/bench_peers.py): colibri on the int8 (int4) checkpoint against llama.cpp on its own
+format of as many bits, q8_0 (q4_0: blocks of 32 with a float16 scale; norms and routers stay
+f32), of the float32 checkpoint the peers benchmark runs: two quantizations of one model, so
+their greedy tokens need not agree. Each in a process of its own, --rounds (default 3)
+alternating rounds, batch 1, 64 tokens after a 128-token prompt; best of rounds
+(colibri.bench.sidebyside, as experiments/bench_bf16.py's peers level), and colibri's rate
+against the roofline of the bytes it holds, each round against a bandwidth probe run just
+before it. Writes experiments/results/int8_peers.md (int4_peers.md) and .json.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from colibri.bench.replay import compare, on_huge_pages, record_routes
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.config import load_config
+from colibri.engine.hwinfo import cpu_name
 from colibri.formats import HOLD_ALL, Holding
 from colibri.report import markdown_table, write_report
 from colibri.weights import expert_shapes
@@ -117,12 +120,17 @@ def write_peers(args, rows: list[dict]) -> None:
         f"# colibri on the {fmt} checkpoint and llama.cpp on {kind} of the same model",
         "",
         f"Command: `{cmd}`  ",
+        f"Machine: {cpu_name()}  ",
         f"{FORMATS[fmt]['note']} colibri holds the routed experts and the attention as {fmt} "
         "rows (embeddings, routers and lm_head stay bfloat16) and computes in float32; "
         f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms and routers f32) "
         "with an f32 KV cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt, "
         "each engine in a process of its own, alternating rounds; best of rounds. Two "
-        "quantizations of one model: their greedy tokens need not agree.",
+        "quantizations of one model: their greedy tokens need not agree. Roofline: the bytes "
+        "of weights a batch-1 step reads as colibri holds them (MB a step: the dense arrays, "
+        "one embedding row, the chosen experts' rows with their scales) over the bandwidth "
+        "probed in a process of its own just before each colibri round; colibri's rate "
+        "against it, round by round.",
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
@@ -143,7 +151,7 @@ def main() -> None:
     f = FORMATS[fmt]
     if "peers" in levels:
         if "llama" not in f:
-            sys.exit(f"--level peers: no llama.cpp format set beside {fmt} (only int8: q8_0)")
+            sys.exit(f"--level peers: no llama.cpp format beside {fmt} (int8: q8_0, int4: q4_0)")
         rows = [r for name in args.shapes.split(",") for r in peers_level(name, fmt, args.rounds)]
         print(pd.DataFrame(rows).to_string(index=False))
         write_peers(args, rows)

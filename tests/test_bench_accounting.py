@@ -66,3 +66,27 @@ def test_step_bytes_are_the_weights_one_row_touches(decoded):
     # The q and k norms (a head's width, or OLMoE's full width, a layer) are left out.
     assert counted <= touched
     assert counted == pytest.approx(touched, rel=0.01)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "int8"])
+def test_held_step_bytes_are_the_arrays_one_row_reads(tmp_path, dtype):
+    """held_step_bytes, from the arrays the engine holds: for a float32 checkpoint what
+    step_bytes counts (but the q and k norms it leaves out); for int8 rows, the chosen experts
+    at a byte a weight plus a float32 scale and offset per group of 128 columns, the rest as
+    the engine holds it."""
+    from colibri.bench.accounting import held_step_bytes
+    from colibri.engine.model import load_model
+
+    spec = SynthSpec(layers=2, experts=8, top_k=2, hidden=256, moe_ff=128, vocab=384, dtype=dtype)
+    model = load_model(synthesize(spec, tmp_path / dtype, progress=False), progress=False)
+    cfg, k = model.cfg, spec.top_k
+    held = held_step_bytes(model.params, model.experts, [k] * cfg.num_layers)
+    dense = held_step_bytes(model.params, model.experts, [0] * cfg.num_layers)
+    D, F = spec.hidden, spec.moe_ff
+    if dtype == "f32":
+        counted = step_bytes(cfg, [k] * cfg.num_layers, 1)
+        assert counted <= held
+        assert counted == pytest.approx(held, rel=0.01)
+    else:  # gate, up: F rows of D values; down: D rows of F; 8 bytes a group beside them
+        row_bytes = 2 * F * (D + 8 * D // 128) + D * (F + 8 * F // 128)
+        assert held - dense == cfg.num_layers * k * row_bytes

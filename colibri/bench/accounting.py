@@ -19,6 +19,23 @@ def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
     return 4.0 * params
 
 
+def held_step_bytes(params: dict, stacks: list[dict], experts_per_layer: list[float]) -> float:
+    """Bytes of weights one decode step of one row reads as the engine holds them (bfloat16
+    bits, FP8, int4 or int8 rows with their scales, or float32): every dense array once (the
+    embedding table: one row), and of each MoE layer's stacked experts ([E, ...] arrays) the
+    share its chosen experts are."""
+    import jax
+
+    total = 0.0
+    for key, value in params.items():  # a tied lm_head is its own key: counted whole
+        for a in jax.tree_util.tree_leaves(value):
+            total += a.nbytes / a.shape[0] if key == "embed" else a.nbytes
+    for layer, chosen in zip(stacks, experts_per_layer, strict=True):
+        for a in jax.tree_util.tree_leaves(layer):
+            total += a.nbytes * chosen / a.shape[0]
+    return total
+
+
 def mean_context(prompt: int, tokens: int) -> float:
     """Positions a decode step attends over, the mean over the benchmark's steps (step i, from
     0, attends over prompt + i + 1)."""

@@ -77,6 +77,7 @@ FORMATS = {
         "at the engine level also with only the routed experts as int4 rows "
         "(COLIBRI_INT4=experts: attention dequantized at load).",
         modes={"int4, dense float32": Holding(int4="experts")},
+        llama="q4_0",  # blocks of 32 with an f16 scale: the nearest GGUF format
     ),
     "awq4": dict(
         held=INT4Z_ROWS,

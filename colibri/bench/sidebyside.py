@@ -1,13 +1,13 @@
 """colibri beside a peer on the same model: batch-1 greedy decode, each engine in a process of
-its own (colibri.bench.workers), the order flipping every round; and how many leading greedy
-tokens two runs share."""
+its own (colibri.bench.workers), the order flipping every round, colibri against the roofline of
+the bytes it holds; and how many leading greedy tokens two runs share."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from colibri.bench.conversations import prompt_ids
-from colibri.bench.workers import run_worker
+from colibri.bench.workers import run_probe, run_worker
 from colibri.config import load_config
 
 
@@ -23,18 +23,27 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
     """Batch-1 greedy decode of `tokens` tokens after a 128-token prompt by each engine on its
     checkpoint (label -> path; the first a colibri checkpoint, labels starting "colibri" or
     "llama.cpp"), each run in a process of its own (workers.run_worker), the order flipping
-    every round: each engine's best round, against the first engine's."""
+    every round: each engine's best round, against the first engine's. Each colibri run comes
+    right after a bandwidth probe in a process of its own (workers.run_probe): its rate against
+    the roofline of that probe, the bytes a step reads as colibri holds the weights
+    (accounting.held_step_bytes) over the probe's rate, round by round."""
     first = next(iter(paths))
     prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
     runs = {k: [] for k in paths}
     for r in range(rounds):
         for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
             kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
-            runs[peer].append(run_worker(kind, paths[peer], prompt, tokens))
+            probe = run_probe() if kind == "colibri" else None
+            res = run_worker(kind, paths[peer], prompt, tokens)
+            if probe:
+                roof = probe["gb_s"] * 1e9 / res["held_step_bytes_1"]
+                res["roofline"] = {"gb_s": probe["gb_s"], "ratio": res["decode_tok_s_1"] / roof}
+            runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
     rows = []
     for peer, res in runs.items():
         best = max(res, key=lambda x: x["decode_tok_s_1"])
+        roofs = [x["roofline"] for x in res if "roofline" in x]
         rows.append(
             {
                 "model": name,
@@ -45,6 +54,11 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
                 "peak RSS MB": best["peak_rss_mb"],
                 "greedy tokens as colibri's": f"{agreement(ours['tokens'], best['tokens'])}"
                 f"/{len(ours['tokens'])}",
+                "MB a step, as held": best["held_step_bytes_1"] / 1e6 if roofs else None,
+                "/ roofline, per round (probe GB/s)": ", ".join(
+                    f"{x['ratio']:.2f} ({x['gb_s']:.1f})" for x in roofs
+                )
+                or None,
             }
         )
     return rows

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri.bench.accounting import held_step_bytes
 from colibri.bench.bandwidth import memory_bandwidth
 from colibri.bench.conversations import BURST, other_conversations
 from colibri.bench.shapes import CACHE
@@ -78,6 +79,8 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         return rate, out[: n + 1], np.mean(distinct, axis=0).tolist()
 
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
+    top_k = [model.cfg.moe.top_k] * len(model.experts)
+    res["held_step_bytes_1"] = held_step_bytes(model.params, model.experts, top_k)
     sizes, kinds = (1, 4, 16), ((1, "_single"), (BURST, ""))
     for rows in sizes:
         for burst, _ in kinds:
