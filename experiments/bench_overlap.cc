@@ -58,12 +58,21 @@ Rate work(const Weights& w, int64_t L, int64_t inputs, int core, const std::atom
   std::vector<float> xs(inputs * L, 0.5f), ys(inputs * kItemRows);
   std::vector<const float*> x(inputs);
   for (int64_t j = 0; j < inputs; ++j) x[j] = xs.data() + j * L;
+  // As the linear kernel does: inputs packed once for the paired tiles where the build has
+  // them (cpu/pairs.h), the tiles of tiles.h otherwise.
+  std::vector<float> packed_floats(Packed::floats(inputs, L));
+  const bool paired = kPairs && inputs >= kPairedFrom;
+  const Packed packed(packed_floats.data(), paired ? inputs : 0, L);
+  if (paired) packed.pack(x.data());
+  auto emit = [&](int64_t o, int64_t j, float v) { ys[j * kItemRows + o] = v; };
   int64_t done = 0;
   const auto t0 = std::chrono::steady_clock::now();
   while (!stop.load(std::memory_order_relaxed))
     for (int64_t k = 0; k < w.items && !stop.load(std::memory_order_relaxed); ++k, ++done)
-      matvecs(w.w + k * kItemRows * L, kItemRows, L, x.data(), inputs,
-              [&](int64_t o, int64_t j, float v) { ys[j * kItemRows + o] = v; });
+      if (paired)
+        matvecs(w.w + k * kItemRows * L, kItemRows, L, packed, emit);
+      else
+        matvecs(w.w + k * kItemRows * L, kItemRows, L, x.data(), inputs, emit);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double bytes = double(done) * kItemRows * L * 4;
   return {bytes / s / 1e9, bytes / 4 * 2 * inputs / s / 1e9};

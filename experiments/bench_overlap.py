@@ -17,8 +17,10 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 Per case and core: GB/s of weights and GFLOP/s, best of --repeats (cases interleaved). The
 summary compares one core's DRAM case with its two parts: the time streaming and computing would
 take one after the other (no overlap) and the longer of the two (full overlap).
---isa avx2 builds the driver without AVX-512 (kernels.ISA_LEVELS) on a CPU that has it: the same
-tiles with 16 vector registers and VEX encodings instead of 32 and EVEX.
+The inputs go through the tiles the linear kernel uses: on AVX-512 builds the paired tiles of
+cpu/pairs.h (two inputs a 512-bit vector, inputs packed once) from 5 inputs on, tiles.h's
+otherwise. --isa avx2 builds the driver without AVX-512 (kernels.ISA_LEVELS) on a CPU that has
+it: tiles.h's tiles only, with 16 vector registers and VEX encodings instead of 32 and EVEX.
 Writes experiments/results/overlap.md and overlap.json (--isa avx2: overlap_avx2.md and .json).
 """
 
