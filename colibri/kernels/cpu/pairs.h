@@ -259,6 +259,7 @@ void matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit emit, int64
     pair_matvecs<4>(W, R, L, x, emit, ld, blk);
 #else
   (void)W, (void)R, (void)emit, (void)blk;
+  __builtin_trap();  // inputs are packed only where kPairs
 #endif
 }
 
