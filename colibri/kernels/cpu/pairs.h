@@ -74,11 +74,10 @@ struct Packed {
   }
   // Zeros where no input's column is: the tail chunk's lanes from L on, a missing last input.
   void clear_padding() const {
-    const int64_t nc = nch;
     if (L % 8)
       for (int64_t j = 0; j < r; ++j) std::memset(at(j, L), 0, sizeof(float) * (8 - L % 8));
     if (r % 2)
-      for (int64_t c = 0; c < nc; ++c) std::memset(at(r - 1, 8 * c) + 8, 0, sizeof(float) * 8);
+      for (int64_t c = 0; c < nch; ++c) std::memset(at(r - 1, 8 * c) + 8, 0, sizeof(float) * 8);
   }
   // Copy x[0 .. r) in.
   void pack(const float* const* x) const {
@@ -193,7 +192,9 @@ inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, 
   }
 }
 
-// matvecs over packed inputs, TW weight rows a tile, the rows of a tile R / TW apart (tiles.h).
+// matvecs over packed inputs, TW weight rows a tile, the rows of a tile R / TW apart: the row
+// walk of tiles.h's `matvecs` (scaled rows widened into L1), over paired tiles. (Sharing that walk
+// through a callback measured 2-4% slower on 16-row int8 expert calls.)
 template <int TW, typename T, typename Emit>
 inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit& emit,
                          int64_t ld, int64_t blk) {
