@@ -3,7 +3,9 @@
 // -DCPU_CC="path") run on one or two pinned cores, each over a buffer of its own. Built and run
 // by bench_overlap.py.
 //
-// usage: bench_overlap ROW_FLOATS INPUTS MIB SECONDS REPEATS
+// usage: bench_overlap ROW_VALUES INPUTS MIB SECONDS REPEATS [HELD]
+// HELD: f32 (the default), int8 or int4: the rows as the kernels hold those formats (values,
+// then a float32 scale per 128 columns, and for int8 an offset), widened as they are loaded.
 // prints "case core inputs where GB/s GFLOP/s" per core of each case, the best of REPEATS
 // (cases interleaved: load from elsewhere falls on all of them alike).
 
@@ -16,27 +18,62 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kItemRows = 64;  // rows a work item, as bench_streams.cc
+constexpr int64_t kBlock = 128;  // columns a scale of held rows
+
+// How the rows are held: float32, or int8 / int4 rows with their scales (formats.h).
+enum class Held { kF32, kInt8, kInt4 };
+
+// Bytes of a row of L values as held.
+int64_t row_bytes(Held held, int64_t L) {
+  switch (held) {
+    case Held::kInt8: return L + 8 * (L / kBlock);  // values, scales, offsets
+    case Held::kInt4: return L / 2 + 4 * (L / kBlock);  // values, scales
+    default: return 4 * L;
+  }
+}
+
+// Rows a work item: 64 float32 rows, as bench_streams.cc; held rows in items of ~256 KiB, as
+// the expert kernel shares its calls out (gang.h's chunk_rows).
+int64_t item_rows(Held held, int64_t L) {
+  if (held == Held::kF32) return 64;
+  return std::max<int64_t>(8, (256 << 10) / row_bytes(held, L) / 8 * 8);
+}
 
 struct Weights {
-  float* w = nullptr;
-  int64_t items = 0;
+  char* w = nullptr;
+  int64_t items = 0, rows = 0, row = 0;  // items of `rows` rows of `row` bytes
 };
 
-// `mib` MiB of float32 rows of L floats on huge pages where the kernel gives them (as the
-// engine holds its experts), in items of kItemRows rows.
-Weights make_weights(int64_t L, double mib) {
-  const int64_t item = kItemRows * L * 4;
+// `mib` MiB of rows of L values on huge pages where the kernel gives them (as the engine holds
+// its experts), in items of item_rows rows. Held rows: values from a fixed pattern, every
+// block scaled by 1/128 (int8: offset -1).
+Weights make_weights(Held held, int64_t L, double mib) {
+  const int64_t row = row_bytes(held, L), rows = item_rows(held, L), item = rows * row;
   const int64_t items = std::max<int64_t>(1, int64_t(mib * (1 << 20)) / item);
   const size_t huge = 2 << 20, bytes = (items * item + huge - 1) / huge * huge;
-  Weights out{static_cast<float*>(std::aligned_alloc(huge, bytes)), items};
+  Weights out{static_cast<char*>(std::aligned_alloc(huge, bytes)), items, rows, row};
   madvise(out.w, bytes, MADV_HUGEPAGE);
-  for (int64_t i = 0; i < items * kItemRows * L; ++i) out.w[i] = float(i % 97) * 1e-3f;
+  for (int64_t r = 0; r < items * rows; ++r) {
+    char* p = out.w + r * row;
+    if (held == Held::kF32) {
+      for (int64_t c = 0; c < L; ++c) reinterpret_cast<float*>(p)[c] = float((r * L + c) % 97) * 1e-3f;
+      continue;
+    }
+    const int64_t values = held == Held::kInt8 ? L : L / 2, nb = L / kBlock;
+    for (int64_t c = 0; c < values; ++c) p[c] = char((r * 131 + c * 29) % 251);
+    const float scale = 1.0f / 128, offset = -1.0f;
+    for (int64_t k = 0; k < nb; ++k) {
+      std::memcpy(p + values + 4 * k, &scale, 4);
+      if (held == Held::kInt8) std::memcpy(p + values + 4 * (nb + k), &offset, 4);
+    }
+  }
   return out;
 }
 
@@ -51,11 +88,13 @@ struct Rate {
   double gb_s = 0, gflop_s = 0;
 };
 
-// One core's share of a case: `inputs` rows through every item of `w`, round and round, until
-// `stop`; bytes of weights read and FLOPs done per second.
+// One core's share of a case: `inputs` rows through every item of `w` (its rows held as T),
+// round and round, until `stop`; bytes of weights read and FLOPs done per second.
+template <typename T>
 Rate work(const Weights& w, int64_t L, int64_t inputs, int core, const std::atomic<bool>& stop) {
   pin(core);
-  std::vector<float> xs(inputs * L, 0.5f), ys(inputs * kItemRows);
+  [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};  // as the kernels
+  std::vector<float> xs(inputs * L, 0.5f), ys(inputs * w.rows);
   std::vector<const float*> x(inputs);
   for (int64_t j = 0; j < inputs; ++j) x[j] = xs.data() + j * L;
   // As the linear kernel does: inputs packed once for the paired tiles where the build has
@@ -64,18 +103,42 @@ Rate work(const Weights& w, int64_t L, int64_t inputs, int core, const std::atom
   const bool paired = kPairs && inputs >= kPairedFrom;
   const Packed packed(packed_floats.data(), paired ? inputs : 0, L);
   if (paired) packed.pack(x.data());
-  auto emit = [&](int64_t o, int64_t j, float v) { ys[j * kItemRows + o] = v; };
+  const int64_t rows = w.rows, ld = w.row / static_cast<int64_t>(sizeof(T));
+  const int64_t blk = kScaled<T> ? kBlock : 0;
+  auto emit = [&](int64_t o, int64_t j, float v) { ys[j * rows + o] = v; };
   int64_t done = 0;
   const auto t0 = std::chrono::steady_clock::now();
   while (!stop.load(std::memory_order_relaxed))
-    for (int64_t k = 0; k < w.items && !stop.load(std::memory_order_relaxed); ++k, ++done)
+    for (int64_t k = 0; k < w.items && !stop.load(std::memory_order_relaxed); ++k, ++done) {
+      const T* W = reinterpret_cast<const T*>(w.w + k * rows * w.row);
       if (paired)
-        matvecs(w.w + k * kItemRows * L, kItemRows, L, packed, emit);
+        matvecs(W, rows, L, packed, emit, ld, blk);
       else
-        matvecs(w.w + k * kItemRows * L, kItemRows, L, x.data(), inputs, emit);
+        matvecs(W, rows, L, x.data(), inputs, emit, ld, blk);
+    }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const double bytes = double(done) * kItemRows * L * 4;
-  return {bytes / s / 1e9, bytes / 4 * 2 * inputs / s / 1e9};
+  return {double(done) * rows * w.row / s / 1e9, double(done) * rows * L * 2 * inputs / s / 1e9};
+}
+
+// One core reading its buffer with nothing else to do (eight 8-lane sums of every 256 bytes):
+// the bandwidth a core gets, as colibri.bench.bandwidth probes it.
+Rate read(const Weights& w, int core, const std::atomic<bool>& stop) {
+  pin(core);
+  const int64_t n = w.items * w.rows * w.row / 32;  // vectors of 8 floats
+  const float* p = reinterpret_cast<const float*>(w.w);
+  v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+  int64_t rounds = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (; !stop.load(std::memory_order_relaxed); ++rounds)
+    for (int64_t i = 0; i + 8 <= n; i += 8) {
+      const float* q = p + 8 * i;
+      a0 += load8(q), a1 += load8(q + 8), a2 += load8(q + 16), a3 += load8(q + 24);
+      a4 += load8(q + 32), a5 += load8(q + 40), a6 += load8(q + 48), a7 += load8(q + 56);
+    }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const v8 sum = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+  if (sum[0] == 42.0f) std::printf("#\n");  // keeps the sums
+  return {double(rounds) * (n / 8 * 8) * 32 / s / 1e9, 0};
 }
 
 // The core's multiply-add ceiling: twelve independent 8-lane chains (as many sums as a tile
@@ -105,17 +168,26 @@ Rate peak(int core, double seconds) {
 
 struct Part {
   int core;
-  int64_t inputs;
+  int64_t inputs;  // 0: read only
   const Weights* w;
 };
 
-std::vector<Rate> run_case(const std::vector<Part>& parts, int64_t L, double seconds) {
+Rate part(Held held, const Part& p, int64_t L, const std::atomic<bool>& stop) {
+  if (p.inputs == 0) return read(*p.w, p.core, stop);
+  switch (held) {
+    case Held::kInt8: return work<Int8Z>(*p.w, L, p.inputs, p.core, stop);
+    case Held::kInt4: return work<Int4>(*p.w, L, p.inputs, p.core, stop);
+    default: return work<float>(*p.w, L, p.inputs, p.core, stop);
+  }
+}
+
+std::vector<Rate> run_case(Held held, const std::vector<Part>& parts, int64_t L,
+                           double seconds) {
   std::atomic<bool> stop{false};
   std::vector<Rate> rates(parts.size());
   std::vector<std::thread> threads;
   for (size_t p = 0; p < parts.size(); ++p)
-    threads.emplace_back(
-        [&, p] { rates[p] = work(*parts[p].w, L, parts[p].inputs, parts[p].core, stop); });
+    threads.emplace_back([&, p] { rates[p] = part(held, parts[p], L, stop); });
   std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
   stop = true;
   for (auto& t : threads) t.join();
@@ -125,26 +197,36 @@ std::vector<Rate> run_case(const std::vector<Part>& parts, int64_t L, double sec
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 6) {
-    std::fprintf(stderr, "usage: %s ROW_FLOATS INPUTS MIB SECONDS REPEATS\n", argv[0]);
+  if (argc != 6 && argc != 7) {
+    std::fprintf(stderr, "usage: %s ROW_VALUES INPUTS MIB SECONDS REPEATS [f32|int8|int4]\n",
+                 argv[0]);
     return 2;
   }
   const int64_t L = std::atoll(argv[1]), r = std::atoll(argv[2]);
   const double mib = std::atof(argv[3]), seconds = std::atof(argv[4]);
   const int repeats = std::atoi(argv[5]);
-  const Weights dram0 = make_weights(L, mib), dram1 = make_weights(L, mib);
-  const Weights cached = make_weights(L, 0.25);  // one item: stays in L2
+  const std::string name = argc == 7 ? argv[6] : "f32";
+  const Held held = name == "int8" ? Held::kInt8 : name == "int4" ? Held::kInt4 : Held::kF32;
+  if ((held != Held::kF32 && L % kBlock) || (held == Held::kF32 && name != "f32")) {
+    std::fprintf(stderr, "held rows: f32, int8 or int4, of a multiple of %lld values\n",
+                 (long long)kBlock);
+    return 2;
+  }
+  const Weights dram0 = make_weights(held, L, mib), dram1 = make_weights(held, L, mib);
+  const Weights cached = make_weights(held, L, 0.25);  // one item: stays in L2
   struct Case {
     std::string name;
     std::vector<Part> parts;
     std::vector<std::string> where;
   };
   std::vector<Case> cases = {
+      {"one core streams", {{0, 1, &cached}}, {"L2"}},
       {"one core streams", {{0, 1, &dram0}}, {"DRAM"}},
       {"one core computes", {{0, r, &cached}}, {"L2"}},
       {"one core computes", {{0, r, &dram0}}, {"DRAM"}},
   };
   if (std::thread::hardware_concurrency() >= 2) {
+    cases.push_back({"two cores read", {{0, 0, &dram0}, {1, 0, &dram1}}, {"DRAM", "DRAM"}});
     cases.push_back({"two cores stream", {{0, 1, &dram0}, {1, 1, &dram1}}, {"DRAM", "DRAM"}});
     cases.push_back(
         {"one computes, one streams", {{0, r, &dram0}, {1, 1, &dram1}}, {"DRAM", "DRAM"}});
@@ -159,7 +241,7 @@ int main(int argc, char** argv) {
   std::vector<std::vector<Rate>> best(cases.size());
   for (int rep = 0; rep < repeats; ++rep)
     for (size_t c = 0; c < cases.size(); ++c) {
-      const auto rates = run_case(cases[c].parts, L, seconds);
+      const auto rates = run_case(held, cases[c].parts, L, seconds);
       double total = 0, best_total = 0;
       for (const auto& x : rates) total += x.gb_s;
       for (const auto& x : best[c]) best_total += x.gb_s;

@@ -1,5 +1,5 @@
 """python experiments/bench_overlap.py [--inputs 16] [--rows 768] [--mib 256] [--repeats 5]
-    [--isa native|avx2]
+    [--isa native|avx2] [--held f32|int8|int4]
 
 Whether a core hides streaming weights from DRAM behind the arithmetic on them, measured with
 colibri's own matrix-vector tiles (colibri/kernels/cpu/, compiled into a small driver,
@@ -9,8 +9,11 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 --mib MiB of weights of its own (huge pages) in items of 64 rows of --rows floats:
 
 - one core multiply-adds: twelve independent chains, nothing loaded (the arithmetic ceiling);
-- one core streams: one input (memory only);
+- one core streams: one input, the weights in L2 (what the tiles do at one row when memory
+  keeps up), then from DRAM;
 - one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
+- two cores read: eight sums over their weights, nothing else (the bandwidth the roofline of
+  the peers benchmarks probes);
 - two cores stream; one computes while the other streams (the expert calls' pairing of
   experts many rows chose with experts few chose, cpu/experts.h's ExpertCall); two cores compute.
 
@@ -21,7 +24,12 @@ The inputs go through the tiles the linear kernel uses: on AVX-512 builds the pa
 cpu/pairs.h (two inputs a 512-bit vector, inputs packed once) from 5 inputs on, tiles.h's
 otherwise. --isa avx2 builds the driver without AVX-512 (kernels.ISA_LEVELS) on a CPU that has
 it: tiles.h's tiles only, with 16 vector registers and VEX encodings instead of 32 and EVEX.
-Writes experiments/results/overlap.md and overlap.json (--isa avx2: overlap_avx2.md and .json).
+--held int8 (int4) holds the rows as the kernels hold those formats, a scale per 128 columns,
+widened as they are loaded, in items of ~256 KiB as the expert kernel shares its calls out: one
+input then says how close one-row calls over such rows can come to the bandwidth (held rows'
+batch-1 roofline, experiments/bench_quantized.py --level peers).
+Writes experiments/results/overlap.md and overlap.json (--isa avx2: overlap_avx2.md and .json;
+--held int8: overlap_int8.md and .json).
 """
 
 from __future__ import annotations
@@ -67,8 +75,10 @@ def build(out_dir: Path, isa: str = "native") -> Path:
     return exe
 
 
-def measure(exe: Path, row_floats: int, inputs: int, mib: int, repeats: int) -> pd.DataFrame:
-    args = [str(exe), str(row_floats), str(inputs), str(mib), str(SECONDS), str(repeats)]
+def measure(
+    exe: Path, row_floats: int, inputs: int, mib: int, repeats: int, held: str = "f32"
+) -> pd.DataFrame:
+    args = [str(exe), str(row_floats), str(inputs), str(mib), str(SECONDS), str(repeats), held]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     rows = []
     for line in out.splitlines():
@@ -111,6 +121,25 @@ def overlap(df: pd.DataFrame, inputs: int) -> dict:
     }
 
 
+def one_input(df: pd.DataFrame) -> dict:
+    """One input: how close the tiles come to the bandwidth two cores read at."""
+
+    def gb_s(case: str, where: str) -> float:
+        return float(df[(df["case"] == case) & (df["weights from"] == where)]["GB/s"].sum())
+
+    read = gb_s("two cores read", "DRAM")
+    l2 = gb_s("one core streams", "L2")
+    two = gb_s("two cores stream", "DRAM")
+    return {
+        "one input, one core, L2 GB/s": l2,
+        "one input, one core, DRAM GB/s": gb_s("one core streams", "DRAM"),
+        "one input, two cores GB/s": two,
+        "two cores read GB/s": read,
+        "two cores / read": two / read,
+        "two cores from L2 / read": 2 * l2 / read,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--inputs", type=int, default=16, help="inputs of the computing cases")
@@ -118,17 +147,28 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=256, help="MiB of weights a core")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--isa", choices=list(kernels.ISA_LEVELS), default="native")
+    ap.add_argument("--held", choices=("f32", "int8", "int4"), default="f32")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp), args.isa)
-        df = measure(exe, args.rows, args.inputs, args.mib, args.repeats)
+        df = measure(exe, args.rows, args.inputs, args.mib, args.repeats, args.held)
     summary = overlap(df, args.inputs)
+    one = one_input(df)
+    rows = "float32 rows" if args.held == "f32" else f"{args.held} rows"
+    one_line = (
+        f"One input over {rows}: a core {one['one input, one core, L2 GB/s']:.1f} GB/s from "
+        f"L2, {one['one input, one core, DRAM GB/s']:.1f} from DRAM; two cores "
+        f"{one['one input, two cores GB/s']:.1f} together, {one['two cores / read']:.0%} of the "
+        f"{one['two cores read GB/s']:.1f} GB/s they read with nothing else to do (at their "
+        f"rate from L2, with streaming fully hidden: {one['two cores from L2 / read']:.0%})"
+    )
     both = df[df["case"].map(df.groupby("case")["core"].nunique()) > 1]  # two cores at once
     totals = both.groupby("case", sort=False)["GB/s"].sum().rename("GB/s, both cores")
     table = markdown_table(df, index=False)
     totals_table = markdown_table(totals.reset_index(), index=False)
     print(table)
     print(totals_table)
+    print(one_line)
     print(
         f"one core, {args.inputs} inputs from DRAM: {summary['overlap achieved']:.0%} of the "
         "possible overlap of streaming and arithmetic; the tiles from L2 at "
@@ -140,6 +180,7 @@ def main() -> None:
         f"`python experiments/bench_overlap.py --inputs {args.inputs} --rows {args.rows} "
         f"--mib {args.mib} --repeats {args.repeats}"
         + (f" --isa {args.isa}" if args.isa != "native" else "")
+        + (f" --held {args.held}" if args.held != "f32" else "")
         + f"`; {os.cpu_count()} cores of {cpu_name()}, best of "
         f"{args.repeats} runs of {SECONDS:g} s per case.\n\n"
         f"{table}\n\n"
@@ -149,12 +190,20 @@ def main() -> None:
         f"computing and {summary['s/GB fully overlapped']:.3f} fully overlapped: "
         f"{summary['overlap achieved']:.0%} of the possible overlap. The tiles with their "
         f"weights in L2 run at {summary['tiles in L2 / ceiling']:.0%} of the core's "
-        f"multiply-add ceiling ({summary['multiply-add ceiling GFLOP/s']:.1f} GFLOP/s).\n"
+        f"multiply-add ceiling ({summary['multiply-add ceiling GFLOP/s']:.1f} GFLOP/s).\n\n"
+        f"{one_line}.\n"
     )
-    name = "overlap" if args.isa == "native" else f"overlap_{args.isa}"
+    name = "_".join(
+        ["overlap"]
+        + ([args.isa] if args.isa != "native" else [])
+        + ([args.held] if args.held != "f32" else [])
+    )
     (RESULTS / f"{name}.md").write_text(text)
     (RESULTS / f"{name}.json").write_text(
-        json.dumps({"cases": df.to_dict(orient="records"), "overlap": summary}, indent=1)
+        json.dumps(
+            {"cases": df.to_dict(orient="records"), "overlap": summary, "one input": one},
+            indent=1,
+        )
     )
     print(f"wrote {RESULTS / name}.md")
 
