@@ -462,3 +462,16 @@ def test_the_multiply_add_ceiling_is_probed():
     assert kernels.fma_peak(8, seconds=0.02, threads=1) > 1.0
     wide = kernels.fma_peak(16, seconds=0.02, threads=1)
     assert (wide > 1.0) == ("avx512f" in kernels._cpu_id().split())
+
+
+def test_the_read_probe_reads_every_float():
+    """colibri_read_sum, the bandwidth probe's plain read, sums every element (its vector body
+    and its tail), so the reads it is timed on all happen; other arrays are refused."""
+    rng = np.random.default_rng(0)
+    for n in (0, 7, 64, 1000, 4096 + 13):
+        a = rng.integers(-50, 50, n).astype(np.float32)  # small integers: every order is exact
+        assert kernels.read_sum(a) == float(a.sum())
+    with pytest.raises(ValueError, match="float32"):
+        kernels.read_sum(np.ones(8, np.float64))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.read_sum(np.ones((8, 8), np.float32)[:, 0])

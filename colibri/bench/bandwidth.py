@@ -17,25 +17,29 @@ from colibri.experts.disk import drop_page_cache
 
 
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
-    """Read bandwidth GB/s: the best of numpy sums over every core's share, OpenBLAS gemv,
-    XLA's matrix-vector product (x @ A, A [K, N]: its fastest layout here) and colibri's own
-    linear kernel on one row (its streams a quarter of the matrix apart read faster than one
-    sequential pass here). The array is on huge pages, as colibri's experts are
-    (colibri/hugepages.py). Also the arithmetic rate of that kernel on 16 rows over the same
-    array (`kernel_16_gflop_s`): what the cores compute when every weight meets 16 inputs as it
-    streams in from DRAM; and the ceiling of that arithmetic, the cores' multiply-add rate on
-    256-bit and (where the build has them) 512-bit vectors (`fma_peak_gflop_s`,
-    `fma_peak_512_gflop_s`)."""
+    """Read bandwidth GB/s: the best of plain reads over every core's share (`kernels.read_sum`:
+    eight 8-lane sums, nothing else), numpy sums, OpenBLAS gemv, XLA's matrix-vector product
+    (x @ A, A [K, N]: its fastest layout here) and colibri's own linear kernel on one row (its
+    streams a quarter of the matrix apart read faster than one sequential pass here). The array
+    is on huge pages, as colibri's experts are (colibri/hugepages.py). Also the arithmetic rate
+    of that kernel on 16 rows over the same array (`kernel_16_gflop_s`): what the cores compute
+    when every weight meets 16 inputs as it streams in from DRAM; and the ceiling of that
+    arithmetic, the cores' multiply-add rate on 256-bit and (where the build has them) 512-bit
+    vectors (`fma_peak_gflop_s`, `fma_peak_512_gflop_s`)."""
     threads = os.cpu_count() or 1
     a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
     a[:] = 1.0
     parts = np.array_split(a, threads)
-    best_sum = 0.0
+    best_sum = best_read = 0.0
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             t = time.perf_counter()
             list(pool.map(np.sum, parts))
             best_sum = max(best_sum, a.nbytes / (time.perf_counter() - t) / 1e9)
+            if kernels.available():
+                t = time.perf_counter()
+                list(pool.map(kernels.read_sum, parts))
+                best_read = max(best_read, a.nbytes / (time.perf_counter() - t) / 1e9)
     m = a.reshape(-1, 4096)
     v = np.ones(4096, np.float32)
     best_gemv = 0.0
@@ -71,11 +75,12 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
             best_16 = max(best_16, 16 * 2 * a.size / (time.perf_counter() - t) / 1e9)
         del w
     return {
+        "read_gb_s": best_read,
         "sum_gb_s": best_sum,
         "gemv_gb_s": best_gemv,
         "xla_gemv_gb_s": best_xla,
         "kernel_gemv_gb_s": best_kernel,
-        "gb_s": max(best_sum, best_gemv, best_xla, best_kernel),
+        "gb_s": max(best_read, best_sum, best_gemv, best_xla, best_kernel),
         "kernel_16_gflop_s": best_16,
         "fma_peak_gflop_s": max(kernels.fma_peak(8) for _ in range(repeats)),
         "fma_peak_512_gflop_s": max(kernels.fma_peak(16) for _ in range(repeats)),

@@ -294,6 +294,20 @@ def fma_peak(lanes: int = 8, seconds: float = 0.3, threads: int | None = None) -
         return sum(pool.map(lambda _: peak(lanes, seconds), range(n)))
 
 
+def read_sum(a: np.ndarray) -> float:
+    """The sum of a contiguous float32 array, read in eight 8-lane sums with nothing else done
+    (on the calling thread; ctypes lets go of the GIL): how fast a core reads memory. Its value
+    only keeps the reads; its order of sums is not numpy's."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("colibri CPU kernels are off or failed to build (see the log)")
+    if a.dtype != np.float32 or not a.flags.c_contiguous:
+        raise ValueError("read_sum takes a contiguous float32 array")
+    read = lib.colibri_read_sum
+    read.restype, read.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64]
+    return float(read(a.ctypes.data, a.size))
+
+
 def _require() -> None:
     if not available():
         raise RuntimeError("colibri CPU kernels are off or failed to build (see the log)")

@@ -1,5 +1,6 @@
 // colibri_fma_peak: the multiply-add rate one core reaches, the ceiling the tiles' arithmetic
-// is measured against (colibri/bench/bandwidth.py).
+// is measured against; colibri_read_sum: a core reading memory with nothing else to do, the
+// bandwidth the decode steps are measured against (colibri/bench/bandwidth.py).
 
 #pragma once
 
@@ -9,6 +10,8 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
+
+#include "simd.h"
 
 namespace {
 
@@ -54,4 +57,21 @@ extern "C" double colibri_fma_peak(int32_t lanes, double seconds) {
   (void)lanes;
   (void)seconds;
   return 0;
+}
+
+// Sum of the n floats at p in eight 8-lane sums, nothing else done with them: a core reading
+// memory as fast as it can, the read rate the roofline probe takes (colibri/bench/bandwidth.py).
+extern "C" float colibri_read_sum(const float* p, int64_t n) {
+  v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 += load8(p + i), a1 += load8(p + i + 8), a2 += load8(p + i + 16);
+    a3 += load8(p + i + 24), a4 += load8(p + i + 32), a5 += load8(p + i + 40);
+    a6 += load8(p + i + 48), a7 += load8(p + i + 56);
+  }
+  const v8 sum = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+  float s = 0;
+  for (int k = 0; k < 8; ++k) s += sum[k];
+  for (; i < n; ++i) s += p[i];
+  return s;
 }
