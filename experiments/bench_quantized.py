@@ -39,7 +39,9 @@ their greedy tokens need not agree. Each in a process of its own, --rounds (defa
 alternating rounds, batch 1, 64 tokens after a 128-token prompt; best of rounds
 (colibri.bench.sidebyside, as experiments/bench_bf16.py's peers level), and colibri's rate
 against the roofline of the bytes it holds, each round against a bandwidth probe run just
-before it. Writes experiments/results/int8_peers.md (int4_peers.md) and .json.
+before it, beside the most of that roofline the widening of its rows allows (the rate both
+cores put them through the kernels from L2, measured in the same round). Writes
+experiments/results/int8_peers.md (int4_peers.md) and .json.
 """
 
 from __future__ import annotations
@@ -130,7 +132,10 @@ def write_peers(args, rows: list[dict]) -> None:
         "of weights a batch-1 step reads as colibri holds them (MB a step: the dense arrays, "
         "one embedding row, the chosen experts' rows with their scales) over the bandwidth "
         "probed in a process of its own just before each colibri round; colibri's rate "
-        "against it, round by round.",
+        "against it, round by round. The most the widening allows: the roofline's time over "
+        "the time both cores take to put the chosen experts' rows through the kernels with "
+        "them in L2 (measured in each colibri round), the share of the roofline a step could "
+        "reach were its streaming hidden entirely behind that arithmetic.",
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]

@@ -475,3 +475,15 @@ def test_the_read_probe_reads_every_float():
         kernels.read_sum(np.ones(8, np.float64))
     with pytest.raises(ValueError, match="contiguous"):
         kernels.read_sum(np.ones((8, 8), np.float32)[:, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+def test_the_widening_probe_times_every_call(dtype):
+    """bandwidth.widen_rate runs the kernel once a loop step: were the call hoisted out of its
+    loop, 400 calls would take the time of one and the rate read hundreds of times any core's
+    L2 bandwidth."""
+    from colibri.bench.bandwidth import widen_rate
+
+    w = jnp.asarray(np.full((64, 1024), 0x3F80 if dtype == np.uint16 else 1.0, dtype))
+    rate = widen_rate(w, 1024, calls=400)
+    assert 0.1 < rate < 1000

@@ -87,6 +87,33 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     }
 
 
+def widen_rate(w: jax.Array, in_features: int, calls: int = 400) -> float:
+    """GB/s at which one core puts the rows of `w` (held as the engine holds them: float32,
+    bfloat16 bits, FP8, int4 or int8 rows; [O, ...] of `in_features` columns, ~256 KiB, so that
+    they stay in L2) through colibri's linear kernel on one row: the rate of its widening and
+    multiply-adds with memory out of the way. A call of that size runs on the caller alone
+    (cpu/gang.h's kSoloWork); `calls` calls in one jitted loop, each fed the last one's output so
+    that none is hoisted; the best of three loops."""
+    import jax.lax as lax
+
+    def loop(x, w):
+        def body(_, x):
+            y = kernels.linear(x, w)
+            return x.at[0, 0].set(y[0, 0] * 0.0 + 1.0)
+
+        return lax.fori_loop(0, calls, body, x)
+
+    run = jax.jit(loop)
+    x = jnp.ones((1, in_features), jnp.float32)
+    run(x, w).block_until_ready()
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        run(x, w).block_until_ready()
+        best = max(best, calls * w.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def pread_bandwidth(
     files: list[Path], threads: int, chunk: int = 4 << 20, max_bytes: int | None = None
 ) -> float:

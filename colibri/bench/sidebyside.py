@@ -26,7 +26,10 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
     every round: each engine's best round, against the first engine's. Each colibri run comes
     right after a bandwidth probe in a process of its own (workers.run_probe): its rate against
     the roofline of that probe, the bytes a step reads as colibri holds the weights
-    (accounting.held_step_bytes) over the probe's rate, round by round."""
+    (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
+    roofline its arithmetic allows: a step takes at least the time both cores need to put the
+    chosen experts' rows through the kernels from L2 (workers.expert_widen_rate), however well
+    streaming hides behind it, so it reaches at most the roofline's time over that time."""
     first = next(iter(paths))
     prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
     runs = {k: [] for k in paths}
@@ -38,6 +41,9 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
             if probe:
                 roof = probe["gb_s"] * 1e9 / res["held_step_bytes_1"]
                 res["roofline"] = {"gb_s": probe["gb_s"], "ratio": res["decode_tok_s_1"] / roof}
+                if "widen_gb_s" in res:  # measured where the CPU kernels run
+                    widen_s = res["expert_step_bytes_1"] / (res["widen_gb_s"] * 1e9)
+                    res["roofline"]["bound"] = min(1.0, 1 / roof / widen_s)
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
     rows = []
@@ -57,6 +63,10 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
                 "MB a step, as held": best["held_step_bytes_1"] / 1e6 if roofs else None,
                 "/ roofline, per round (probe GB/s)": ", ".join(
                     f"{x['ratio']:.2f} ({x['gb_s']:.1f})" for x in roofs
+                )
+                or None,
+                "most the widening allows, per round": ", ".join(
+                    f"{x['bound']:.2f}" for x in roofs if "bound" in x
                 )
                 or None,
             }

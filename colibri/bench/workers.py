@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.bench.accounting import held_step_bytes
-from colibri.bench.bandwidth import memory_bandwidth
+from colibri.bench.bandwidth import memory_bandwidth, widen_rate
 from colibri.bench.conversations import BURST, other_conversations
 from colibri.bench.shapes import CACHE
 
@@ -32,6 +32,7 @@ def peak_rss_mb() -> float:
 
 
 def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
+    from colibri import kernels
     from colibri.engine.model import load_model
     from colibri.engine.runner import Row, Runner
 
@@ -81,6 +82,9 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
     top_k = [model.cfg.moe.top_k] * len(model.experts)
     res["held_step_bytes_1"] = held_step_bytes(model.params, model.experts, top_k)
+    res["expert_step_bytes_1"] = held_step_bytes({}, model.experts, top_k)
+    if kernels.available():
+        res["widen_gb_s"] = (os.cpu_count() or 1) * expert_widen_rate(model)
     sizes, kinds = (1, 4, 16), ((1, "_single"), (BURST, ""))
     for rows in sizes:
         for burst, _ in kinds:
@@ -110,6 +114,17 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         key = f"decode_tok_s_{rows}"
         res[f"x_vs_1_by_pass_{rows}"] = [p[key] / p["decode_tok_s_1"] for p in passes]
     return res
+
+
+def expert_widen_rate(model) -> float:
+    """GB/s at which one core puts rows of the routed experts, as held, through the linear
+    kernel with them in L2 (bandwidth.widen_rate): the first layer's first expert's gate rows,
+    ~256 KiB of them."""
+    import jax.numpy as jnp
+
+    gate = model.experts[0]["gate"][0]
+    rows = max(8, (256 << 10) // (gate.nbytes // gate.shape[0]))
+    return widen_rate(jnp.asarray(gate[:rows]), model.cfg.hidden)
 
 
 def work_transformers(ckpt: Path, prompt: list[int], tokens: int) -> dict:

@@ -1,0 +1,48 @@
+"""colibri.bench.sidebyside's table from the runs it makes: each engine's best round, colibri's
+rate against the roofline of each round's probe, and the most of that roofline its widening
+allows (the workers and the probe stood in for by what they report)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from colibri.bench import sidebyside
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels):
+    probes = iter([{"gb_s": 40.0}, {"gb_s": 20.0}])
+    rates = {"colibri": iter([100.0, 150.0]), "llama.cpp": iter([120.0, 110.0])}
+
+    def worker(kind, path, prompt, tokens):
+        res = {
+            "decode_tok_s_1": next(rates[kind]),
+            "prefill_tok_s": 1.0,
+            "peak_rss_mb": 1.0,
+            "tokens": [1, 2, 3],
+        }
+        if kind == "colibri":
+            res |= {"held_step_bytes_1": 100e6, "expert_step_bytes_1": 60e6}
+            if kernels:
+                res["widen_gb_s"] = 20.0
+        return res
+
+    monkeypatch.setattr(sidebyside, "run_probe", lambda: next(probes))
+    monkeypatch.setattr(sidebyside, "run_worker", worker)
+    monkeypatch.setattr(sidebyside, "load_config", lambda p: SimpleNamespace(vocab_size=64))
+    rows = sidebyside.side_by_side(
+        "m", {"colibri (int8 held)": Path("a"), "llama.cpp q8_0": Path("b")}, rounds=2
+    )
+    ours, theirs = rows
+    assert ours["decode tok/s (batch 1, best of rounds)"] == 150.0
+    assert theirs["colibri / this"] == pytest.approx(150.0 / 120.0)
+    # Roofline: 40 GB/s over 100 MB is 400 tok/s, 20 GB/s 200 tok/s.
+    assert ours["/ roofline, per round (probe GB/s)"] == "0.25 (40.0), 0.75 (20.0)"
+    # Widening: 60 MB at 20 GB/s take 3 ms a step, against the rooflines' 2.5 ms (0.83 of the
+    # first round's roofline at most) and 5 ms (all of the second's: 1.00, not 1.67).
+    want = "0.83, 1.00" if kernels else None
+    assert ours["most the widening allows, per round"] == want
+    assert theirs["most the widening allows, per round"] is None
