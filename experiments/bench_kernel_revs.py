@@ -17,10 +17,10 @@ engine holds them (colibri/hugepages.py), every layer of every step per pass; wi
 as bfloat16 bits; with --held fp8 (int4, awq4, int8), quantized and held as those rows, as
 experiments/bench_quantized.py holds them
 (--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
-routes, one step a pass). --kernel linear:
-the same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows,
-24 steps per pass. --kernel attend: decode attention of every layer for --rows conversations,
-24 steps after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
+routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
+of every layer) and lm_head on --rows rows, 24 steps per pass (with --held, every matrix held
+so). --kernel attend: decode attention of every layer for --rows conversations, 24 steps
+after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
 versions' outputs must agree bitwise (the kernels' results never depend on how work is shared
 out). Reported: ms a step for each version (median of passes), GB/s of the weights (keys and
 values) read (for the experts: the distinct ones) and GFLOP/s, and the median over passes of
@@ -46,7 +46,7 @@ import pandas as pd
 from colibri import kernels
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
-from colibri.bench.kernel_calls import expert_call, registered
+from colibri.bench.kernel_calls import expert_call, held_variants, registered
 from colibri.bench.replay import (
     STEPS,
     alternate,
@@ -101,13 +101,14 @@ def attend_call(lib_path: Path, name: str):
 
 
 def linear_call(lib_path: Path, name: str):
-    """The library's linear kernel, registered with XLA as `name`: f(x, w) = x @ w.T (not
-    jitted: called inside a jitted step)."""
-    registered(lib_path, "ColibriLinear", name)
+    """The library's linear kernel, registered with XLA as `name` (+ the held format's suffix,
+    chosen by the weights' dtype: kernel_calls.held_variants): f(x, w) = x @ w.T (not jitted:
+    called inside a jitted step)."""
+    variants = held_variants(lib_path, "ColibriLinear", name)
 
     def call(x, w):
         out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(x, w)
+        return jax.ffi.ffi_call(variants[jnp.dtype(w.dtype)], out, vmap_method="sequential")(x, w)
 
     return call
 
@@ -126,13 +127,20 @@ def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     return np.asarray(routes)[None]
 
 
-def compare_linear(calls: dict, cfg, rows: int, passes: int) -> dict:
-    """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating."""
+def compare_linear(calls: dict, cfg, rows: int, passes: int, fmt: str = "float32") -> dict:
+    """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating; every
+    matrix held as `fmt` (held_rows)."""
     D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
     rng = np.random.default_rng(0)
-    layers = [(weights(rng, q + kv, D), weights(rng, D, q)) for _ in range(cfg.num_layers)]
-    head = weights(rng, cfg.vocab_size, D)
+
+    def hold(a):  # held_rows takes stacks [S, R, C]: this matrix as a stack of one
+        return a if fmt == "float32" else jnp.asarray(held_rows(fmt)(np.asarray(a)[None])[0])
+
+    layers = [
+        (hold(weights(rng, q + kv, D)), hold(weights(rng, D, q))) for _ in range(cfg.num_layers)
+    ]
+    head = hold(weights(rng, cfg.vocab_size, D))
     x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
     xq = jnp.asarray(rng.standard_normal((rows, q), np.float32))
 
@@ -146,7 +154,8 @@ def compare_linear(calls: dict, cfg, rows: int, passes: int) -> dict:
     same_bits({v: run(x, xq, layers, head)[-1] for v, run in steps.items()})
     ms = alternate(steps, lambda run, i: run(x, xq, layers, head)[-1], STEPS, passes)
     params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
-    return {"ms": ms, "gb_per_step": params * 4 / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
+    held = sum(a.nbytes for a in jax.tree_util.tree_leaves((layers, head)))
+    return {"ms": ms, "gb_per_step": held / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
 
 
 def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128) -> dict:
@@ -192,13 +201,19 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
     return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
-    """For `compare`: every version holds each random matrix as the same bfloat16 bits or
-    quantized rows (FP8, int4, int4 with zero points, int8: colibri.bench.formats), on huge
-    pages; and the bytes a weight takes so (its value's, and its share of the block's scale
-    and offset)."""
+def held_rows(fmt: str):
+    """Float32 stacks of matrices [S, R, C] as --held `fmt` holds them: bfloat16 bits or
+    quantized rows (FP8, int4, int4 with zero points, int8: colibri.bench.formats)."""
     f = FORMATS.get(fmt)
-    held = bf16_bits if f is None else lambda a: f["pair"](a)[0]
+    return bf16_bits if f is None else lambda a: f["pair"](a)[0]
+
+
+def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
+    """For `compare`: every version holds each random matrix as held_rows does, on huge pages;
+    and the bytes a weight takes so (its value's, and its share of the block's scale and
+    offset)."""
+    f = FORMATS.get(fmt)
+    held = held_rows(fmt)
     rows: dict[int, tuple] = {}
 
     def hold(a):
@@ -221,8 +236,8 @@ def main() -> None:
         "--held",
         choices=("float32", *VALUE_BYTES),
         default="float32",
-        help="experts: the weights as float32, as bfloat16 bits, or quantized as FP8, int4, "
-        "AWQ's int4 or int8 rows (bench_quantized.py)",
+        help="experts and linear: the weights as float32, as bfloat16 bits, or quantized as "
+        "FP8, int4, AWQ's int4 or int8 rows (bench_quantized.py)",
     )
     ap.add_argument(
         "--prompt",
@@ -234,6 +249,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompt and args.kernel != "experts":
         ap.error("--prompt is for --kernel experts")
+    if args.kernel == "attend" and args.held != "float32":
+        ap.error("--held is for --kernel experts and linear")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,7 +274,7 @@ def main() -> None:
                 else:
                     res = compare(calls, cfg, routes, args.passes)
             elif args.kernel == "linear":
-                res = compare_linear(calls, cfg, rows, args.passes)
+                res = compare_linear(calls, cfg, rows, args.passes, args.held)
             else:
                 res = compare_attend(calls, cfg, rows, args.passes)
             raw[f"{name}/{rows}"] = res

@@ -18,17 +18,25 @@ def registered(lib_path: Path, symbol: str, name: str) -> None:
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
-def expert_call(lib_path: Path, name: str):
-    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids),
-    over weights of every held format the build has a kernel for (`formats.FORMATS`: target
-    `name` + the format's suffix, chosen by the weights' dtype)."""
+def held_variants(lib_path: Path, symbol: str, name: str) -> dict:
+    """Register the library's handlers `symbol` + suffix, one for every held format the build
+    has a kernel for (`formats.FORMATS`), as `name` + the format's suffix: {weight dtype:
+    target}."""
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     variants = {}
-    for f in formats.FORMATS:  # the held formats this build has kernels for
-        symbol = "ColibriMoeExperts" + kernels.symbol_suffix(f.suffix)
-        if hasattr(lib, symbol):
-            registered(lib_path, symbol, name + f.suffix)
+    for f in formats.FORMATS:
+        handler = symbol + kernels.symbol_suffix(f.suffix)
+        if hasattr(lib, handler):
+            registered(lib_path, handler, name + f.suffix)
             variants[jnp.dtype(f.storage)] = name + f.suffix
+    return variants
+
+
+def expert_call(lib_path: Path, name: str):
+    """The library's expert kernel, registered with XLA as `name`: f(gate, up, down, x, ids),
+    over weights of every held format the build has a kernel for (held_variants: the target
+    chosen by the weights' dtype)."""
+    variants = held_variants(lib_path, "ColibriMoeExperts", name)
 
     def call(gate, up, down, x, ids):
         shape = (*ids.shape, x.shape[1])
