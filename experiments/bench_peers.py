@@ -19,9 +19,9 @@ greedy tokens are compared with colibri's (f32 peers should agree; q8_0 need not
 
 The roofline (memory only): bytes of weights one decode step touches (attention, router, the
 experts chosen, lm_head; f32) divided by the memory bandwidth measured in the same run (the
-best of numpy reductions on every core, an OpenBLAS and an XLA matrix-vector product and
-colibri's own linear kernel on one row, over 1 GiB on huge pages): once against the best
-probe of the run (before and after the rounds), and once paired, each round's colibri rate
+best of a plain read and numpy reductions on every core, an OpenBLAS and an XLA matrix-vector
+product and colibri's own linear kernel on one row, over 1 GiB on huge pages): once against the
+best probe of the run (before and after the rounds), and once paired, each round's colibri rate
 against a probe run in its own process just before it (the median of the rounds' ratios; the
 machine's bandwidth moves by a quarter within minutes). At 4 and 16 rows the experts touched
 are the distinct experts colibri's routers chose, counted per layer, and the table of several
@@ -261,7 +261,8 @@ def write_results(
     args, hw, bw: dict, gb_s: float, gflop_s: float, peak: float, table, batch, summary: dict
 ) -> None:
     probes = "; ".join(
-        f"{when}: numpy sums {b['sum_gb_s']:.1f}, OpenBLAS gemv {b['gemv_gb_s']:.1f}, "
+        f"{when}: plain read {b['read_gb_s']:.1f}, numpy sums {b['sum_gb_s']:.1f}, "
+        f"OpenBLAS gemv {b['gemv_gb_s']:.1f}, "
         f"XLA gemv {b['xla_gemv_gb_s']:.1f}, colibri linear kernel {b['kernel_gemv_gb_s']:.1f} "
         f"(on 16 rows: {b['kernel_16_gflop_s']:.1f} GFLOP/s)"
         for when, b in bw.items()
