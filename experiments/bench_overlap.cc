@@ -120,25 +120,19 @@ Rate work(const Weights& w, int64_t L, int64_t inputs, int core, const std::atom
   return {double(done) * rows * w.row / s / 1e9, double(done) * rows * L * 2 * inputs / s / 1e9};
 }
 
-// One core reading its buffer with nothing else to do (eight 8-lane sums of every 256 bytes):
-// the bandwidth a core gets, as colibri.bench.bandwidth probes it.
+// One core reading its buffer with nothing else to do: the plain read the roofline probe takes
+// (colibri_read_sum, peak.h), round and round until `stop`.
 Rate read(const Weights& w, int core, const std::atomic<bool>& stop) {
   pin(core);
-  const int64_t n = w.items * w.rows * w.row / 32;  // vectors of 8 floats
+  const int64_t n = w.items * w.rows * w.row / 4;  // floats
   const float* p = reinterpret_cast<const float*>(w.w);
-  v8 a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
+  float sum = 0;
   int64_t rounds = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  for (; !stop.load(std::memory_order_relaxed); ++rounds)
-    for (int64_t i = 0; i + 8 <= n; i += 8) {
-      const float* q = p + 8 * i;
-      a0 += load8(q), a1 += load8(q + 8), a2 += load8(q + 16), a3 += load8(q + 24);
-      a4 += load8(q + 32), a5 += load8(q + 40), a6 += load8(q + 48), a7 += load8(q + 56);
-    }
+  for (; !stop.load(std::memory_order_relaxed); ++rounds) sum += colibri_read_sum(p, n);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const v8 sum = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
-  if (sum[0] == 42.0f) std::printf("#\n");  // keeps the sums
-  return {double(rounds) * (n / 8 * 8) * 32 / s / 1e9, 0};
+  if (sum == 42.0f) std::printf("#\n");  // keeps the sums
+  return {double(rounds) * n * 4 / s / 1e9, 0};
 }
 
 // The core's multiply-add ceiling: twelve independent 8-lane chains (as many sums as a tile
