@@ -16,6 +16,25 @@ from colibri import hugepages, kernels
 from colibri.experts.disk import drop_page_cache
 
 
+def probe_array(gib: float) -> np.ndarray:
+    """`gib` GiB of float32 ones on huge pages, as colibri's experts are held
+    (colibri/hugepages.py): what the probes read."""
+    a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
+    a[:] = 1.0
+    return a
+
+
+def read_rate(a: np.ndarray, read=None) -> float:
+    """GB/s of one read of `a` by every core at once, each over its share: `read` a function of
+    a contiguous array (default: `kernels.read_sum`, eight 8-lane sums and nothing else)."""
+    threads = os.cpu_count() or 1
+    parts = np.array_split(a, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        t = time.perf_counter()
+        list(pool.map(read or kernels.read_sum, parts))
+        return a.nbytes / (time.perf_counter() - t) / 1e9
+
+
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     """Read bandwidth GB/s: the best of plain reads over every core's share (`kernels.read_sum`:
     eight 8-lane sums, nothing else), numpy sums, OpenBLAS gemv, XLA's matrix-vector product
@@ -26,20 +45,12 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     when every weight meets 16 inputs as it streams in from DRAM; and the ceiling of that
     arithmetic, the cores' multiply-add rate on 256-bit and (where the build has them) 512-bit
     vectors (`fma_peak_gflop_s`, `fma_peak_512_gflop_s`)."""
-    threads = os.cpu_count() or 1
-    a = hugepages.empty(int(gib * (1 << 30)) // 4, np.float32)
-    a[:] = 1.0
-    parts = np.array_split(a, threads)
+    a = probe_array(gib)
     best_sum = best_read = 0.0
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(pool.map(np.sum, parts))
-            best_sum = max(best_sum, a.nbytes / (time.perf_counter() - t) / 1e9)
-            if kernels.available():
-                t = time.perf_counter()
-                list(pool.map(kernels.read_sum, parts))
-                best_read = max(best_read, a.nbytes / (time.perf_counter() - t) / 1e9)
+    for _ in range(repeats):
+        best_sum = max(best_sum, read_rate(a, np.sum))
+        if kernels.available():
+            best_read = max(best_read, read_rate(a))
     m = a.reshape(-1, 4096)
     v = np.ones(4096, np.float32)
     best_gemv = 0.0

@@ -14,6 +14,7 @@ import numpy as np
 from colibri import kernels
 from colibri.engine import steps
 from colibri.engine.model import LoadedModel
+from colibri.engine.sampling import greedy_ids
 from colibri.engine.telemetry import Timers
 from colibri.model import attention, layers, parallel, transformer
 
@@ -68,7 +69,7 @@ def _greedy_step(cfg, params, experts, cache, toks, pos, slots, kv_len, rope=Non
         rope=rope,
         trace=trace,
     )
-    return logits, cache, routes, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return logits, cache, routes, greedy_ids(logits)
 
 
 def _padded(fed, greedy):
@@ -439,8 +440,7 @@ class Runner:
         if self.split:
             logits, routes = self._forward_split(batch, all_logits=False, trace=trace)
             traced, routes = (routes, routes.ids) if trace else (None, routes)
-            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return InFlight(self, batch, (logits, routes), greedy, traced=traced)
+            return InFlight(self, batch, (logits, routes), greedy_ids(logits), traced=traced)
         fed = after.greedy_dev if chained else self._no_tokens
         args = (self.cfg, self._weights_def, self._weights, self.cache, packed, fed)
         if trace:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -21,6 +23,17 @@ def sample(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.
         p = np.where(mask, p, 0.0)
         p /= p.sum()
     return int(rng.choice(p.shape[0], p=p))
+
+
+def greedy_ids(logits: jax.Array) -> jax.Array:
+    """int32 argmax over the last axis, on device: the lowest id of the largest logit, or of
+    the first NaN where there is one, as jnp.argmax gives it. Computed as a max and a min over
+    ids, two plain reductions: XLA's CPU argmax (one reduce over value and id pairs) took
+    ~5x as long over an 8192-token vocabulary, ~50 µs of every decode step."""
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    top = jnp.max(logits, axis=-1, keepdims=True)  # NaN where any logit is NaN
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, ids, logits.shape[-1]), axis=-1)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

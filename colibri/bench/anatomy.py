@@ -1,0 +1,234 @@
+"""Where a decode step's time goes: the engine's decode bursts profiled with jax.profiler and
+read back op by op against the compiled program (experiments/step_anatomy.py).
+
+Every op XLA runs shows in the profile as one event named after its HLO op; the compiled
+program's text (XLA's dump, `--xla_dump_to`) says which of them are colibri's kernels, which
+kernel, and over what weights. A run of the program is one burst; the ops of its loop's body
+run once a step (`colibri_cut_requested`, in the loop's condition, marks a decode burst).
+What a step spends, then: each kernel's calls (by kernel and weight shape), XLA's own ops
+between them, the time no op runs (the executor going from one op to the next), and the time
+between bursts (the host reading a burst's tokens and dispatching the next one)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "u16": 2, "s16": 2, "u8": 1, "s8": 1}
+CUT = "colibri_cut_requested"
+XLA_OPS = "XLA's ops"
+
+_CALL = re.compile(r'^\s*%?(?P<op>[\w.-]+) = .*custom_call_target="(?P<target>colibri_\w+)"')
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One of colibri's kernel calls in the compiled program: the target, a label (the kind of
+    call and its weights' shape), and the bytes of weights one call reads (experts: one
+    expert's gate, up and down rows; None where the call reads no weights)."""
+
+    target: str
+    label: str
+    weight_bytes: float | None
+
+
+def operand_shapes(constraints: str) -> list[tuple[str, tuple[int, ...]]]:
+    """`f32[1,768]{1,0}, f32[1280,768]{1,0}` -> [("f32", (1, 768)), ("f32", (1280, 768))]."""
+    return [
+        (dtype, tuple(int(d) for d in dims.split(",") if d))
+        for dtype, dims in _SHAPE.findall(constraints)
+    ]
+
+
+def _nbytes(dtype: str, dims: tuple[int, ...]) -> int:
+    n = BYTES[dtype]
+    for d in dims:
+        n *= d
+    return n
+
+
+def _constraints(line: str) -> str:
+    """The text inside `operand_layout_constraints={...}` (shapes carry braces of their own)."""
+    start = line.find("operand_layout_constraints={")
+    if start < 0:
+        return ""
+    i = start + len("operand_layout_constraints=")
+    depth = 0
+    for j in range(i, len(line)):
+        depth += {"{": 1, "}": -1}.get(line[j], 0)
+        if depth == 0:
+            return line[i + 1 : j]
+    return ""
+
+
+def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
+    """The colibri kernel calls of a compiled program's text (XLA's after-optimizations dump),
+    by HLO op name."""
+    calls = {}
+    for line in hlo_text.splitlines():
+        m = _CALL.match(line)
+        if not m:
+            continue
+        target, ops = m["target"], operand_shapes(_constraints(line))
+        for base in ("colibri_linear", "colibri_moe_experts"):
+            if target.startswith(base):
+                held = target.removeprefix(base).lstrip("_")
+                held = f" ({held} rows)" if held else ""
+                break
+        if target.startswith("colibri_linear"):
+            dtype, dims = ops[1]
+            label = f"linear [{dims[0]}, {ops[0][1][-1]}]{held}"
+            weight = float(_nbytes(dtype, dims))
+        elif target.startswith("colibri_moe_experts"):
+            label = f"routed experts{held}"
+            weight = sum(_nbytes(dt, dims) / dims[0] for dt, dims in ops[:3])
+        elif target == "colibri_attend":
+            label, weight = "attention", None
+        elif target == CUT:
+            label, weight = "cut check", None
+        else:
+            label, weight = target, None
+        calls[m["op"]] = Kernel(target, label, weight)
+    return calls
+
+
+def load_trace(trace_dir: Path) -> list[dict]:
+    """The complete events of the newest perfetto trace jax.profiler wrote under trace_dir
+    (`jax.profiler.trace(dir, create_perfetto_trace=True)`)."""
+    traces = sorted(
+        Path(trace_dir).glob("**/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime
+    )
+    if not traces:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    with gzip.open(traces[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X"]
+
+
+@dataclass
+class Part:
+    """What one kind of work costs a step: µs, and for kernel calls how many and what they read."""
+
+    us: float = 0.0
+    calls: float = 0.0
+    weight_bytes: float | None = None  # per call
+
+
+@dataclass
+class Anatomy:
+    steps: int
+    runs: int
+    parts: dict[str, Part]  # per step: kernels by label, XLA's ops
+    between_ops_us: float  # per step: no op running within a burst
+    between_bursts_us: float  # per step: from one burst's last op to the next one's first
+    overlap_us: float  # per step: ops running at once (counted twice in the parts)
+    xla_ops: dict[str, float]  # per step: µs of each of XLA's own ops, by HLO op name
+
+    @property
+    def step_us(self) -> float:
+        return (
+            sum(p.us for p in self.parts.values())
+            + self.between_ops_us
+            + self.between_bursts_us
+            - self.overlap_us
+        )
+
+
+def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatomy:
+    """The per-step anatomy of every run of `module` (a jitted function's HLO module name, as
+    the profile gives it: jit__decode_burst) in a trace's events."""
+    runs: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+    for e in events:
+        args = e.get("args", {})
+        if args.get("hlo_module") == module and "hlo_op" in args and "run_id" in args:
+            runs[args["run_id"]].append((float(e["ts"]), float(e["dur"]), args["hlo_op"]))
+    if not runs:
+        raise ValueError(f"no op of {module} in the trace")
+    ordered = sorted(runs.values(), key=lambda ops: min(t for t, _, _ in ops))
+    cut = {op for op, k in calls.items() if k.target == CUT}
+    totals: dict[str, Part] = {}
+    xla_ops: Counter[str] = Counter()
+    steps = between_ops = between_bursts = overlap = 0.0
+    burst_steps = 0
+    last_end = None
+    for ops in ordered:
+        ops.sort()
+        # Control flow (a while loop's op) spans the ops it runs: not an op of its own.
+        ops[:] = [
+            o
+            for o, nxt in zip(ops, [*ops[1:], None])
+            if nxt is None or nxt[0] + nxt[1] > o[0] + o[1]
+        ]
+        # Each op of the loop's body runs once a step (the cut check, in its condition, once
+        # more): the steps of a run are the runs of its most frequent other kernel call.
+        seen = Counter(op for _, _, op in ops if op in calls and op not in cut)
+        if not seen or not any(op in cut for _, _, op in ops):
+            raise ValueError(f"a run of {module} without kernel calls and a {CUT} call")
+        n = max(seen.values())
+        busy, end = 0.0, None  # the union of the ops' intervals
+        for t, d, op in ops:
+            kernel = calls.get(op)
+            label = kernel.label if kernel else XLA_OPS
+            part = totals.setdefault(
+                label, Part(weight_bytes=kernel.weight_bytes if kernel else None)
+            )
+            part.us += d
+            part.calls += 1
+            if kernel is None:
+                xla_ops[op] += d
+            if end is None or t >= end:
+                busy += d
+                end = t + d
+            elif t + d > end:
+                busy += t + d - end
+                end = t + d
+        start = ops[0][0]
+        between_ops += (end - start) - busy
+        overlap += sum(d for _, d, _ in ops) - busy
+        if last_end is not None:
+            between_bursts += start - last_end
+            burst_steps += n
+        last_end = end
+        steps += n
+    for part in totals.values():
+        part.us /= steps
+        part.calls /= steps
+    return Anatomy(
+        steps=int(steps),
+        runs=len(ordered),
+        parts=totals,
+        between_ops_us=between_ops / steps,
+        between_bursts_us=between_bursts / burst_steps if burst_steps else 0.0,
+        overlap_us=overlap / steps,
+        xla_ops={op: us / steps for op, us in xla_ops.most_common()},
+    )
+
+
+def decode_bursts(runner, first: int, start: int, n: int, burst: int) -> float:
+    """n greedy steps of slot 0 from position `start` (its token there: `first`), in cuttable
+    bursts of `burst` steps, the next dispatched when one lands, as the engine decodes greedy
+    requests (Scheduler._burst); tok/s."""
+    from colibri.engine.runner import Row
+
+    tok, done = first, 0
+    t = time.perf_counter()
+    while done < n:
+        fwd = runner.decode_async([Row(0, tok, start + done)], steps=burst, cuttable=True)
+        tok, done = int(fwd.tokens()[-1][0]), done + fwd.ran()
+    return done / (time.perf_counter() - t)
+
+
+def profile(fn, trace_dir: Path) -> list[dict]:
+    """Run fn() under jax.profiler; the trace's complete events."""
+    import jax
+
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        fn()
+    return load_trace(trace_dir)

@@ -1,0 +1,253 @@
+"""python experiments/step_anatomy.py [--shapes qwen3_moe,olmoe] [--ckpt PATH] [--tokens 64]
+    [--prompt 128] [--rounds 3] [--out step_anatomy]
+
+Where a batch-1 decode step's time goes, against the memory roofline measured on either side
+of it. Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read of 1 GiB
+on every core (bandwidth.read_rate), --tokens greedy steps in the engine's bursts, the same
+steps again under jax.profiler, and the read again. The profile, read back against the
+compiled program (colibri.bench.anatomy), splits a step into colibri's kernel calls (by
+kernel and weights: µs, calls, GB/s of weights while they run), XLA's own ops, the time no op
+runs inside a burst, and the time between bursts. The roofline: the bytes a step reads as the
+engine holds them (weights and the mean step's keys and values) over the faster of the two
+reads. The profiler costs time of its own: the table's rates are the unprofiled run's, the
+anatomy the profiled one's (its step time says by how much they differ).
+
+Writes experiments/results/step_anatomy.md and .json (--out NAME: NAME.md, NAME.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from tqdm import tqdm
+
+from colibri.bench import anatomy
+from colibri.bench.accounting import held_step_bytes, kv_bytes
+from colibri.bench.bandwidth import probe_array, read_rate
+from colibri.bench.conversations import BURST, prompt_ids
+from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.engine.hwinfo import host
+from colibri.report import markdown_table, write_report
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+MODULE = "jit__decode_burst"
+DUMP_FLAG = "--xla_dump_to="
+AGREE = 0.9  # reads before and after a round this close: the round ran at that bandwidth
+OURS = "COLIBRI_ANATOMY_DUMP"  # set in the re-executed process: the dump folder it made
+
+
+def with_program_dump() -> Path:
+    """The folder XLA dumps the decode program's compiled text into (a new one, removed at the
+    end): this process re-executed with XLA_FLAGS asking for it, as JAX reads them at start."""
+    ours = os.environ.get(OURS)
+    if ours:
+        return Path(ours)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DUMP_FLAG in flags:
+        raise SystemExit(f"XLA_FLAGS already has {DUMP_FLAG}: step_anatomy.py dumps on its own")
+    dump = tempfile.mkdtemp(prefix="colibri-anatomy-")
+    os.environ[OURS] = dump
+    os.environ["XLA_FLAGS"] = (
+        f"{flags} {DUMP_FLAG}{dump} --xla_dump_hlo_as_text "
+        "--xla_dump_hlo_module_re=.*decode_burst.*"
+    ).strip()
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def program_calls(dump: Path, earlier: set[Path]) -> dict[str, anatomy.Kernel]:
+    """The kernel calls of the decode programs compiled since `earlier` was listed (one a KV
+    length the bursts met): the same op names must mean the same calls in each, as the profile
+    names ops only."""
+    texts = sorted(set(dump.glob(f"*{MODULE}*after_optimizations.txt")) - earlier)
+    if not texts:
+        raise SystemExit(f"XLA dumped no {MODULE} program into {dump}")
+    calls = [anatomy.kernel_calls(p.read_text()) for p in texts]
+    for other in calls[1:]:
+        if {k: v.label for k, v in other.items()} != {k: v.label for k, v in calls[0].items()}:
+            raise SystemExit(
+                "the decode programs' kernel calls differ in name: cannot tell ops apart"
+            )
+    return calls[0]
+
+
+def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -> dict:
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Runner
+
+    earlier = set(dump.glob("*"))
+    model = load_model(ckpt, progress=False)
+    cfg = model.cfg
+    prompt = prompt_ids(cfg.vocab_size, prompt_len)
+    runner = Runner(model, slots=16, capacity=prompt_len + tokens + 8)
+    logits, _ = runner.prefill(0, prompt)
+    first = int(np.argmax(logits))
+    top_k = [cfg.moe.top_k] * len(model.experts)
+    weights = held_step_bytes(model.params, model.experts, top_k)
+    step_bytes = weights + kv_bytes(cfg, 1, prompt_len, tokens)
+
+    def decode() -> float:
+        return anatomy.decode_bursts(runner, first, prompt_len, tokens, BURST)
+
+    decode()  # compiles every KV length the measured runs meet
+    calls = program_calls(dump, earlier)
+    probe = probe_array(1.0)
+    out = []
+    for r in tqdm(range(rounds), desc=ckpt.name, unit="round"):
+        before = max(read_rate(probe) for _ in range(3))
+        rate = decode()
+        trace = Path(tempfile.mkdtemp(prefix="colibri-trace-"))
+        try:
+            events = anatomy.profile(decode, trace)
+        finally:
+            shutil.rmtree(trace, ignore_errors=True)
+        after = max(read_rate(probe) for _ in range(3))
+        a = anatomy.anatomy(events, calls, MODULE)
+        out.append(
+            {
+                "round": r,
+                "read_gb_s": [before, after],
+                "tok_s": rate,
+                "roofline_ratio": rate * step_bytes / 1e9 / max(before, after),
+                "profiled_step_us": a.step_us,
+                "steps": a.steps,
+                "parts": {k: vars(p) for k, p in a.parts.items()},
+                "between_ops_us": a.between_ops_us,
+                "between_bursts_us": a.between_bursts_us,
+                "overlap_us": a.overlap_us,
+                "xla_ops": a.xla_ops,
+            }
+        )
+    return {"step_bytes": step_bytes, "weight_bytes": weights, "rounds": out, "top_k": top_k[0]}
+
+
+def steady_reads(rnd: dict) -> bool:
+    """Whether the reads before and after a round agree: the machine's memory, which moves
+    between ~30 and ~60 GB/s from one minute to the next here, held still through it."""
+    return min(rnd["read_gb_s"]) >= AGREE * max(rnd["read_gb_s"])
+
+
+def table(res: dict, rnd: dict) -> list[dict]:
+    """One round's anatomy: a row a part, most time first, then the step."""
+    step = rnd["profiled_step_us"]
+    probe = max(rnd["read_gb_s"])
+    rows = []
+    for label, p in sorted(rnd["parts"].items(), key=lambda kv: -kv[1]["us"]):
+        per_call = p["us"] / p["calls"] if p["calls"] else 0.0
+        moved = p["weight_bytes"]
+        if moved is not None and label.startswith("routed experts"):
+            moved *= res["top_k"]  # one row's chosen experts a call
+        gb_s = moved / per_call / 1e3 if moved and per_call else None
+        rows.append(
+            {
+                "part": label,
+                "µs a step": p["us"],
+                "share": p["us"] / step,
+                "calls a step": p["calls"],
+                "µs a call": per_call,
+                "GB/s of weights": gb_s,
+                "/ read": gb_s / probe if gb_s else None,
+            }
+        )
+    for label, key in (
+        ("no op running (in a burst)", "between_ops_us"),
+        ("between bursts", "between_bursts_us"),
+    ):
+        rows.append({"part": label, "µs a step": rnd[key], "share": rnd[key] / step})
+    rows.append({"part": "step (profiled)", "µs a step": step, "share": 1.0})
+    return rows
+
+
+def write(results: dict, args, out: str) -> None:
+    hw = host()
+    lines = [
+        "# Where a batch-1 decode step's time goes",
+        "",
+        f"Command: `python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
+        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM  ",
+        f"Greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt, in bursts of "
+        f"{BURST} steps. Each round: a plain read of 1 GiB on every core, the steps, the same "
+        "steps under jax.profiler, the read again. Roofline: bytes a step (weights as held, the "
+        "mean step's keys and values) over the faster read.",
+        "",
+    ]
+    for name, res in results.items():
+        rounds = res["rounds"]
+        lines.append(f"## {name}")
+        lines.append("")
+        lines.append(
+            f"{res['step_bytes'] / 1e6:.1f} MB a step. Rounds (read before, after; tok/s; "
+            "/ roofline; profiled step): "
+            + "; ".join(
+                f"{r['read_gb_s'][0]:.1f}, {r['read_gb_s'][1]:.1f} GB/s; {r['tok_s']:.1f}; "
+                f"{r['roofline_ratio']:.2f}{'' if steady_reads(r) else '*'}; "
+                f"{r['profiled_step_us'] / 1e3:.2f} ms"
+                for r in rounds
+            )
+            + " (*: the reads disagree, the machine's bandwidth moved during the round)"
+            + "."
+        )
+        lines.append("")
+        steady = [r for r in rounds if steady_reads(r)] or rounds
+        best = max(steady, key=lambda r: max(r["read_gb_s"]))
+        lines.append(
+            f"The round with the fastest read of those whose two reads agree within "
+            f"{1 - AGREE:.0%} (round {best['round']}, {max(best['read_gb_s']):.1f} GB/s"
+            f"{'' if steady_reads(best) else '; none agree'}), profiled:"
+        )
+        lines.append("")
+        lines.append(markdown_table(pd.DataFrame(table(res, best)), index=False))
+        lines.append("")
+        costly = list(best["xla_ops"].items())[:5]
+        lines.append(
+            "XLA's costliest ops, µs a step: "
+            + ", ".join(f"{op} {us:.1f}" for op, us in costly)
+            + "."
+        )
+        lines.append("")
+    lines.append(
+        "µs a step: the sum of the part's op durations; GB/s of weights: the bytes of weights a "
+        "call reads (routed experts: the top-k chosen experts' rows) over its mean duration; "
+        "/ read: against the faster read of the round. No op running: a burst's span less the "
+        "time some op ran; between bursts: from one burst's last op to the next one's first "
+        "(the host reading tokens, dispatching the next burst)."
+    )
+    print("\n".join(lines))
+    write_report(RESULTS, out, lines, results)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--ckpt", type=Path, help="a checkpoint folder instead of the peers shapes")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default="step_anatomy")
+    args = ap.parse_args()
+    dump = with_program_dump()
+    try:
+        if args.ckpt:
+            ckpts = {args.ckpt.name: args.ckpt}
+        else:
+            ckpts = {
+                n: ensure_inputs(n, SHAPES[n], with_llama=False)["colibri"]
+                for n in args.shapes.split(",")
+            }
+        results = {}
+        for name, ckpt in ckpts.items():
+            results[name] = measure(ckpt, args.tokens, args.prompt, args.rounds, dump)
+        write(results, args, args.out)
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Where a decode step's time goes (colibri.bench.anatomy, experiments/step_anatomy.py): the
+compiled program's kernel calls read from XLA's dump, a profile's ops split into steps and
+parts, and the experiment run end to end on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny
+
+from colibri.bench import anatomy
+from colibri.config import load_config
+
+HLO = """\
+  %ffi_call.1 = f32[1,96]{1,0} custom-call(%a, %w), custom_call_target="colibri_linear", \
+operand_layout_constraints={f32[1,64]{1,0}, f32[96,64]{1,0}}, api_version=API_VERSION_TYPED_FFI
+  %ffi_call.2 = f32[1,2,64]{2,1,0} custom-call(%g, %u, %d, %x, %i), \
+custom_call_target="colibri_moe_experts_int8", operand_layout_constraints={\
+s32[8,32,18]{2,1,0}, s32[8,32,18]{2,1,0}, s32[8,64,10]{2,1,0}, f32[1,64]{1,0}, s32[1,2]{1,0}}, \
+api_version=API_VERSION_TYPED_FFI
+  %ffi_call.3 = s32[1]{0} custom-call(%c), custom_call_target="colibri_cut_requested", \
+operand_layout_constraints={s32[1]{0}}, api_version=API_VERSION_TYPED_FFI
+  %add.4 = f32[1,64]{1,0} add(%p, %q)
+"""
+
+
+def test_kernel_calls_name_each_kernel_and_its_weights():
+    calls = anatomy.kernel_calls(HLO)
+    assert set(calls) == {"ffi_call.1", "ffi_call.2", "ffi_call.3"}
+    assert calls["ffi_call.1"] == anatomy.Kernel("colibri_linear", "linear [96, 64]", 96 * 64 * 4)
+    experts = calls["ffi_call.2"]
+    assert experts.label == "routed experts (int8 rows)"
+    assert experts.weight_bytes == (2 * 32 * 18 + 64 * 10) * 4  # one expert's rows, as held
+    assert calls["ffi_call.3"].target == anatomy.CUT
+
+
+def op(ts, dur, name, run):
+    args = {"hlo_module": "jit__decode_burst", "hlo_op": name, "run_id": run}
+    return {"ph": "X", "ts": ts, "dur": dur, "name": name, "args": args}
+
+
+def test_a_profile_splits_into_steps_and_parts():
+    calls = anatomy.kernel_calls(HLO)
+    # Two bursts of two steps: the cut check in the loop's condition (steps + 1 times), a
+    # linear call, an XLA op, the experts. The second burst starts 30 µs after the first ends.
+    first = [
+        op(0, 1, "ffi_call.3", "a"),
+        op(2, 10, "ffi_call.1", "a"),
+        op(12, 2, "add.4", "a"),
+        op(15, 100, "ffi_call.2", "a"),
+        op(116, 1, "ffi_call.3", "a"),
+        op(118, 10, "ffi_call.1", "a"),
+        op(128, 2, "add.4", "a"),
+        op(131, 100, "ffi_call.2", "a"),
+        op(232, 1, "ffi_call.3", "a"),
+    ]
+    second = [op(e["ts"] + 263, e["dur"], e["name"], "b") for e in first]
+    other = {"ph": "X", "ts": 5, "dur": 1, "name": "x", "args": {"hlo_module": "jit_other"}}
+    a = anatomy.anatomy([*second, other, *first], calls, "jit__decode_burst")
+    assert (a.steps, a.runs) == (4, 2)
+    assert a.parts["linear [96, 64]"].us == pytest.approx(10.0)
+    assert a.parts["linear [96, 64]"].calls == pytest.approx(1.0)
+    assert a.parts["routed experts (int8 rows)"].us == pytest.approx(100.0)
+    assert a.parts[anatomy.XLA_OPS].us == pytest.approx(2.0)
+    assert a.parts["cut check"].calls == pytest.approx(1.5)
+    # Each burst spans 233 µs, ops run 227 of them: 6 µs idle over 2 steps, twice.
+    assert a.between_ops_us == pytest.approx(3.0)
+    # 30 µs between the bursts, spread over the second burst's 2 steps.
+    assert a.between_bursts_us == pytest.approx(15.0)
+    assert a.overlap_us == 0.0
+    assert a.xla_ops == {"add.4": pytest.approx(2.0)}
+    assert a.step_us == pytest.approx(1.5 + 10 + 2 + 100 + 3 + 15)
+
+
+def test_the_experiment_profiles_a_tiny_model(tmp_path):
+    ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
+    out = tmp_path / "anatomy"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
+    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "12", "--prompt", "8"]
+    subprocess.run([*cmd, "--rounds", "1", "--out", str(out)], check=True, env=env, timeout=300)
+    res = json.loads(out.with_suffix(".json").read_text())["ckpt"]
+    (rnd,) = res["rounds"]
+    assert rnd["steps"] == 12  # two bursts of six
+    parts = rnd["parts"]
+    cfg = load_config(ckpt)
+    layers = cfg.num_layers
+    assert parts["routed experts"]["calls"] == len(cfg.moe_layer_ids) < layers
+    # Fused q, k and v; the output projection; the routers; lm_head (the dense layer: its own).
+    assert parts["linear [128, 64]"]["calls"] == layers  # (4 + 2 + 2) heads x 16
+    assert parts["linear [64, 64]"]["calls"] == layers
+    assert parts["linear [8, 64]"]["calls"] == len(cfg.moe_layer_ids)  # routers
+    assert parts[f"linear [{tiny.VOCAB}, 64]"]["calls"] == 1
+    assert parts["attention"]["calls"] == layers
+    assert rnd["between_bursts_us"] > 0 and rnd["tok_s"] > 0
+    assert 0 < rnd["roofline_ratio"]
+    assert "| routed experts |" in out.with_suffix(".md").read_text()
