@@ -139,7 +139,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   for (int64_t b = 0; b < B; ++b)
     if (call->slot[b] >= 0 && call->slot[b] < S && call->pos[b] >= 0)
       bytes += (std::min<int64_t>(call->pos[b], C - 1) + 1) * Hkv * Dh * 8;
-  run(pool, call, B * Hkv, bytes);
+  // Work: the keys and values once for each query head that reads them, as the linear
+  // kernel counts a pass over its weights for every four inputs (a call whose bytes alone are
+  // under kSoloWork, one row of a grouped-query model, costs several times their streaming).
+  run(pool, call, B * Hkv, bytes * (H / Hkv));
   return ffi::Error::Success();
 }
 
