@@ -60,6 +60,7 @@ def test_a_profile_splits_into_steps_and_parts():
         op(232, 1, "ffi_call.3", "a"),
     ]
     second = [op(e["ts"] + 263, e["dur"], e["name"], "b") for e in first]
+    first.append(op(1.5, 200, "while.5", "a"))  # control flow, around the ops it runs
     other = {"ph": "X", "ts": 5, "dur": 1, "name": "x", "args": {"hlo_module": "jit_other"}}
     a = anatomy.anatomy([*second, other, *first], calls, "jit__decode_burst")
     assert (a.steps, a.runs) == (4, 2)
