@@ -163,7 +163,7 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
         # Control flow (a while loop's op) spans the ops it runs: not an op of its own.
         ops[:] = [
             o
-            for o, nxt in zip(ops, [*ops[1:], None])
+            for o, nxt in zip(ops, [*ops[1:], None], strict=True)
             if nxt is None or nxt[0] + nxt[1] > o[0] + o[1]
         ]
         # Each op of the loop's body runs once a step (the cut check, in its condition, once
