@@ -1,4 +1,4 @@
-"""python experiments/step_anatomy.py [--shapes qwen3_moe,olmoe] [--ckpt PATH] [--tokens 64]
+"""python experiments/step_anatomy.py [--shapes qwen3_moe,olmoe] [--ckpt PATH ...] [--tokens 64]
     [--prompt 128] [--rounds 3] [--out step_anatomy]
 
 Where a batch-1 decode step's time goes, against the memory roofline measured on either side
@@ -226,7 +226,12 @@ def write(results: dict, args, out: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--ckpt", type=Path, help="a checkpoint folder instead of the peers shapes")
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        action="append",
+        help="a checkpoint folder instead of the peers shapes (again for more than one)",
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -235,7 +240,7 @@ def main() -> None:
     dump = with_program_dump()
     try:
         if args.ckpt:
-            ckpts = {args.ckpt.name: args.ckpt}
+            ckpts = {c.name: c for c in args.ckpt}
         else:
             ckpts = {
                 n: ensure_inputs(n, SHAPES[n], with_llama=False)["colibri"]
