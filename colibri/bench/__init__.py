@@ -8,6 +8,8 @@ from here and never from one another.
 - accounting.py: the roofline's accounting: bytes of weights and of keys and values one
   decode step reads, and its FLOPs.
 - bandwidth.py: the memory bandwidth probe, and the disk's (a cold pread of a checkpoint).
+- anatomy.py: where a decode step's time goes: a jax.profiler trace of the decode bursts read
+  back against the compiled program's kernel calls.
 - workers.py: each peers configuration (colibri, transformers, llama.cpp, the probe) in a
   process of its own (`python -m colibri.bench.workers`), and the parent's side of it.
 - sidebyside.py: colibri against a peer on one model, batch 1, in alternating rounds.
