@@ -41,7 +41,7 @@ RESULTS = HERE / "results"
 MODULE = "jit__decode_burst"
 DUMP_FLAG = "--xla_dump_to="
 XLA_OPS_KEPT = 20  # XLA's costliest ops a round keeps, by µs a step
-AGREE = 0.9  # reads before and after a round this close: the round ran at that bandwidth
+AGREE = 0.9  # reads before and after a round this close agree
 OURS = "COLIBRI_ANATOMY_DUMP"  # set in the re-executed process: the dump folder it made
 
 
@@ -130,8 +130,9 @@ def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -
 
 
 def steady_reads(rnd: dict) -> bool:
-    """Whether the reads before and after a round agree: the machine's memory, which moves
-    between ~30 and ~60 GB/s from one minute to the next here, held still through it."""
+    """Whether the reads before and after a round agree. Where they do not, the machine's
+    memory (which moved between ~30 and ~60 GB/s within seconds on the machines measured)
+    changed during the round; where they do, it may still have moved in between."""
     return min(rnd["read_gb_s"]) >= AGREE * max(rnd["read_gb_s"])
 
 
