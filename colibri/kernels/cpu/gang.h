@@ -65,7 +65,8 @@ struct Gang {
 
 // Calls with less work than this run on the caller alone: a helper costs more than it saves
 // there, and takes the core the engine's thread starts the next forward on. Work: bytes of
-// weights (or KV) read, times the passes over them (one per tile of four inputs).
+// weights as float32 (or of keys and values) read, times the passes over them (one per tile
+// of four inputs, or per query head).
 constexpr int64_t kSoloWork = 512 << 10;
 
 // Run `gang` on the caller and up to items - 1 helpers from the pool (none below kSoloWork).
