@@ -4,6 +4,7 @@ disk's: a cold pread of a checkpoint's files, as the offload benchmarks' bounds 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,8 +30,9 @@ def read_rate(a: np.ndarray, read=None) -> float:
     a contiguous array (default: `kernels.read_sum`, eight 8-lane sums and nothing else)."""
     threads = os.cpu_count() or 1
     parts = np.array_split(a, threads)
+    started = threading.Barrier(threads)
     with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(len, parts))  # the threads started before the clock
+        list(pool.map(lambda _: started.wait(), range(threads)))  # every thread before the clock
         t = time.perf_counter()
         list(pool.map(read or kernels.read_sum, parts))
         return a.nbytes / (time.perf_counter() - t) / 1e9
