@@ -1,16 +1,19 @@
-"""python experiments/step_anatomy.py [--shapes qwen3_moe,olmoe] [--ckpt PATH ...] [--tokens 64]
-    [--prompt 128] [--rounds 3] [--out step_anatomy]
+"""python experiments/step_anatomy.py [--shapes qwen3_moe,olmoe] [--ckpt PATH ...] [--rows 1]
+    [--tokens 64] [--prompt 128] [--rounds 3] [--out step_anatomy]
 
-Where a batch-1 decode step's time goes, against the memory roofline measured on either side
-of it. Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read of 1 GiB
-on every core (bandwidth.read_rate), --tokens greedy steps in the engine's bursts, the same
-steps again under jax.profiler, and the read again. The profile, read back against the
+Where a decode step's time goes, against the memory roofline measured on either side of it.
+Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read of 1 GiB on
+every core (bandwidth.read_rate), --tokens greedy steps of --rows conversations (the peers
+benchmark's: one prompt, the others sharing all but its last 8 tokens) in the engine's bursts,
+the same steps again under jax.profiler, and the read again. The profile, read back against the
 compiled program (colibri.bench.anatomy), splits a step into colibri's kernel calls (by
 kernel and weights: µs, calls, GB/s of weights while they run), XLA's own ops, the time no op
 runs inside a burst, and the time between bursts. The roofline: the bytes a step reads as the
-engine holds them (weights and the mean step's keys and values) over the faster of the two
-reads. The profiler costs time of its own: the table's rates are the unprofiled run's, the
-anatomy the profiled one's (its step time says by how much they differ).
+engine holds them (weights, the experts the rows chose counted once, and the mean step's keys
+and values) over the faster of the two reads; each kernel call's GFLOP/s beside it, for
+several rows, where the tiles' arithmetic rather than the memory may bound a call. The
+profiler costs time of its own: the table's rates are the unprofiled run's, the anatomy the
+profiled one's (its step time says by how much they differ).
 
 Writes experiments/results/step_anatomy.md and .json (--out NAME: NAME.md, NAME.json).
 """
@@ -31,7 +34,7 @@ from tqdm import tqdm
 from colibri.bench import anatomy
 from colibri.bench.accounting import held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import probe_array, read_rate
-from colibri.bench.conversations import BURST, prompt_ids
+from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.engine.hwinfo import host
 from colibri.report import markdown_table, write_report
@@ -79,7 +82,24 @@ def program_calls(dump: Path, earlier: set[Path]) -> dict[str, anatomy.Kernel]:
     return calls[0]
 
 
-def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -> dict:
+def distinct_experts(runner, firsts: list[int], start: int, n: int) -> list[float]:
+    """Distinct experts the rows choose a step in each MoE layer, the mean over n greedy steps
+    from `start`: the measured bursts' own steps (greedy decoding is deterministic), in the
+    same programs (compiling them)."""
+    from colibri.engine.runner import Row
+
+    toks, done, seen = list(firsts), 0, []
+    while done < n:
+        fwd = runner.decode_async(
+            [Row(s, tok, start + done) for s, tok in enumerate(toks)], steps=BURST, cuttable=True
+        )
+        seen += list(fwd.result()[1])  # [n_moe, B, K] a step
+        toks, done = fwd.tokens()[-1].tolist(), done + fwd.ran()
+    rows = len(firsts)
+    return np.mean([[len(np.unique(r[:rows])) for r in step] for step in seen], axis=0).tolist()
+
+
+def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, dump: Path) -> dict:
     from colibri.engine.model import load_model
     from colibri.engine.runner import Runner
 
@@ -87,17 +107,19 @@ def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -
     model = load_model(ckpt, progress=False)
     cfg = model.cfg
     prompt = prompt_ids(cfg.vocab_size, prompt_len)
-    runner = Runner(model, slots=16, capacity=prompt_len + tokens + 8)
+    runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
     logits, _ = runner.prefill(0, prompt)
-    first = int(np.argmax(logits))
-    top_k = [cfg.moe.top_k] * len(model.experts)
-    weights = held_step_bytes(model.params, model.experts, top_k)
-    step_bytes = weights + kv_bytes(cfg, 1, prompt_len, tokens)
+    firsts = [int(np.argmax(logits))]
+    if rows > 1:
+        firsts += other_conversations(runner, prompt, rows)
+    chosen = distinct_experts(runner, firsts, prompt_len, tokens)
+    weights = held_step_bytes(model.params, model.experts, chosen)
+    step_bytes = weights + kv_bytes(cfg, rows, prompt_len, tokens)
 
     def decode() -> float:
-        return anatomy.decode_bursts(runner, first, prompt_len, tokens, BURST)
+        return anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST)
 
-    decode()  # compiles every KV length the measured runs meet
+    decode()
     calls = program_calls(dump, earlier)
     probe = probe_array(1.0)
     out = []
@@ -116,7 +138,7 @@ def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -
                 "round": r,
                 "read_gb_s": [before, after],
                 "tok_s": rate,
-                "roofline_ratio": rate * step_bytes / 1e9 / max(before, after),
+                "roofline_ratio": rate / rows * step_bytes / 1e9 / max(before, after),
                 "profiled_step_us": a.step_us,
                 "steps": a.steps,
                 "parts": {k: vars(p) for k, p in a.parts.items()},
@@ -126,7 +148,22 @@ def measure(ckpt: Path, tokens: int, prompt_len: int, rounds: int, dump: Path) -
                 "xla_ops": dict(list(a.xla_ops.items())[:XLA_OPS_KEPT]),
             }
         )
-    return {"step_bytes": step_bytes, "weight_bytes": weights, "rounds": out, "top_k": top_k[0]}
+    return {
+        "rows": rows,
+        "step_bytes": step_bytes,
+        "weight_bytes": weights,
+        "rounds": out,
+        "top_k": cfg.moe.top_k,
+        "distinct_experts": float(np.mean(chosen)),
+    }
+
+
+def fma_ceiling() -> float:
+    """GFLOP/s of multiply-adds on all cores, the wider of the vectors the build has (0 without
+    the kernels)."""
+    from colibri import kernels
+
+    return max(kernels.fma_peak(8), kernels.fma_peak(16))
 
 
 def steady_reads(rnd: dict) -> bool:
@@ -143,9 +180,9 @@ def table(res: dict, rnd: dict) -> list[dict]:
     rows = []
     for label, p in sorted(rnd["parts"].items(), key=lambda kv: -kv[1]["us"]):
         per_call = p["us"] / p["calls"] if p["calls"] else 0.0
-        moved = p["weight_bytes"]
+        moved, flops = p["weight_bytes"], p.get("flops")
         if moved is not None and label.startswith("routed experts"):
-            moved *= res["top_k"]  # one row's chosen experts a call
+            moved *= res.get("distinct_experts", res["top_k"])  # the rows' chosen experts
         gb_s = moved / per_call / 1e3 if moved and per_call else None
         rows.append(
             {
@@ -156,6 +193,7 @@ def table(res: dict, rnd: dict) -> list[dict]:
                 "µs a call": per_call,
                 "GB/s of weights": gb_s,
                 "/ read": gb_s / probe if gb_s else None,
+                "GFLOP/s": flops / per_call / 1e3 if flops and per_call else None,
             }
         )
     for label, key in (
@@ -170,13 +208,15 @@ def table(res: dict, rnd: dict) -> list[dict]:
 def write(results: dict, args, out: str) -> None:
     hw = host()
     lines = [
-        "# Where a batch-1 decode step's time goes",
+        f"# Where a {'batch-1' if args.rows == 1 else f'{args.rows}-row'} decode step's time goes",
         "",
         f"Command: `python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM  ",
-        f"Greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt, in bursts of "
-        f"{BURST} steps. Each round: a plain read of 1 GiB on every core, the steps, the same "
-        "steps under jax.profiler, the read again. Roofline: bytes a step (weights as held, the "
+        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; multiply-add "
+        f"ceiling of all cores {fma_ceiling():.1f} GFLOP/s  ",
+        f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
+        f"{args.prompt}-token prompt, in bursts of {BURST} steps. Each round: a plain read of "
+        "1 GiB on every core, the steps, the same steps under jax.profiler, the read again. "
+        "Roofline: bytes a step (weights as held, the experts the rows chose counted once, the "
         "mean step's keys and values) over the faster read.",
         "",
     ]
@@ -185,7 +225,8 @@ def write(results: dict, args, out: str) -> None:
         lines.append(f"## {name}")
         lines.append("")
         lines.append(
-            f"{res['step_bytes'] / 1e6:.1f} MB a step. Rounds (read before, after; tok/s; "
+            f"{res['step_bytes'] / 1e6:.1f} MB a step ({res['distinct_experts']:.1f} distinct "
+            f"experts a layer). Rounds (read before, after; tok/s of all rows; "
             "/ roofline; profiled step): "
             + "; ".join(
                 f"{r['read_gb_s'][0]:.1f}, {r['read_gb_s'][1]:.1f} GB/s; {r['tok_s']:.1f}; "
@@ -216,7 +257,10 @@ def write(results: dict, args, out: str) -> None:
         lines.append("")
     lines.append(
         "µs a step: the sum of the part's op durations; GB/s of weights: the bytes of weights a "
-        "call reads (routed experts: the top-k chosen experts' rows) over its mean duration; "
+        "call reads (routed experts: the rows of the distinct experts the rows chose, the mean "
+        "over the steps) over its mean duration; GFLOP/s: the call's multiply-adds (of "
+        "the rows the program holds, a bucket: padding rows counted; routed experts: every "
+        "row's every chosen expert) over its mean duration; "
         "/ read: against the faster read of the round. No op running: a burst's span less the "
         "time some op ran; between bursts: from one burst's last op to the next one's first "
         "(the host reading tokens, dispatching the next burst)."
@@ -234,6 +278,7 @@ def main() -> None:
         action="append",
         help="a checkpoint folder instead of the peers shapes (again for more than one)",
     )
+    ap.add_argument("--rows", type=int, default=1, help="conversations decoding at once")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
@@ -250,7 +295,7 @@ def main() -> None:
             }
         results = {}
         for name, ckpt in ckpts.items():
-            results[name] = measure(ckpt, args.tokens, args.prompt, args.rounds, dump)
+            results[name] = measure(ckpt, args.rows, args.tokens, args.prompt, args.rounds, dump)
         write(results, args, args.out)
     finally:
         shutil.rmtree(dump, ignore_errors=True)

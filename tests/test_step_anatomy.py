@@ -32,10 +32,14 @@ operand_layout_constraints={s32[1]{0}}, api_version=API_VERSION_TYPED_FFI
 def test_kernel_calls_name_each_kernel_and_its_weights():
     calls = anatomy.kernel_calls(HLO)
     assert set(calls) == {"ffi_call.1", "ffi_call.2", "ffi_call.3"}
-    assert calls["ffi_call.1"] == anatomy.Kernel("colibri_linear", "linear [96, 64]", 96 * 64 * 4)
+    assert calls["ffi_call.1"] == anatomy.Kernel(
+        "colibri_linear", "linear [96, 64]", 96 * 64 * 4, 2 * 96 * 64
+    )
     experts = calls["ffi_call.2"]
     assert experts.label == "routed experts (int8 rows)"
     assert experts.weight_bytes == (2 * 32 * 18 + 64 * 10) * 4  # one expert's rows, as held
+    # One row, two chosen experts, each 32 x 64 gate and up rows and 64 x 32 down rows.
+    assert experts.flops == 2 * 2 * 3 * 32 * 64
     assert calls["ffi_call.3"].target == anatomy.CUT
 
 
@@ -83,10 +87,13 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     out = tmp_path / "anatomy"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
-    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "12", "--prompt", "8"]
-    subprocess.run([*cmd, "--rounds", "1", "--out", str(out)], check=True, env=env, timeout=300)
+    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "12", "--prompt", "12"]
+    cmd += ["--rows", "3", "--rounds", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, timeout=300)
     res = json.loads(out.with_suffix(".json").read_text())["ckpt"]
     (rnd,) = res["rounds"]
+    assert res["rows"] == 3
+    assert res["top_k"] <= res["distinct_experts"] <= 3 * res["top_k"]
     assert rnd["steps"] == 12  # two bursts of six
     parts = rnd["parts"]
     cfg = load_config(ckpt)
@@ -100,4 +107,9 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     assert parts["attention"]["calls"] == layers
     assert rnd["between_bursts_us"] > 0 and rnd["tok_s"] > 0
     assert 0 < rnd["roofline_ratio"]
-    assert "| routed experts |" in out.with_suffix(".md").read_text()
+    # The program holds four rows (three padded to a bucket), each of two chosen experts of
+    # 2 x 3 x 32 x 64 FLOPs.
+    assert parts["routed experts"]["flops"] == 4 * 2 * 2 * 3 * 32 * 64
+    assert parts["linear [64, 64]"]["flops"] == 4 * 2 * 64 * 64
+    report = out.with_suffix(".md").read_text()
+    assert "| routed experts |" in report and "3-row decode step" in report

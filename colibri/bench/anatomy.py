@@ -30,12 +30,15 @@ _SHAPE = re.compile(r"(\w+)\[([\d,]*)\]")
 @dataclass(frozen=True)
 class Kernel:
     """One of colibri's kernel calls in the compiled program: the target, a label (the kind of
-    call and its weights' shape), and the bytes of weights one call reads (experts: one
-    expert's gate, up and down rows; None where the call reads no weights)."""
+    call and its weights' shape), the bytes of weights one call reads (experts: one expert's
+    gate, up and down rows; None where the call reads no weights) and its multiply-adds' FLOPs
+    (of the rows the program holds, padding rows too; experts: every row's every chosen
+    expert, as the ids operand holds them)."""
 
     target: str
     label: str
     weight_bytes: float | None
+    flops: float | None = None
 
 
 def operand_shapes(constraints: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -81,20 +84,26 @@ def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
                 held = target.removeprefix(base).lstrip("_")
                 held = f" ({held} rows)" if held else ""
                 break
+        flops = None
         if target.startswith("colibri_linear"):
             dtype, dims = ops[1]
-            label = f"linear [{dims[0]}, {ops[0][1][-1]}]{held}"
+            rows, inputs = ops[0][1]
+            label = f"linear [{dims[0]}, {inputs}]{held}"
             weight = float(_nbytes(dtype, dims))
+            flops = 2.0 * rows * dims[0] * inputs
         elif target.startswith("colibri_moe_experts"):
             label = f"routed experts{held}"
             weight = sum(_nbytes(dt, dims) / dims[0] for dt, dims in ops[:3])
+            (rows, hidden), (_, chosen) = ops[3][1], ops[4][1]
+            ff = ops[0][1][1]  # gate [E, F, D as held]: F rows of D inputs
+            flops = 2.0 * rows * chosen * 3 * ff * hidden
         elif target == "colibri_attend":
             label, weight = "attention", None
         elif target == CUT:
             label, weight = "cut check", None
         else:
             label, weight = target, None
-        calls[m["op"]] = Kernel(target, label, weight)
+        calls[m["op"]] = Kernel(target, label, weight, flops)
     return calls
 
 
@@ -119,6 +128,7 @@ class Part:
     us: float = 0.0
     calls: float = 0.0
     weight_bytes: float | None = None  # per call
+    flops: float | None = None  # per call
 
 
 @dataclass
@@ -177,7 +187,11 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
             kernel = calls.get(op)
             label = kernel.label if kernel else XLA_OPS
             part = totals.setdefault(
-                label, Part(weight_bytes=kernel.weight_bytes if kernel else None)
+                label,
+                Part(
+                    weight_bytes=kernel.weight_bytes if kernel else None,
+                    flops=kernel.flops if kernel else None,
+                ),
             )
             part.us += d
             part.calls += 1
@@ -211,18 +225,19 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
     )
 
 
-def decode_bursts(runner, first: int, start: int, n: int, burst: int) -> float:
-    """n greedy steps of slot 0 from position `start` (its token there: `first`), in cuttable
-    bursts of `burst` steps, the next dispatched when one lands, as the engine decodes greedy
-    requests (Scheduler._burst); tok/s."""
+def decode_bursts(runner, firsts: list[int], start: int, n: int, burst: int) -> float:
+    """n greedy steps of slots 0..len(firsts)-1 from position `start` (their tokens there:
+    `firsts`), in cuttable bursts of `burst` steps, the next dispatched when one lands, as the
+    engine decodes greedy requests (Scheduler._burst); tok/s of all rows together."""
     from colibri.engine.runner import Row
 
-    tok, done = first, 0
+    toks, done = list(firsts), 0
     t = time.perf_counter()
     while done < n:
-        fwd = runner.decode_async([Row(0, tok, start + done)], steps=burst, cuttable=True)
-        tok, done = int(fwd.tokens()[-1][0]), done + fwd.ran()
-    return done / (time.perf_counter() - t)
+        at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
+        fwd = runner.decode_async(at, steps=burst, cuttable=True)
+        toks, done = fwd.tokens()[-1].tolist(), done + fwd.ran()
+    return len(firsts) * done / (time.perf_counter() - t)
 
 
 def profile(fn, trace_dir: Path) -> list[dict]:
