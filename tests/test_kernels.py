@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -334,11 +335,12 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 
 def test_the_registered_targets_are_those_the_formats_make():
-    """An expert and a linear target per held format, attention and the cut flag: each one a
-    handler the library exports, and it exports no handler that is not registered."""
-    made = {"colibri_attend", "colibri_cut_requested"}
+    """An expert and a linear target per held format, attention (alone and with the cache
+    write) and the cut flag: each one a handler the library exports, and it exports no handler
+    that is not registered."""
+    made = {"colibri_attend", "colibri_attend_write", "colibri_cut_requested"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 2
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 3
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
@@ -385,6 +387,53 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity
             np.testing.assert_allclose(got[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5)
         alone = kernels.attend(q[b : b + 1], k, v, slots[b : b + 1], pos[b : b + 1], scale)
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    kv_heads=st.integers(1, 3),
+    group=st.integers(1, 3),
+    head_dim=st.sampled_from([3, 8, 64]),
+    capacity=st.integers(1, 24),
+    seed=st.integers(0, 2**16),
+)
+def test_attend_write_is_the_scatter_then_attend(rows, kv_heads, group, head_dim, capacity, seed):
+    """attend_write: the new keys and values written where a scatter with mode="drop" writes
+    them (a row whose slot or position lies outside the cache: nowhere), then `attend`, bitwise;
+    in a jitted loop with the caches donated (updated in place) and called eagerly (XLA copies
+    the caches first) alike."""
+    rng = np.random.default_rng(seed)
+    S, C, H = 3, capacity, kv_heads * group
+    k = rng.standard_normal((S, kv_heads, C, head_dim)).astype(np.float32)
+    v = rng.standard_normal((S, kv_heads, C, head_dim)).astype(np.float32)
+    q = rng.standard_normal((rows, H, head_dim)).astype(np.float32)
+    k_new = rng.standard_normal((rows, kv_heads, head_dim)).astype(np.float32)
+    v_new = rng.standard_normal((rows, kv_heads, head_dim)).astype(np.float32)
+    slots = rng.permutation(S + 2)[:rows].astype(np.int32)  # S, S + 1: not in the cache
+    pos = rng.integers(0, C + 2, rows).astype(np.int32)  # C, C + 1: past its end
+    scale = 1 / np.sqrt(head_dim)
+
+    def scatter(buf, new):
+        return jnp.asarray(buf).at[slots[:, None], :, pos[:, None]].set(new[:, None], mode="drop")
+
+    want_k, want_v = scatter(k, k_new), scatter(v, v_new)
+    want = kernels.attend(q, want_k, want_v, slots, pos, scale)
+    eager = kernels.attend_write(q, k, v, slots, pos, k_new, v_new, scale)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def steps(kc, vc):  # twice, in a loop that carries the caches
+        def body(i, carry):
+            return kernels.attend_write(q, *carry[1:], slots, pos, k_new, v_new, scale)
+
+        return jax.lax.fori_loop(0, 2, body, (jnp.zeros_like(q), kc, vc))
+
+    looped = steps(jnp.asarray(k), jnp.asarray(v))
+    for got in (eager, looped):
+        got_out, got_k, got_v = (np.asarray(a) for a in got)
+        np.testing.assert_array_equal(got_k, np.asarray(want_k))
+        np.testing.assert_array_equal(got_v, np.asarray(want_v))
+        np.testing.assert_array_equal(got_out, np.asarray(want))
 
 
 def test_attend_weights_far_below_the_peak_are_zero_not_nan():

@@ -58,6 +58,7 @@ def _targets() -> dict[str, str]:
         for f in formats.FORMATS
     }
     targets["colibri_attend"] = "ColibriAttend"
+    targets["colibri_attend_write"] = "ColibriAttendWrite"
     targets["colibri_cut_requested"] = "ColibriCutRequested"
     return targets
 
@@ -257,6 +258,37 @@ def attend(
     )
     i32 = jnp.int32
     return call(q, k, v, slots.astype(i32), pos.astype(i32), scale=np.float32(scale))
+
+
+def attend_write(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    slots: jax.Array,
+    pos: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    scale: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`attend` after writing each row's new key and value, k_new and v_new [B, Hkv, Dh], into
+    the caches at (slots[b], pos[b]) (rows outside the cache are not written, as a scatter with
+    mode="drop" leaves them): (out, k, v). The caches are updated in place where XLA can
+    give the call their memory (a decode step's loop, the caches donated); the result is the
+    same either way. One call instead of XLA's two cache writes a layer, each with its own
+    index and bounds ops."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_attend_write",
+        (
+            jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            jax.ShapeDtypeStruct(k.shape, jnp.float32),
+            jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        ),
+        vmap_method="sequential",
+        input_output_aliases={1: 1, 2: 2},
+    )
+    i32 = jnp.int32
+    return call(q, k, v, slots.astype(i32), pos.astype(i32), k_new, v_new, scale=np.float32(scale))
 
 
 def cut_requested(step: jax.Array) -> jax.Array:

@@ -134,13 +134,15 @@ def gqa(
         apply_rope(q, cos, sin, cfg.rope.interleave),
         apply_rope(k, cos, sin, cfg.rope.interleave),
     )
+    if T == 1 and kernels.usable(q, cache["k"], cache["v"]):  # CPU decode: the cache in place
+        out, ck, cv = kernels.attend_write(
+            q[:, 0], cache["k"], cache["v"], slots, pos[:, 0], k[:, 0], v[:, 0], cfg.attn_scale
+        )
+        return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), {"k": ck, "v": cv}
     cache = {
         "k": _write_heads(cache["k"], slots, pos, k),
         "v": _write_heads(cache["v"], slots, pos, v),
     }
-    if T == 1 and kernels.usable(q, cache["k"], cache["v"]):  # CPU decode: the cache in place
-        out = kernels.attend(q[:, 0], cache["k"], cache["v"], slots, pos[:, 0], cfg.attn_scale)
-        return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
     ks, vs = _read_heads(cache["k"], slots, kv_len), _read_heads(cache["v"], slots, kv_len)
     out = _softmax_attend(q.reshape(B, T, Hkv, H // Hkv, Dh), ks, vs, pos, cfg.attn_scale)
     return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache

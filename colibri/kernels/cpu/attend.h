@@ -109,11 +109,12 @@ struct AttendCall : Gang {
   }
 };
 
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
-                  ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  const auto sd = slots.dimensions(), pd = pos.dimensions(), od = out->dimensions();
+// Attention over caches k, v (written already) into out: the shapes checked, the work run.
+ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const float* k,
+                       const float* v, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
+                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, float* out,
+                       ffi::Span<const int64_t> od, float scale) {
+  const auto qd = q.dimensions(), sd = slots.dimensions(), pd = pos.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
       od.size() != 3)
     return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
@@ -123,11 +124,11 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
   auto call = std::make_shared<AttendCall>();
   call->q = q.typed_data();
-  call->k = k.typed_data();
-  call->v = v.typed_data();
+  call->k = k;
+  call->v = v;
   call->slot = slots.typed_data();
   call->pos = pos.typed_data();
-  call->out = out->typed_data();
+  call->out = out;
   call->B = B;
   call->H = H;
   call->Hkv = Hkv;
@@ -144,6 +145,51 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   // under kSoloWork, one row of a grouped-query model, costs several times their streaming).
   run(pool, call, B * Hkv, bytes * (H / Hkv));
   return ffi::Error::Success();
+}
+
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                  ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  return attend_into(pool, q, k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
+                     slots, pos, out->typed_data(), out->dimensions(), scale);
+}
+
+// colibri_attend_write: the new keys and values k_new, v_new [B, Hkv, Dh] written into the
+// caches at (slots[b], pos[b]) (rows whose slot or position is outside the cache: not
+// written), then colibri_attend over them. The caches come back as results 2 and 3, which the
+// caller aliases to operands 2 and 3 (kernels.attend_write): XLA then hands over the same
+// memory, and only the new rows are written. Where it has not (a copy it made), the whole cache
+// is copied over first: the results never depend on the aliasing.
+ffi::Error AttendWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
+                       ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> k_new,
+                       ffi::Buffer<ffi::F32> v_new, ffi::ResultBuffer<ffi::F32> out,
+                       ffi::ResultBuffer<ffi::F32> k_out, ffi::ResultBuffer<ffi::F32> v_out,
+                       float scale) {
+  const auto kd = k.dimensions(), nd = k_new.dimensions(), qd = q.dimensions();
+  if (kd.size() != 4 || nd.size() != 3 || qd.size() != 3 || !(k_out->dimensions() == kd) ||
+      !(v_out->dimensions() == kd) || !(v.dimensions() == kd) || !(v_new.dimensions() == nd) ||
+      slots.dimensions().size() != 1 || pos.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("colibri_attend_write: wrong ranks or shapes");
+  const int64_t S = kd[0], Hkv = kd[1], C = kd[2], Dh = kd[3], B = nd[0];
+  if (nd[1] != Hkv || nd[2] != Dh || qd[0] != B || slots.dimensions()[0] != B ||
+      pos.dimensions()[0] != B)
+    return ffi::Error::InvalidArgument("colibri_attend_write: shapes disagree");
+  float* kc = k_out->typed_data();
+  float* vc = v_out->typed_data();
+  if (kc != k.typed_data()) std::memcpy(kc, k.typed_data(), k.size_bytes());
+  if (vc != v.typed_data()) std::memcpy(vc, v.typed_data(), v.size_bytes());
+  const int32_t *slot = slots.typed_data(), *at = pos.typed_data();
+  for (int64_t b = 0; b < B; ++b) {
+    if (slot[b] < 0 || slot[b] >= S || at[b] < 0 || at[b] >= C) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t to = ((slot[b] * Hkv + h) * C + at[b]) * Dh, from = (b * Hkv + h) * Dh;
+      std::memcpy(kc + to, k_new.typed_data() + from, sizeof(float) * Dh);
+      std::memcpy(vc + to, v_new.typed_data() + from, sizeof(float) * Dh);
+    }
+  }
+  return attend_into(pool, q, kc, vc, kd, kd, slots, pos, out->typed_data(), out->dimensions(),
+                     scale);
 }
 
 }  // namespace

@@ -59,6 +59,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttend, Attend,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttendWrite, AttendWrite,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
 // ColibriLinear##Name: x float32, w held as the format says.
 #define COLIBRI_LINEAR_HANDLER(Name, suffix, WT, T)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear##Name, (Linear<ffi::WT, T>), \
