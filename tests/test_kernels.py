@@ -336,11 +336,12 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 def test_the_registered_targets_are_those_the_formats_make():
     """An expert and a linear target per held format, attention (alone and with the cache
-    write) and the cut flag: each one a handler the library exports, and it exports no handler
-    that is not registered."""
-    made = {"colibri_attend", "colibri_attend_write", "colibri_cut_requested"}
+    write), the softmax router's choice and the cut flag: each one a handler the library
+    exports, and it exports no handler that is not registered."""
+    made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
+    made |= {"colibri_cut_requested"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 3
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 4
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
@@ -434,6 +435,58 @@ def test_attend_write_is_the_scatter_then_attend(rows, kv_heads, group, head_dim
         np.testing.assert_array_equal(got_k, np.asarray(want_k))
         np.testing.assert_array_equal(got_v, np.asarray(want_v))
         np.testing.assert_array_equal(got_out, np.asarray(want))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 17),
+    experts=st.integers(1, 70),
+    data=st.data(),
+    norm=st.booleans(),
+    ties=st.booleans(),
+)
+def test_route_softmax_is_xlas_softmax_and_top_k(rows, experts, data, norm, ties):
+    """The router's choice: the experts jax.lax.top_k picks from jax.nn.softmax, in its order
+    (ties, which `ties` makes common: the lower expert first), and their weights within
+    float32 rounding, renormalised or not."""
+    k = data.draw(st.integers(1, experts))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    if ties:  # a few distinct values, some far below the rest (weights that underflow to 0)
+        logits = rng.choice([-120.0, -1.5, 0.0, 0.25, 3.0], (rows, experts))
+    else:
+        logits = rng.standard_normal((rows, experts)) * 4
+    logits = jnp.asarray(logits, jnp.float32)
+    ids, wts = jax.jit(kernels.route_softmax, static_argnums=(1, 2))(logits, k, norm)
+    want_w, want_i = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if norm:
+        want_w = want_w / jnp.sum(want_w, axis=-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_i))
+    np.testing.assert_allclose(np.asarray(wts), np.asarray(want_w), rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_native_routers_gradient_is_xlas(norm):
+    """Training differentiates the router's weights: through the native choice, the gradient
+    of softmax and top_k as XLA computes them."""
+    from colibri.config import MoeConfig
+    from colibri.model import moe
+
+    m = MoeConfig(num_experts=12, top_k=3, moe_ff=8, router="softmax", norm_topk_prob=norm)
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((5, 12)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+
+    def xla(lg):
+        w, _ = jax.lax.top_k(jax.nn.softmax(lg, axis=-1), 3)
+        return jnp.sum(c * (w / jnp.sum(w, axis=-1, keepdims=True) if norm else w))
+
+    got = jax.grad(lambda lg: jnp.sum(c * moe._route_softmax(m, lg)[1]))(logits)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.grad(xla)(logits)), atol=1e-6)
+
+
+def test_route_softmax_rejects_k_above_the_experts():
+    with pytest.raises(Exception, match="colibri_route_softmax: shapes disagree"):
+        kernels.route_softmax(jnp.zeros((2, 4), jnp.float32), 5, True)
 
 
 def test_attend_weights_far_below_the_peak_are_zero_not_nan():

@@ -59,6 +59,7 @@ def _targets() -> dict[str, str]:
     }
     targets["colibri_attend"] = "ColibriAttend"
     targets["colibri_attend_write"] = "ColibriAttendWrite"
+    targets["colibri_route_softmax"] = "ColibriRouteSoftmax"
     targets["colibri_cut_requested"] = "ColibriCutRequested"
     return targets
 
@@ -289,6 +290,21 @@ def attend_write(
     )
     i32 = jnp.int32
     return call(q, k, v, slots.astype(i32), pos.astype(i32), k_new, v_new, scale=np.float32(scale))
+
+
+def route_softmax(logits: jax.Array, k: int, norm: bool) -> tuple[jax.Array, jax.Array]:
+    """A softmax router's choice from logits [N, E] float32: (ids [N, k] int32, weights
+    [N, k]), the k largest of softmax(logits) as jax.lax.top_k orders them (the lower expert
+    first where two are equal), renormalised to sum to 1 where `norm`. The same choice as
+    XLA's softmax and top_k, and weights within float32 rounding of theirs, in one call."""
+    _require()
+    N = logits.shape[0]
+    call = jax.ffi.ffi_call(
+        "colibri_route_softmax",
+        (jax.ShapeDtypeStruct((N, k), jnp.int32), jax.ShapeDtypeStruct((N, k), jnp.float32)),
+        vmap_method="sequential",
+    )
+    return call(logits, norm=np.int32(norm))
 
 
 def cut_requested(step: jax.Array) -> jax.Array:

@@ -4,6 +4,7 @@ weights."""
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -59,11 +60,39 @@ def _choose(m: MoeConfig, w: dict, logits: jax.Array) -> tuple[jax.Array, jax.Ar
 
 
 def _route_softmax(m: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if logits.ndim == 2 and kernels.usable(logits):  # CPU: one call instead of ~7 ops
+        return _native_route(logits, m.top_k, m.norm_topk_prob)
     probs = jax.nn.softmax(logits, axis=-1)
     top_w, top_i = jax.lax.top_k(probs, m.top_k)
     if m.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     return top_i.astype(jnp.int32), top_w
+
+
+def _chosen_weights(logits: jax.Array, ids: jax.Array, norm: bool) -> jax.Array:
+    """The weights of experts ids among softmax(logits), renormalised where `norm`: the
+    softmax router's weights once its choice is made (top_k's gradient is this gather's)."""
+    w = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=-1)
+    return w / jnp.sum(w, axis=-1, keepdims=True) if norm else w
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _native_route(logits: jax.Array, k: int, norm: bool) -> tuple[jax.Array, jax.Array]:
+    return kernels.route_softmax(logits, k, norm)
+
+
+def _native_route_fwd(logits, k, norm):
+    ids, w = kernels.route_softmax(logits, k, norm)
+    return (ids, w), (logits, ids)
+
+
+def _native_route_bwd(k, norm, res, g):
+    logits, ids = res
+    _, pull = jax.vjp(lambda lg: _chosen_weights(lg, ids, norm), logits)
+    return pull(g[1])
+
+
+_native_route.defvjp(_native_route_fwd, _native_route_bwd)
 
 
 def _route_softmax_group(m: MoeConfig, logits: jax.Array) -> tuple[jax.Array, jax.Array]:

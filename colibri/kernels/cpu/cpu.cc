@@ -35,6 +35,7 @@
 #include "formats.h"
 #include "linear.h"
 #include "peak.h"
+#include "route.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -73,6 +74,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttendWrite, AttendWrite,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("norm"));
 
 // ColibriLinear##Name: x float32, w held as the format says.
 #define COLIBRI_LINEAR_HANDLER(Name, suffix, WT, T)                       \
