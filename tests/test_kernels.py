@@ -336,12 +336,12 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 def test_the_registered_targets_are_those_the_formats_make():
     """An expert and a linear target per held format, attention (alone and with the cache
-    write), the softmax router's choice and the cut flag: each one a handler the library
-    exports, and it exports no handler that is not registered."""
+    write), the softmax router's choice, RMSNorm and the cut flag: each one a handler the
+    library exports, and it exports no handler that is not registered."""
     made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
-    made |= {"colibri_cut_requested"}
+    made |= {"colibri_rms_norm", "colibri_cut_requested"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 4
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 5
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
@@ -435,6 +435,37 @@ def test_attend_write_is_the_scatter_then_attend(rows, kv_heads, group, head_dim
         np.testing.assert_array_equal(got_k, np.asarray(want_k))
         np.testing.assert_array_equal(got_v, np.asarray(want_v))
         np.testing.assert_array_equal(got_out, np.asarray(want))
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 20), cols=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_rms_norm_is_xlas_within_rounding_and_row_by_row(rows, cols, seed):
+    """The native RMSNorm: XLA's formula within float32 rounding (the body of eight lanes and
+    the tail alike), and each row bitwise the same alone as among others."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, cols)) * 3, jnp.float32)
+    w = jnp.asarray(rng.standard_normal(cols), jnp.float32)
+    got = np.asarray(jax.jit(kernels.rms_norm, static_argnums=2)(x, w, 1e-6))
+    want = w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=2e-6, atol=1e-6)
+    for n in (0, rows - 1):
+        np.testing.assert_array_equal(
+            np.asarray(kernels.rms_norm(x[n : n + 1], w, 1e-6))[0], got[n]
+        )
+
+
+def test_the_native_norms_gradient_is_xlas():
+    """Training differentiates through the norms: the native one's gradient is XLA's."""
+    from colibri.model.layers import _xla_rms_norm, rms_norm
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(24), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.float32)
+    got = jax.grad(lambda x, w: jnp.sum(c * rms_norm(x, w, 1e-5)), argnums=(0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(c * _xla_rms_norm(x, w, 1e-5)), argnums=(0, 1))(x, w)
+    for g, h in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=25, deadline=None)

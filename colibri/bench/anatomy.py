@@ -99,6 +99,8 @@ def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
             flops = 2.0 * rows * chosen * 3 * ff * hidden
         elif target in ("colibri_attend", "colibri_attend_write"):
             label, weight = "attention", None
+        elif target == "colibri_rms_norm":
+            label, weight = "RMSNorm", None
         elif target == "colibri_route_softmax":
             label, weight = "router's choice", None
         elif target == CUT:

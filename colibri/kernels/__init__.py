@@ -60,6 +60,7 @@ def _targets() -> dict[str, str]:
     targets["colibri_attend"] = "ColibriAttend"
     targets["colibri_attend_write"] = "ColibriAttendWrite"
     targets["colibri_route_softmax"] = "ColibriRouteSoftmax"
+    targets["colibri_rms_norm"] = "ColibriRmsNorm"
     targets["colibri_cut_requested"] = "ColibriCutRequested"
     return targets
 
@@ -290,6 +291,16 @@ def attend_write(
     )
     i32 = jnp.int32
     return call(q, k, v, slots.astype(i32), pos.astype(i32), k_new, v_new, scale=np.float32(scale))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of x [N, D] float32 with weights w [D]: w * (x / sqrt(mean(x^2) + eps)), each
+    row's squares summed in the kernels' 8-lane order (within float32 rounding of XLA's)."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_rms_norm", jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="sequential"
+    )
+    return call(x, w, eps=np.float32(eps))
 
 
 def route_softmax(logits: jax.Array, k: int, norm: bool) -> tuple[jax.Array, jax.Array]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,40 @@ from colibri.config import RopeConfig
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32."""
+    """RMSNorm over the last axis, computed in float32 (on CPU, for the rows of a decode step,
+    by the native kernel: one call instead of XLA's four ops)."""
     x = x.astype(jnp.float32)
+    rows = math.prod(x.shape[:-1])
+    if 0 < rows <= NATIVE_NORM_ROWS and w.ndim == 1 and kernels.usable(x, w):
+        return _native_rms_norm(x.reshape(rows, -1), w, eps).reshape(x.shape)
+    return _xla_rms_norm(x, w, eps)
+
+
+def _xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
+
+
+# Rows up to which a float32 RMSNorm on CPU is one native call: a decode step's, per-head
+# query and key norms of 16 rows included; longer prefill chunks keep XLA's, which it spreads
+# over the cores.
+NATIVE_NORM_ROWS = 256
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _native_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return kernels.rms_norm(x, w, eps)
+
+
+def _native_rms_norm_fwd(x, w, eps):
+    return kernels.rms_norm(x, w, eps), (x, w)
+
+
+def _native_rms_norm_bwd(eps, res, dy):  # XLA's gradient of the same norm
+    x, w = res
+    return jax.vjp(lambda x, w: _xla_rms_norm(x, w, eps), x, w)[1](dy)
+
+
+_native_rms_norm.defvjp(_native_rms_norm_fwd, _native_rms_norm_bwd)
 
 
 # Up to this many rows (a decode step of up to 16 conversations), float32 linears on CPU go to

@@ -34,6 +34,7 @@
 #include "experts.h"
 #include "formats.h"
 #include "linear.h"
+#include "norm.h"
 #include "peak.h"
 #include "route.h"
 #include "xla/ffi/api/ffi.h"
@@ -74,6 +75,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttendWrite, AttendWrite,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRmsNorm, RmsNorm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
                               ffi::Ffi::Bind()
