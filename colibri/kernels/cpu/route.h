@@ -30,37 +30,50 @@ ffi::Error RouteSoftmax(ffi::Buffer<ffi::F32> logits, ffi::ResultBuffer<ffi::S32
   const int64_t N = ld[0], E = ld[1], K = id[1];
   if (id[0] != N || wd[0] != N || wd[1] != K || K > E || K < 1)
     return ffi::Error::InvalidArgument("colibri_route_softmax: shapes disagree");
-  std::vector<float> p((E + 7) / 8 * 8);
-  std::vector<char> taken(E);
+  const int64_t E8 = (E + 7) / 8 * 8;
+  std::vector<float> p(E8);
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits.typed_data() + n * E;
     int32_t* out_i = ids->typed_data() + n * K;
     float* out_w = weights->typed_data() + n * K;
-    float m = l[0];
-    for (int64_t e = 1; e < E; ++e) m = std::fmax(m, l[e]);
-    for (int64_t e = 0; e < E; ++e)
-      if (std::isnan(l[e])) m = l[e];  // as jnp.max: every p NaN
-    // e^(l - m) eight lanes at a time with the kernels' exp8, the last vector padded with
-    // -inf (e^-inf = 0); the sum in eight lanes, then the fixed horizontal sum.
-    const v8 mv = v8{} + m;
+    // The logits in vectors of eight, the last padded with -inf (e^-inf = 0).
+    std::fill(p.end() - 8, p.end(), -INFINITY);
+    std::memcpy(p.data(), l, sizeof(float) * E);
+    v8 mv = v8{} - INFINITY;
+    bool nan = false;
+    for (int64_t e = 0; e < E8; e += 8) {
+      const v8 v = load8(p.data() + e);
+      mv = max8(mv, v);
+      for (int i = 0; i < 8; ++i) nan |= v[i] != v[i];
+    }
+    float m = mv[0];
+    for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
+    if (nan) m = NAN;  // as jnp.max: every p NaN
+    // e^(l - m) with the kernels' exp8; the sum in eight lanes, then the fixed horizontal sum.
+    const v8 m8 = v8{} + m;
     v8 acc{};
-    for (int64_t e = 0; e < E; e += 8) {
-      v8 v = v8{} - INFINITY;
-      std::memcpy(&v, l + e, sizeof(float) * std::min<int64_t>(8, E - e));
-      const v8 x = exp8(v - mv);
+    for (int64_t e = 0; e < E8; e += 8) {
+      const v8 x = exp8(load8(p.data() + e) - m8);
       std::memcpy(p.data() + e, &x, sizeof x);
       acc += x;
     }
-    const float sum = hsum(acc);
-    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
-    std::fill(taken.begin(), taken.end(), 0);
-    for (int64_t k = 0; k < K; ++k) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < E; ++e)
-        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
-      taken[best] = 1;
-      out_i[k] = static_cast<int32_t>(best);
-      out_w[k] = p[best];
+    const v8 sum = v8{} + hsum(acc);
+    for (int64_t e = 0; e < E8; e += 8) {
+      const v8 x = load8(p.data() + e) / sum;
+      std::memcpy(p.data() + e, &x, sizeof x);
+    }
+    // The K largest so far, largest first, kept by insertion: p[e] goes after every kept
+    // value not below it, so that of two equal values the lower expert stays first.
+    int64_t kept = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      if (kept == K && !(p[e] > out_w[K - 1])) continue;
+      int64_t j = kept < K ? kept++ : K - 1;
+      for (; j > 0 && p[e] > out_w[j - 1]; --j) {
+        out_w[j] = out_w[j - 1];
+        out_i[j] = out_i[j - 1];
+      }
+      out_w[j] = p[e];
+      out_i[j] = static_cast<int32_t>(e);
     }
     if (norm) {
       float s = 0.0f;
