@@ -150,6 +150,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
         )
     return {
         "rows": rows,
+        "fma_gflop_s": fma_ceiling(),
         "step_bytes": step_bytes,
         "weight_bytes": weights,
         "rounds": out,
@@ -174,9 +175,12 @@ def steady_reads(rnd: dict) -> bool:
 
 
 def table(res: dict, rnd: dict) -> list[dict]:
-    """One round's anatomy: a row a part, most time first, then the step."""
+    """One round's anatomy: a row a part, most time first, then the step. A weight call's
+    bound: the longer of reading its weights at the round's faster read and computing its
+    multiply-adds at the cores' ceiling."""
     step = rnd["profiled_step_us"]
     probe = max(rnd["read_gb_s"])
+    fma = res.get("fma_gflop_s", 0.0)
     rows = []
     for label, p in sorted(rnd["parts"].items(), key=lambda kv: -kv[1]["us"]):
         per_call = p["us"] / p["calls"] if p["calls"] else 0.0
@@ -184,6 +188,9 @@ def table(res: dict, rnd: dict) -> list[dict]:
         if moved is not None and label.startswith("routed experts"):
             moved *= res.get("distinct_experts", res["top_k"])  # the rows' chosen experts
         gb_s = moved / per_call / 1e3 if moved and per_call else None
+        bound = None
+        if moved and flops and per_call and fma:
+            bound = max(moved / probe / 1e3, flops / fma / 1e3) / per_call
         rows.append(
             {
                 "part": label,
@@ -194,6 +201,7 @@ def table(res: dict, rnd: dict) -> list[dict]:
                 "GB/s of weights": gb_s,
                 "/ read": gb_s / probe if gb_s else None,
                 "GFLOP/s": flops / per_call / 1e3 if flops and per_call else None,
+                "/ bound": bound,
             }
         )
     for label, key in (
@@ -205,14 +213,23 @@ def table(res: dict, rnd: dict) -> list[dict]:
     return rows
 
 
+def weight_calls_bound(rows: list[dict]) -> tuple[float, float]:
+    """Of a round's weight calls: their share of the step, and the time their bounds allow
+    over the time they took."""
+    calls = [r for r in rows if r.get("/ bound")]
+    us = sum(r["µs a step"] for r in calls)
+    if not us:
+        return 0.0, float("nan")
+    return us / rows[-1]["µs a step"], sum(r["µs a step"] * r["/ bound"] for r in calls) / us
+
+
 def write(results: dict, args, out: str) -> None:
     hw = host()
     lines = [
         f"# Where a {'batch-1' if args.rows == 1 else f'{args.rows}-row'} decode step's time goes",
         "",
         f"Command: `python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; multiply-add "
-        f"ceiling of all cores {fma_ceiling():.1f} GFLOP/s  ",
+        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM  ",
         f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
         f"{args.prompt}-token prompt, in bursts of {BURST} steps. Each round: a plain read of "
         "1 GiB on every core, the steps, the same steps under jax.profiler, the read again. "
@@ -246,8 +263,18 @@ def write(results: dict, args, out: str) -> None:
             f"{'' if steady_reads(best) else '; none agree'}), profiled:"
         )
         lines.append("")
-        lines.append(markdown_table(pd.DataFrame(table(res, best)), index=False))
+        rows = table(res, best)
+        lines.append(markdown_table(pd.DataFrame(rows), index=False))
         lines.append("")
+        share, bound = weight_calls_bound(rows)
+        if share:
+            lines.append(
+                f"The weight calls take {share:.0%} of the step and run at {bound:.2f} of "
+                f"their bound (the longer of reading the weights at "
+                f"{max(best['read_gb_s']):.1f} GB/s and computing at "
+                f"{res['fma_gflop_s']:.0f} GFLOP/s, call by call)."
+            )
+            lines.append("")
         costly = list(best["xla_ops"].items())[:5]
         lines.append(
             "XLA's costliest ops, µs a step: "
@@ -260,7 +287,9 @@ def write(results: dict, args, out: str) -> None:
         "call reads (routed experts: the rows of the distinct experts the rows chose, the mean "
         "over the steps) over its mean duration; GFLOP/s: the call's multiply-adds (of "
         "the rows the program holds, a bucket: padding rows counted; routed experts: every "
-        "row's every chosen expert) over its mean duration; "
+        "row's every chosen expert) over its mean duration; / bound: the longer of reading "
+        "the call's weights at the faster read and computing its multiply-adds at the cores' "
+        "ceiling (kernels.fma_peak, measured with each checkpoint), over its mean duration; "
         "/ read: against the faster read of the round. No op running: a burst's span less the "
         "time some op ran; between bursts: from one burst's last op to the next one's first "
         "(the host reading tokens, dispatching the next burst)."

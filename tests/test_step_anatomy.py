@@ -113,3 +113,5 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     assert parts["linear [64, 64]"]["flops"] == 4 * 2 * 64 * 64
     report = out.with_suffix(".md").read_text()
     assert "| routed experts |" in report and "3-row decode step" in report
+    # Each weight call against the longer of reading its weights and computing its FLOPs.
+    assert res["fma_gflop_s"] > 0 and "of their bound" in report
