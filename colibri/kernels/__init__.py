@@ -273,8 +273,9 @@ def attend_write(
     scale: float,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`attend` after writing each row's new key and value, k_new and v_new [B, Hkv, Dh], into
-    the caches at (slots[b], pos[b]) (rows outside the cache are not written, as a scatter with
-    mode="drop" leaves them): (out, k, v). The caches are updated in place where XLA can
+    the caches at (slots[b], pos[b]) (a slot or position outside the cache, negative ones too,
+    is not written: the engine's padding rows name slot S, which a scatter with mode="drop"
+    leaves alike): (out, k, v). The caches are updated in place where XLA can
     give the call their memory (a decode step's loop, the caches donated); the result is the
     same either way. One call instead of XLA's two cache writes a layer, each with its own
     index and bounds ops."""

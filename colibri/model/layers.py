@@ -26,9 +26,9 @@ def _xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
 
 
-# Rows up to which a float32 RMSNorm on CPU is one native call: a decode step's, per-head
-# query and key norms of 16 rows included; longer prefill chunks keep XLA's, which it spreads
-# over the cores.
+# Rows up to which a float32 RMSNorm on CPU is one native call (single-threaded): a decode
+# step's, per-head query and key norms of 16 rows included; longer prefill chunks keep XLA's
+# fusions.
 NATIVE_NORM_ROWS = 256
 
 

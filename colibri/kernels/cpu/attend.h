@@ -155,11 +155,12 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 }
 
 // colibri_attend_write: the new keys and values k_new, v_new [B, Hkv, Dh] written into the
-// caches at (slots[b], pos[b]) (rows whose slot or position is outside the cache: not
-// written), then colibri_attend over them. The caches come back as results 2 and 3, which the
-// caller aliases to operands 2 and 3 (kernels.attend_write): XLA then hands over the same
-// memory, and only the new rows are written. Where it has not (a copy it made), the whole cache
-// is copied over first: the results never depend on the aliasing.
+// caches at (slots[b], pos[b]) (rows whose slot or position is outside the cache, negative
+// ones too: not written), then colibri_attend over them. The caches come back as the second
+// and third results, which the caller aliases to the second and third operands
+// (kernels.attend_write): XLA then hands over the same memory, and only the new rows are
+// written. Where it has not (a copy it made), the whole cache is copied over first: the
+// results never depend on the aliasing.
 ffi::Error AttendWrite(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> slots,
                        ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> k_new,
