@@ -559,8 +559,8 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     and EVEX encodings with the paired tiles of cpu/pairs.h, and AVX2 alone) compute the same
     bits, for every held format: the linear kernel on 1, 5, 16 and 37 rows (odd counts, more
     than one group of 16) and the expert kernel on 16 and 40 rows of top-4 over 6 experts (up
-    to ~30 rows an expert, as in a prefill). Results never depend on the CPU's vector
-    extensions."""
+    to ~30 rows an expert, as in a prefill); attention, RMSNorm and the router's choice too.
+    Results never depend on the CPU's vector extensions."""
     from colibri.bench.kernel_calls import expert_call, registered
 
     rng = np.random.default_rng(7)
@@ -587,6 +587,44 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
                     np.asarray(experts(gate, up, down, x, ids)),
                     np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
                 )
+        _the_small_kernels_agree(lib, isa, rng)
+
+
+def _the_small_kernels_agree(lib, isa: str, rng) -> None:
+    """Attention, RMSNorm and the router's choice of an ISA level's build against the loaded
+    library's, bitwise."""
+    from colibri.bench.kernel_calls import registered
+
+    def call(symbol: str, out, *args, **attrs):
+        target = f"colibri_isa_{isa}_{symbol}"
+        registered(lib, symbol, target)
+        return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args, **attrs)
+
+    f32 = jnp.float32
+    x = jnp.asarray(rng.standard_normal((16, 99)), f32)
+    w = jnp.asarray(rng.standard_normal(99), f32)
+    theirs = call("ColibriRmsNorm", jax.ShapeDtypeStruct(x.shape, f32), x, w, eps=np.float32(1e-6))
+    np.testing.assert_array_equal(np.asarray(theirs), np.asarray(kernels.rms_norm(x, w, 1e-6)))
+    logits = jnp.asarray(rng.standard_normal((16, 61)) * 3, f32)
+    out = (jax.ShapeDtypeStruct((16, 8), jnp.int32), jax.ShapeDtypeStruct((16, 8), f32))
+    theirs = call("ColibriRouteSoftmax", out, logits, norm=np.int32(1))
+    for a, b in zip(theirs, kernels.route_softmax(logits, 8, True), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    k, v = (jnp.asarray(rng.standard_normal((3, 2, 40, 72)), f32) for _ in "kv")
+    q = jnp.asarray(rng.standard_normal((4, 6, 72)), f32)
+    slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([39, 5, 17, 0], jnp.int32)
+    theirs = call(
+        "ColibriAttend",
+        jax.ShapeDtypeStruct(q.shape, f32),
+        q,
+        k,
+        v,
+        slots,
+        pos,
+        scale=np.float32(0.125),
+    )
+    want = kernels.attend(q, k, v, slots, pos, 0.125)
+    np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
 
 
 def test_the_multiply_add_ceiling_is_probed():
