@@ -32,7 +32,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri.bench import anatomy
-from colibri.bench.accounting import held_step_bytes, kv_bytes
+from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import probe_array, read_rate
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
@@ -82,23 +82,6 @@ def program_calls(dump: Path, earlier: set[Path]) -> dict[str, anatomy.Kernel]:
     return calls[0]
 
 
-def distinct_experts(runner, firsts: list[int], start: int, n: int) -> list[float]:
-    """Distinct experts the rows choose a step in each MoE layer, the mean over n greedy steps
-    from `start`: the measured bursts' own steps (greedy decoding is deterministic), in the
-    same programs (compiling them)."""
-    from colibri.engine.runner import Row
-
-    toks, done, seen = list(firsts), 0, []
-    while done < n:
-        fwd = runner.decode_async(
-            [Row(s, tok, start + done) for s, tok in enumerate(toks)], steps=BURST, cuttable=True
-        )
-        seen += list(fwd.result()[1])  # [n_moe, B, K] a step
-        toks, done = fwd.tokens()[-1].tolist(), done + fwd.ran()
-    rows = len(firsts)
-    return np.mean([[len(np.unique(r[:rows])) for r in step] for step in seen], axis=0).tolist()
-
-
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, dump: Path) -> dict:
     from colibri.engine.model import load_model
     from colibri.engine.runner import Runner
@@ -112,7 +95,9 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
     firsts = [int(np.argmax(logits))]
     if rows > 1:
         firsts += other_conversations(runner, prompt, rows)
-    chosen = distinct_experts(runner, firsts, prompt_len, tokens)
+    routes = []  # the measured bursts' own steps (greedy decoding is deterministic)
+    anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, routes)  # compiles too
+    chosen = distinct_experts(routes, rows)
     weights = held_step_bytes(model.params, model.experts, chosen)
     step_bytes = weights + kv_bytes(cfg, rows, prompt_len, tokens)
 

@@ -4,6 +4,8 @@ transformers)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def step_bytes(cfg, experts_per_layer: list[float], rows: int) -> float:
     """f32 bytes of weights one decode step of `rows` rows reads (each weight once)."""
@@ -34,6 +36,12 @@ def held_step_bytes(params: dict, stacks: list[dict], experts_per_layer: list[fl
         for a in jax.tree_util.tree_leaves(layer):
             total += a.nbytes * chosen / a.shape[0]
     return total
+
+
+def distinct_experts(steps, rows: int | None = None) -> list[float]:
+    """Distinct experts the first `rows` rows (default: all) chose in each MoE layer, the mean
+    over steps of routes ([n_moe, B, K] a step)."""
+    return np.mean([[len(np.unique(r[:rows])) for r in step] for step in steps], axis=0).tolist()
 
 
 def mean_context(prompt: int, tokens: int) -> float:

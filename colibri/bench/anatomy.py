@@ -229,10 +229,13 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
     )
 
 
-def decode_bursts(runner, firsts: list[int], start: int, n: int, burst: int) -> float:
+def decode_bursts(
+    runner, firsts: list[int], start: int, n: int, burst: int, routes: list | None = None
+) -> float:
     """n greedy steps of slots 0..len(firsts)-1 from position `start` (their tokens there:
     `firsts`), in cuttable bursts of `burst` steps, the next dispatched when one lands, as the
-    engine decodes greedy requests (Scheduler._burst); tok/s of all rows together."""
+    engine decodes greedy requests (Scheduler._burst); tok/s of all rows together. `routes`:
+    a list that gets each step's routes ([n_moe, B, K]; the wait for them is timed too)."""
     from colibri.engine.runner import Row
 
     toks, done = list(firsts), 0
@@ -240,6 +243,8 @@ def decode_bursts(runner, firsts: list[int], start: int, n: int, burst: int) -> 
     while done < n:
         at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
         fwd = runner.decode_async(at, steps=burst, cuttable=True)
+        if routes is not None:
+            routes += list(fwd.result()[1])
         toks, done = fwd.tokens()[-1].tolist(), done + fwd.ran()
     return len(firsts) * done / (time.perf_counter() - t)
 

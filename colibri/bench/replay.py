@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from colibri import hugepages
+from colibri.bench.accounting import distinct_experts
 from colibri.bench.conversations import other_conversations, prompt_ids
 
 STEPS = 24
@@ -108,7 +109,7 @@ def compare(
         return y
 
     ms = alternate({v: v for v in calls}, step, len(ids), passes)
-    distinct = np.mean([[len(np.unique(r)) for r in step] for step in routes], axis=0)
-    gb = float(distinct.sum()) * 3 * D * F * weight_bytes / 1e9
+    distinct = distinct_experts(routes)
+    gb = sum(distinct) * 3 * D * F * weight_bytes / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
-    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct.tolist()}
+    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct}

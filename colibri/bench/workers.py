@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri.bench.accounting import held_step_bytes
+from colibri.bench.accounting import distinct_experts, held_step_bytes
 from colibri.bench.bandwidth import memory_bandwidth, widen_rate
 from colibri.bench.conversations import BURST, other_conversations
 from colibri.bench.shapes import CACHE
@@ -76,8 +76,7 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
                 out.append(int(fwd.greedy()[0]))
                 fwd = nxt
             rate = rows * n / (time.perf_counter() - t)
-        distinct = [[len(np.unique(r[:rows])) for r in step] for step in seen]
-        return rate, out[: n + 1], np.mean(distinct, axis=0).tolist()
+        return rate, out[: n + 1], distinct_experts(seen, rows)
 
     res = {"load_s": load_s, "ttft_s": ttft, "prefill_tok_s": len(prompt) / ttft}
     top_k = [model.cfg.moe.top_k] * len(model.experts)
