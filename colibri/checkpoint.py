@@ -50,7 +50,7 @@ import numpy as np
 
 from colibri.config import gptq_format, quantization_config
 from colibri.formats import (
-    BF16_BITS,
+    BF16_HELD,
     E4M3,
     FP8,
     FP8_ROWS,
@@ -326,10 +326,10 @@ def to_held(
         if np.dtype(held) == np.float32:
             return scales.dequantize(raw)
         return scales.pack(raw, held).reshape(-1)
-    if np.dtype(held) == BF16_BITS:
+    if np.dtype(held) in BF16_HELD:
         if dtype != "BF16":
             raise CheckpointError(f"a {dtype} tensor cannot be held as bfloat16 bits")
-        return raw.astype(BF16_BITS, copy=True)
+        return raw.view(np.uint16).astype(np.uint16, copy=True).view(held)
     if np.dtype(held) == FP8_ROWS:
         if dtype != "F8_E4M3" or scales is None:
             raise CheckpointError(f"a {dtype} tensor cannot be held as FP8 rows")

@@ -38,6 +38,7 @@ class HeldFormat:
     value_bits: int  # bits a weight's stored value takes
     scaled: bool = False  # rows of values then per-block float32 scales
     zero_points: bool = False  # then per-block float32 offsets too
+    bf16_inputs: bool = False  # its products take their inputs rounded to bfloat16
     what: str = ""  # how the load log describes matrices held so
 
     def row_elements(self, n: int, block: int = 0) -> int:
@@ -71,7 +72,8 @@ class HeldFormat:
         return _UNPACK[self.name](w, cols)
 
 
-# bf16: a bfloat16 weight's bit pattern, the top half of the float32 it stands for. fp8: each
+# bf16: a bfloat16 weight's bit pattern, the top half of the float32 it stands for. bf16p: the
+# same bits, in products whose inputs are rounded to bfloat16 (`round_inputs`). fp8: each
 # row's float8_e4m3fn values, then its scales. int4: each row's four-bit values two a byte (the
 # first in the low nibble, each offset by 8), then its scales. int4z: the same values as words
 # (eight a word, the first in the lowest bits), then scales and offsets (GPTQ's asymmetric and
@@ -79,17 +81,21 @@ class HeldFormat:
 # and offsets (the zero point 128 when symmetric).
 FLOAT32 = HeldFormat("float32", np.dtype("<f4"), "", 32)
 BF16 = HeldFormat("bf16", np.dtype("<u2"), "_bf16", 16, what="bfloat16 bits")
+BF16P = HeldFormat(
+    "bf16p", np.dtype("<i2"), "_bf16p", 16, bf16_inputs=True, what="bfloat16 bits (bf16 products)"
+)
 FP8 = HeldFormat("fp8", np.dtype("u1"), "_fp8", 8, scaled=True, what="fp8 rows")
 INT4 = HeldFormat("int4", np.dtype("i1"), "_int4", 4, scaled=True, what="int4 rows")
 INT4Z = HeldFormat(
     "int4z", np.dtype("<u4"), "_int4z", 4, True, True, what="int4 rows with zero points"
 )
 INT8 = HeldFormat("int8", np.dtype("<i4"), "_int8", 8, True, True, what="int8 rows")
-FORMATS: tuple[HeldFormat, ...] = (FLOAT32, BF16, FP8, INT4, INT4Z, INT8)
+FORMATS: tuple[HeldFormat, ...] = (FLOAT32, BF16, BF16P, FP8, INT4, INT4Z, INT8)
 _BY_STORAGE = {f.storage: f for f in FORMATS}
 
 # The dtypes by which arrays say how they are held.
-BF16_BITS, FP8_ROWS = BF16.storage, FP8.storage
+BF16_BITS, BF16_PRODUCTS, FP8_ROWS = BF16.storage, BF16P.storage, FP8.storage
+BF16_HELD = (BF16_BITS, BF16_PRODUCTS)  # bfloat16 weights, either way
 INT4_ROWS, INT4Z_ROWS, INT8_ROWS = INT4.storage, INT4Z.storage, INT8.storage
 PACKED_ROWS = (INT4_ROWS, INT4Z_ROWS, INT8_ROWS)  # pack-quantized rows, by preference
 
@@ -112,6 +118,29 @@ def _widen_bf16(w: jax.Array, cols: int) -> jax.Array:
     import jax.numpy as jnp
 
     return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
+
+
+def round_inputs(x: jax.Array, w_dtype) -> jax.Array:
+    """x as the products with weights held as `w_dtype` take it: for bfloat16 products (BF16P),
+    each value rounded to the nearest bfloat16 (ties to even, subnormals to a zero of their
+    sign, as the CPU kernels round them), still float32; for every other format, x."""
+    fmt = held(w_dtype)
+    if fmt is None or not fmt.bf16_inputs:
+        return x
+    import jax
+    import jax.numpy as jnp
+
+    # In bits, so that no compiler pass may drop the rounding as a round trip of converts.
+    u = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+
+    def k(n: int) -> jax.Array:
+        return jnp.uint32(n)
+
+    even = (u + k(0x7FFF) + ((u >> 16) & k(1))) & k(0xFFFF0000)
+    nan = (u & k(0x7FFFFFFF)) > k(0x7F800000)
+    r = jnp.where(nan, (u & k(0xFFFF0000)) | k(0x400000), even)
+    r = jnp.where((u & k(0x7F800000)) == 0, u & k(0x80000000), r)
+    return jax.lax.bitcast_convert_type(r, jnp.float32)
 
 
 def _table_rows(w: jax.Array, cols: int, n: int, table: np.ndarray) -> jax.Array:
@@ -154,6 +183,7 @@ def _bitcast(w: jax.Array, dtype) -> jax.Array:
 _UNPACK = {
     "float32": lambda w, cols: w,
     "bf16": _widen_bf16,
+    "bf16p": lambda w, cols: _widen_bf16(_bitcast(w, np.uint16), cols),
     "fp8": lambda w, cols: _table_rows(w, cols, cols, E4M3),
     "int4": lambda w, cols: _table_rows(_bitcast(w, np.uint8), cols, cols // 2, UNPACK4),
     "int4z": lambda w, cols: _zero_point_rows(w, cols, 4),
@@ -173,6 +203,7 @@ class Holding:
     loading; results are the same either way, memory and speed are not (docs/design.md)."""
 
     bf16: bool = True  # COLIBRI_BF16: bfloat16 matrices as bf16 bits
+    bf16_products: bool = False  # COLIBRI_BF16=products: and their products in bfloat16
     fp8: bool = True  # COLIBRI_FP8: block-quantized FP8 matrices as FP8 rows
     int4: str = "all"  # COLIBRI_INT4: 4-bit pack-quantized ones as rows: all, experts or none
     int8: str = "all"  # COLIBRI_INT8: the same for 8-bit ones
@@ -186,6 +217,8 @@ class Holding:
     _MODES: ClassVar[dict[str, str]] = {"1": "all", "experts": "experts", "0": "none"}
 
     def __post_init__(self):
+        if self.bf16_products and not self.bf16:
+            raise HoldingError("bf16 products need the bfloat16 matrices held as bf16")
         for bits in (4, 8):
             if getattr(self, f"int{bits}") not in self._MODES.values():
                 raise HoldingError(f"int{bits}={getattr(self, f'int{bits}')!r}")
@@ -193,7 +226,8 @@ class Holding:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Holding:
         """From the variables (`1`: hold, `0`: widen at load; COLIBRI_INT4 and COLIBRI_INT8
-        also `experts`: only the routed experts as rows); unset or empty: hold."""
+        also `experts`: only the routed experts as rows; COLIBRI_BF16 also `products`: hold,
+        and round the inputs of their products to bfloat16, BF16P); unset or empty: hold."""
 
         def read(name: str, options: tuple[str, ...]) -> str:
             value = env.get(name, "").strip() or "1"
@@ -203,7 +237,8 @@ class Holding:
 
         modes = tuple(cls._MODES)
         return cls(
-            bf16=read("COLIBRI_BF16", ("0", "1")) == "1",
+            bf16=read("COLIBRI_BF16", ("0", "1", "products")) != "0",
+            bf16_products=read("COLIBRI_BF16", ("0", "1", "products")) == "products",
             fp8=read("COLIBRI_FP8", ("0", "1")) == "1",
             int4=cls._MODES[read("COLIBRI_INT4", modes)],
             int8=cls._MODES[read("COLIBRI_INT8", modes)],
@@ -213,11 +248,16 @@ class Holding:
         """The variables `from_env` reads this back from."""
         code = {v: k for k, v in self._MODES.items()}
         return {
-            "COLIBRI_BF16": "1" if self.bf16 else "0",
+            "COLIBRI_BF16": "products" if self.bf16_products else "1" if self.bf16 else "0",
             "COLIBRI_FP8": "1" if self.fp8 else "0",
             "COLIBRI_INT4": code[self.int4],
             "COLIBRI_INT8": code[self.int8],
         }
+
+    @property
+    def bf16_storage(self) -> np.dtype:
+        """The dtype bfloat16 matrices are held as: BF16P's with bf16 products, else BF16's."""
+        return BF16P.storage if self.bf16_products else BF16.storage
 
     def packed(self, bits: int, dense: bool = False) -> bool:
         """Whether `bits`-bit pack-quantized matrices are held as rows: the routed experts

@@ -88,38 +88,39 @@ def _fused_prefix(cfg: ModelConfig, layer: int) -> str:
 def holds_bf16(ckpt: Checkpoint, holding: Holding = HOLD_ALL) -> bool:
     """Whether colibri keeps this checkpoint's bfloat16 weights as bfloat16 (their bit
     patterns: half the memory and half the bytes a token reads) rather than widening them to
-    float32 at load: when it has any, unless `holding.bf16` is off. Compute is float32 either way:
-    the CPU kernels widen each weight exactly as they load it and give bitwise what the weights
-    widened at load give; XLA's products (prefill, GPU, kernels off), into which the widening
-    is fused, give the same to float32 rounding."""
+    float32 at load: when it has any, unless `holding.bf16` is off. Compute is float32 either way
+    (unless `holding.bf16_products`): the CPU kernels widen each weight exactly as they load it
+    and give bitwise what the weights widened at load give; XLA's products (prefill, GPU,
+    kernels off), into which the widening is fused, give the same to float32 rounding."""
     return holding.bf16 and any(t.dtype == "BF16" for t in ckpt.tensors.values())
 
 
-def hold_bf16(params: Params) -> Params:
+def hold_bf16(params: Params, held: np.dtype = BF16_BITS) -> Params:
     """`params` with every float32 matrix whose values are all bfloat16 numbers (as read from
-    a bfloat16 checkpoint) as bfloat16 bits (BF16_BITS); vectors (norms, biases) and anything
-    else as they are. `layers.linear` and the embedding lookup widen them as they use them."""
+    a bfloat16 checkpoint) as bfloat16 bits (`held`: BF16_BITS, or BF16_PRODUCTS for products
+    in bfloat16, `Holding.bf16_storage`); vectors (norms, biases) and anything else as they
+    are. `layers.linear` and the embedding lookup widen them as they use them."""
 
-    def held(a):
+    def hold(a):
         if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype != np.float32:
             return a
         bits = a.view(np.uint32)
-        return a if (bits & 0xFFFF).any() else (bits >> 16).astype(BF16_BITS)
+        return a if (bits & 0xFFFF).any() else (bits >> 16).astype(np.uint16).view(held)
 
-    return jax.tree.map(held, params)
+    return jax.tree.map(hold, params)
 
 
 def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL) -> np.dtype:
-    """How the routed experts are held: as bfloat16 bits (BF16_BITS) when the checkpoint stores
-    every one in bfloat16 and `holds_bf16`; as FP8 rows (FP8_ROWS: a quarter of the bytes of
-    float32) when it stores every one block-quantized in float8_e4m3fn with whole column
-    blocks of a multiple of 8, unless `holding.fp8` is off; as int4 rows (INT4_ROWS: about an
-    eighth) when it stores every one pack-quantized (or GPTQ- or AWQ-quantized) in four bits
-    with one group width for gate and up and one for down (`expert_groups`), unless
-    `holding.int4` is none, as INT4Z_ROWS (with each group's offset) if any has zero points;
-    as int8 rows (INT8_ROWS: about a quarter) when every one is in eight bits likewise, unless
-    `holding.int8` is none; else as float32 (other pack-quantized experts are dequantized as they
-    are read, GPTQ's with activation order among them)."""
+    """How the routed experts are held: as bfloat16 bits (BF16_BITS, or BF16_PRODUCTS with
+    bfloat16 products) when the checkpoint stores every one in bfloat16 and `holds_bf16`; as FP8
+    rows (FP8_ROWS: a quarter of the bytes of float32) when it stores every one block-quantized
+    in float8_e4m3fn with whole column blocks of a multiple of 8, unless `holding.fp8` is off;
+    as int4 rows (INT4_ROWS: about an eighth) when it stores every one pack-quantized (or GPTQ-
+    or AWQ-quantized) in four bits with one group width for gate and up and one for down
+    (`expert_groups`), unless `holding.int4` is none, as INT4Z_ROWS (with each group's offset)
+    if any has zero points; as int8 rows (INT8_ROWS: about a quarter) when every one is in eight
+    bits likewise, unless `holding.int8` is none; else as float32 (other pack-quantized experts
+    are dequantized as they are read, GPTQ's with activation order among them)."""
     parts = [
         t
         for layer in cfg.moe_layer_ids
@@ -128,7 +129,7 @@ def expert_dtype(ckpt: Checkpoint, cfg: ModelConfig, holding: Holding = HOLD_ALL
     ]
     dtypes = {t.dtype for t in parts}
     if dtypes == {"BF16"} and holds_bf16(ckpt, holding):
-        return BF16_BITS
+        return holding.bf16_storage
     fit = fp8_rows_fit(ckpt, cfg.hidden) and fp8_rows_fit(ckpt, cfg.moe.moe_ff)
     if dtypes == {"F8_E4M3"} and fit and holding.fp8:
         return FP8_ROWS

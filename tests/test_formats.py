@@ -91,8 +91,8 @@ def test_row_elements_need_blocks_for_scaled_formats():
 
 
 holdings = st.builds(
-    Holding,
-    bf16=st.booleans(),
+    lambda bf16, **kw: Holding(bf16=bf16 != "0", bf16_products=bf16 == "products", **kw),
+    bf16=st.sampled_from(["0", "1", "products"]),
     fp8=st.booleans(),
     int4=st.sampled_from(["all", "experts", "none"]),
     int8=st.sampled_from(["all", "experts", "none"]),
@@ -112,6 +112,15 @@ def test_holding_modes_decide_experts_and_dense_matrices_apart():
     assert (h.packed(4), h.packed(4, dense=True)) == (True, False)
     assert (h.packed(8), h.packed(8, dense=True)) == (False, False)
     assert formats.HOLD_ALL.packed(8, dense=True)
+
+
+def test_bf16_products_are_a_way_of_holding_bf16():
+    h = Holding.from_env({"COLIBRI_BF16": "products"})
+    assert h.bf16 and h.bf16_products and h.bf16_storage == formats.BF16P.storage
+    assert formats.HOLD_ALL.bf16_storage == formats.BF16.storage
+    assert formats.BF16P.bf16_inputs and not formats.BF16.bf16_inputs
+    with pytest.raises(HoldingError, match="held as bf16"):
+        Holding(bf16=False, bf16_products=True)
 
 
 @pytest.mark.parametrize(

@@ -309,7 +309,15 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
 
 
 # ffi::DataType of a held format's buffers (cpu/formats.h) -> the dtype colibri stores it as.
-_BUFFER_DTYPES = {"F32": "<f4", "U16": "<u2", "U8": "u1", "S8": "i1", "U32": "<u4", "S32": "<i4"}
+_BUFFER_DTYPES = {
+    "F32": "<f4",
+    "U16": "<u2",
+    "S16": "<i2",
+    "U8": "u1",
+    "S8": "i1",
+    "U32": "<u4",
+    "S32": "<i4",
+}
 
 
 def _held_formats_in_cpp() -> list[tuple[str, str, str, str]]:
@@ -542,7 +550,11 @@ def _held_rows(f, rng, rows: int, cols: int, block: int = 8) -> np.ndarray:
     """Random [rows, cols] weights held as format f (finite: FP8 bytes below NaN)."""
     if not f.scaled:
         w = rng.standard_normal((rows, cols)).astype(np.float32)
-        return w if f.storage == np.float32 else (w.view(np.uint32) >> 16).astype(np.uint16)
+        return (
+            w
+            if f.storage == np.float32
+            else (w.view(np.uint32) >> 16).astype(np.uint16).view(f.storage)
+        )
     values = rng.integers(0, 256, (rows, cols * f.value_bits // 8), dtype=np.uint8)
     if f.value_bits == 8 and not f.zero_points:  # e4m3: no 0x7f / 0xff
         values &= 0xFE
@@ -560,7 +572,8 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     bits, for every held format: the linear kernel on 1, 5, 16 and 37 rows (odd counts, more
     than one group of 16) and the expert kernel on 16 and 40 rows of top-4 over 6 experts (up
     to ~30 rows an expert, as in a prefill); attention, RMSNorm and the router's choice too.
-    Results never depend on the CPU's vector extensions."""
+    Bfloat16 products: AVX-512 BF16's instruction where this CPU has it against the AVX2
+    build's emulation of it. Results never depend on the CPU's vector extensions."""
     from colibri.bench.kernel_calls import expert_call, registered
 
     rng = np.random.default_rng(7)

@@ -60,7 +60,7 @@ def load_model(
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     bf16 = holds_bf16(ckpt, holding)
     dense = fuse_qkv(load_dense(ckpt, cfg, holding))
-    params = parallel.replicated(hold_bf16(dense) if bf16 else dense)
+    params = parallel.replicated(hold_bf16(dense, holding.bf16_storage) if bf16 else dense)
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress, holding)
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)
@@ -71,6 +71,8 @@ def load_model(
     )
     n_routed = 3 * cfg.moe.moe_ff * cfg.hidden * store.E * len(cfg.moe_layer_ids)
     how = "bfloat16 ones held as bfloat16" if bf16 else "held as float32"
+    if bf16 and holding.bf16_products:
+        how += ", their products in bfloat16"
     packed = sorted({t.dtype for t in ckpt.tensors.values() if t.dtype in PACKED_BITS})
     held = formats.of(store.held)
     if held.scaled:

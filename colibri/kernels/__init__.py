@@ -1,7 +1,8 @@
 """Native CPU kernels, built on first use with the system C++ compiler and called through XLA FFI.
 
 `moe_experts(gate, up, down, x, ids)` computes the routed experts of one layer (weights float32,
-bfloat16 bits, FP8, int4 or int8 rows, widened exactly as they are loaded) and
+bfloat16 bits, FP8, int4 or int8 rows, widened exactly as they are loaded; or bfloat16 bits in
+bfloat16 products, formats.BF16P) and
 `linear(x, w)` a linear layer over a few rows, `attend(...)` decode attention read straight from
 the KV cache (see cpu/cpu.cc); `cut_requested(step)` reads, inside a decode burst, the flag that
 `request_cut(True)` raises to end the bursts running in this process after their current step.
@@ -205,8 +206,9 @@ def usable(*arrays: jax.Array) -> bool:
 
 def usable_weights(x: jax.Array, *weights: jax.Array) -> bool:
     """Whether `linear` or `moe_experts` can take these: x float32 and the weights all float32,
-    all bfloat16 bits (uint16), all FP8 rows (uint8), all int4 rows (int8), all int4 rows
-    with zero points (uint32) or all int8 rows (int32), on CPU, kernels built."""
+    all bfloat16 bits (uint16; int16 for bfloat16 products), all FP8 rows (uint8), all int4
+    rows (int8), all int4 rows with zero points (uint32) or all int8 rows (int32), on CPU,
+    kernels built."""
     one = len({w.dtype for w in weights}) == 1
     return one and formats.held(weights[0].dtype) is not None and usable(x)
 
@@ -221,7 +223,9 @@ def moe_experts(
     `checkpoint.INT4_ROWS`) or int4 rows with zero points (uint32 words: the same values, the
     scales, then the offsets -zero x scale; `checkpoint.INT4Z_ROWS`) or int8 rows (int32
     words: values one a byte, scales, offsets; `checkpoint.INT8_ROWS`); results are bitwise
-    those of the same weights widened (and scaled) to float32 beforehand."""
+    those of the same weights widened (and scaled) to float32 beforehand. Bfloat16 bits held
+    as int16 (formats.BF16P) are bfloat16 products instead: x and the hidden rows rounded to
+    bfloat16 before the products that take them, sums in float32 (cpu/bf16p.h)."""
     _require()
     N, K = ids.shape
     D = x.shape[1]
@@ -237,7 +241,8 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., I] @ w.T for w [O, I] float32, bfloat16 bits (uint16), FP8 rows (uint8,
     [O, I + 4 I / b]), int4 rows (int8, [O, I / 2 + 4 I / g]), int4 rows with zero points
     (uint32, [O, I / 8 + 2 I / g]) or int8 rows (int32, [O, I / 4 + 2 I / g]): [..., O]
-    float32."""
+    float32. For bfloat16 bits held as int16 (formats.BF16P), x rounded to bfloat16 times the
+    weights, summed in float32 (cpu/bf16p.h)."""
     _require()
     rows = x.reshape(-1, x.shape[-1])
     call = jax.ffi.ffi_call(

@@ -56,9 +56,10 @@ NATIVE_ROWS = 16
 
 
 def widen(w: jax.Array) -> jax.Array:
-    """Float32 weights as they are; bfloat16 bits (uint16, as colibri holds a bfloat16
-    checkpoint's matrices: weights.hold_bf16) as the float32s they stand for."""
-    return formats.BF16.unpack(w, w.shape[-1]) if w.dtype == formats.BF16_BITS else w
+    """Float32 weights as they are; bfloat16 bits (uint16 or, for bfloat16 products, int16, as
+    colibri holds a bfloat16 checkpoint's matrices: weights.hold_bf16) as the float32s they
+    stand for."""
+    return widen_rows(w, w.shape[-1]) if w.dtype in formats.BF16_HELD else w
 
 
 def widen_rows(w: jax.Array, cols: int) -> jax.Array:
@@ -69,12 +70,14 @@ def widen_rows(w: jax.Array, cols: int) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in], float32, bfloat16 bits or
-    FP8 rows (the native kernel: bitwise what the widened weights give; XLA, which fuses the
-    widening into its product: the same to float32 rounding)."""
+    """x @ w.T (+ b), with w stored as Hugging Face does: [out, in], in any held format (the
+    native kernel: bitwise what the widened weights give; XLA, which fuses the widening into
+    its product: the same to float32 rounding). Weights held for bfloat16 products (BF16P)
+    take x rounded to bfloat16, in both."""
     if _native_ok(x, w):
         y = _native_linear(x, w)
     else:
+        x = formats.round_inputs(x, w.dtype)
         y = jnp.einsum("...i,oi->...o", x, widen_rows(w, x.shape[-1]))
     return y if b is None else y + b
 

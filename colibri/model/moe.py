@@ -9,13 +9,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from colibri import kernels
+from colibri import formats, kernels
 from colibri.config import MoeConfig
 from colibri.model.layers import linear, swiglu, widen_rows
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
-# Float32, bfloat16 held as bit patterns (uint16), or quantized experts held as rows of values
+# Float32, bfloat16 held as bit patterns (uint16; int16 for bfloat16 products, whose inputs
+# and hidden rows are rounded to bfloat16), or quantized experts held as rows of values
 # and scales (FP8 uint8, int4 int8, int4 with zero points uint32, int8 int32: rows longer or
 # shorter than D or F; weights.expert_dtype), widened as used: the native kernel gives
 # bitwise what the widened weights give, XLA's loops (which fuse the widening into their
@@ -255,7 +256,10 @@ def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
         return widen_rows(jax.lax.dynamic_slice(a, (slot, 0, 0), (1, *a.shape[1:]))[0], cols)
 
     g, u, d = matrix("gate", D), matrix("up", D), matrix("down", F)
-    return (jax.nn.silu(x @ g.T) * (x @ u.T)) @ d.T
+    held = experts["gate"].dtype  # bfloat16 products (BF16P) take x and h rounded to bfloat16
+    x = formats.round_inputs(x, held)
+    h = formats.round_inputs(jax.nn.silu(x @ g.T) * (x @ u.T), held)
+    return h @ d.T
 
 
 def combine(y: jax.Array, wts: jax.Array) -> jax.Array:

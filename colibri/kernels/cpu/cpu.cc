@@ -5,6 +5,7 @@
 //
 //   simd.h     eight-lane float32 vectors: loads, multiply-adds, horizontal sums, e^x, silu
 //   formats.h  the held formats (COLIBRI_HELD_FORMATS) and how their weights are widened
+//   bf16p.h    bfloat16 products: inputs rounded to bfloat16, VDPBF16PS or its emulation
 //   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs
 //   pairs.h    AVX-512 builds: tiles of two inputs a 512-bit vector, over inputs packed once
 //   gang.h     a call's work shared out among XLA's intra-op threads
@@ -23,6 +24,8 @@
 // results are bitwise those of the row alone. Nor on the CPU: the 8 lanes are the order of the
 // sums, not the width of the machine's vectors, so a build for AVX2 and one for AVX-512 (32
 // registers, EVEX encodings) give the same bits (kernels.ISA_LEVELS; tests/test_kernels.py).
+// Bfloat16 products keep an order of their own, 16 lanes over pairs of columns (bf16p.h),
+// the instruction's where the build has it and emulated where it has not: the same bits too.
 //
 // The design, and the measurements behind the choices below: docs/kernels.md.
 

@@ -4,7 +4,8 @@
 // gate, up [S, F, D], down [S, D, F], x [N, D], ids [N, K] int32 -> y [N, K, D], float32.
 // Entries of ids outside [0, S) are experts that are not staged: their rows of y are 0.
 // colibri_moe_experts_bf16, _fp8, _int4, _int4z, _int8: the same over weights held in those
-// formats (formats.h), widened as they are loaded.
+// formats (formats.h), widened as they are loaded; _bf16p: bfloat16 products (bf16p.h), the
+// inputs and the hidden rows rounded to bfloat16 before the products that take them.
 //
 // Decode is bound by memory traffic: every weight row an expert owns is read once per call
 // and multiplied against all the rows routed to that expert while it is in registers. The
@@ -22,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "bf16p.h"
 #include "formats.h"
 #include "gang.h"
 #include "pairs.h"
@@ -47,6 +49,8 @@ struct Problem {
   std::vector<int64_t> assign;
   std::vector<const float*> xrow;  // by sorted assignment: its input row
   std::vector<const float*> hrow;  // and its hidden row in h (experts not paired)
+  // Bf16P: by sorted assignment, its input and its hidden row rounded to bfloat16.
+  std::vector<const uint16_t*> xb, hb;
   float* h = nullptr;  // the hidden rows, expert by expert ([rows, F] each, or packed)
   float* u = nullptr;  // up projections, before the product, laid out as h
   // Per expert, where its rows go through the paired tiles (pairs.h): its inputs, hidden rows
@@ -60,6 +64,48 @@ struct Problem {
 
   // Phase 1, item (expert i, chunk c): h = silu(gate . x) * (up . x) over its share of F.
   void hidden(int64_t i, int64_t c) {
+    if constexpr (kProducts<T>)
+      hidden_bf16(i, c);
+    else
+      hidden_widened(i, c);
+  }
+
+  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
+  void output(int64_t i, int64_t c) {
+    if constexpr (kProducts<T>)
+      output_bf16(i, c);
+    else
+      output_widened(i, c);
+  }
+
+  // Bfloat16 products (never paired): the hidden rows in float32 as for the other formats,
+  // then rounded to bfloat16 for the down projection.
+  void hidden_bf16(int64_t i, int64_t c) {
+    const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    const T* G = gate + (s * F + f0) * ldg;
+    const T* U = up + (s * F + f0) * ldg;
+    const int64_t rows_at = hrow[q] - h;
+    float* hq = h + rows_at + f0;
+    float* uq = u + rows_at + f0;
+    bmatvecs(G, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
+    bmatvecs(U, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
+    for (int64_t j = 0; j < r; ++j) {
+      swiglu(hq + j * F, uq + j * F, nf);
+      round_row(hq + j * F, nf, const_cast<uint16_t*>(hb[q + j]) + f0);
+    }
+  }
+
+  void output_bf16(int64_t i, int64_t c) {
+    const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
+    const int64_t* a = assign.data() + q;
+    const T* Dn = down + (s * D + d0) * ldd;
+    bmatvecs(Dn, nd, F, ldd, &hb[q], r,
+             [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
+  }
+
+  void hidden_widened(int64_t i, int64_t c) {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const T* G = gate + (s * F + f0) * ldg;
@@ -107,8 +153,7 @@ struct Problem {
     }
   }
 
-  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
-  void output(int64_t i, int64_t c) {
+  void output_widened(int64_t i, int64_t c) {
     const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
@@ -139,7 +184,9 @@ struct ExpertCall : Gang {
   std::atomic<int64_t> arrivals{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
+    [[maybe_unused]] std::conditional_t<
+        kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
+        keep{};
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
@@ -246,13 +293,22 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   std::vector<int64_t> hoff(experts + 1, 0), xoff(experts + 1, 0);
   for (int64_t i = 0; i < experts; ++i) {
     const int64_t r = p.first[i + 1] - p.first[i];
-    const bool paired = kPairs && r >= kPairedExpertFrom;
+    const bool paired = kPairs && !kProducts<T> && r >= kPairedExpertFrom;
     hoff[i + 1] = hoff[i] + (paired ? Packed::floats(r, F) : r * F);
     xoff[i + 1] = xoff[i] + (paired ? Packed::floats(r, D) : 0);
   }
-  p.h = scratch<Scratch::kExperts>(2 * hoff[experts] + xoff[experts]);
+  // Bf16P: then the inputs and the hidden rows rounded to bfloat16 (two to a float).
+  const int64_t halves = kProducts<T> ? N * D + staged * F : 0;
+  p.h = scratch<Scratch::kExperts>(2 * hoff[experts] + xoff[experts] + (halves + 1) / 2);
   p.u = p.h + hoff[experts];
   float* xs = p.u + hoff[experts];
+  uint16_t* xbf = reinterpret_cast<uint16_t*>(xs + xoff[experts]);
+  uint16_t* hbf = xbf + N * D;
+  if constexpr (kProducts<T>) {
+    for (int64_t n = 0; n < N; ++n) round_row(x.typed_data() + n * D, D, xbf + n * D);
+    p.xb.resize(staged);
+    p.hb.resize(staged);
+  }
   p.xrow.resize(staged);
   p.hrow.resize(staged);
   p.xp.assign(experts, {});
@@ -263,6 +319,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     for (int64_t q = q0; q < q0 + r; ++q) {
       p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
       p.hrow[q] = p.h + hoff[i] + (q - q0) * F;
+      if constexpr (kProducts<T>) {
+        p.xb[q] = xbf + (p.assign[q] / K) * D;
+        p.hb[q] = hbf + q * F;
+      }
     }
     if (xoff[i + 1] > xoff[i]) {
       p.xp[i] = Packed(xs + xoff[i], r, D);

@@ -6,6 +6,8 @@
 // float32 (no suffix): the weights as they are.
 // _bf16: bfloat16 bit patterns (uint16), widened exactly to float32 as they are loaded (half
 // the bytes read, the same results).
+// _bf16p: the same bits (int16), times inputs rounded to bfloat16, summed in float32
+// (bfloat16 products, cpu/bf16p.h): other results than float32's, on purpose.
 // _fp8: FP8 rows (uint8): each row of a matrix is its L float8_e4m3fn values, then its L / b
 // float32 block scales (one per b columns; b a multiple of 8 dividing L), so gate and up are
 // [S, F, D + 4 D / b] and down [S, D, F + 4 F / b], w [O, I + 4 I / b]. A weight is widened and
@@ -44,13 +46,14 @@
 // (ColibriMoeExperts##Name, ColibriLinear##Name), suffix (that format's HeldFormat.suffix) the
 // targets the Python side registers them as (colibri_moe_experts##suffix), buffer is the
 // ffi::DataType of the arrays that hold the weights and T the element type the kernels read
-// them as (float, uint16_t: bfloat16 bits, uint8_t: FP8 rows, Int4, Int4Z, Int8Z below).
+// them as (float, uint16_t: bfloat16 bits, Bf16P, uint8_t: FP8 rows, Int4, Int4Z, Int8Z below).
 // Bfloat16 weights come as uint16 bit patterns: XLA CPU rewrites a whole bf16 buffer on every
 // in-place update, uint16 ones it updates in place. A new format is one line here (with its
 // loading below and its HeldFormat in colibri/formats.py).
 #define COLIBRI_HELD_FORMATS(X)   \
   X(, , F32, float)               \
   X(Bf16, _bf16, U16, uint16_t)   \
+  X(Bf16p, _bf16p, S16, Bf16P)    \
   X(Fp8, _fp8, U8, uint8_t)       \
   X(Int4, _int4, S8, Int4)        \
   X(Int4z, _int4z, U32, Int4Z)    \
@@ -117,6 +120,15 @@ inline v8 e4m3x8(const uint8_t* p) {
   return v;
 #endif
 }
+
+// A bfloat16 weight whose products take their inputs rounded to bfloat16 (cpu/bf16p.h).
+struct Bf16P {
+  uint16_t bits;
+};
+
+// Weights multiplied in bfloat16 (bf16p.h's kernels) rather than widened to float32.
+template <typename T>
+constexpr bool kProducts = std::is_same_v<T, Bf16P>;
 
 // A byte of int4 rows (two four-bit values, the first in the low nibble, each offset by 8).
 struct Int4 {

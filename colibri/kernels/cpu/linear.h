@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16p.h"
 #include "formats.h"
 #include "gang.h"
 #include "pairs.h"
@@ -26,22 +27,28 @@ namespace {
 // w is float32, bfloat16 bits (T = uint16_t), FP8 rows (T = uint8_t: each row's I values,
 // then its I / blk float32 block scales, ld bytes in all), int4 rows (T = Int4: I / 2 bytes
 // of values, then I / blk scales) or int4 (Int4Z) or int8 (Int8Z) rows with offsets, widened
-// as it is loaded.
+// as it is loaded; or bfloat16 bits multiplied in bfloat16 (T = Bf16P: x rounded to
+// bfloat16 first, once, into `xb`; bf16p.h).
 template <typename T>
 struct LinearCall : Gang {
   const T* w;
   float* y;
   int64_t M, O, I, ld, blk, chunk, items;
   std::vector<const float*> xrow;
+  std::vector<const uint16_t*> xb;  // Bf16P: x rounded to bfloat16, row by row
   Packed packed;  // the rows packed for the paired tiles, where they are used (packed.r > 0)
   std::atomic<int64_t> next{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
+    [[maybe_unused]] std::conditional_t<
+        kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
+        keep{};
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
       auto emit = [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; };
-      if (packed.r)
+      if constexpr (kProducts<T>)
+        bmatvecs(w + o0 * ld, no, I, ld, xb.data(), M, emit);
+      else if (packed.r)
         matvecs(w + o0 * ld, no, I, packed, emit, ld, blk);
       else
         matvecs(w + o0 * ld, no, I, xrow.data(), M, emit, ld, blk);
@@ -82,7 +89,14 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
-  if (kPairs && M >= kPairedFrom) {
+  if constexpr (kProducts<T>) {
+    uint16_t* xs = reinterpret_cast<uint16_t*>(scratch<Scratch::kLinear>((M * I + 1) / 2));
+    call->xb.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      round_row(call->xrow[m], I, xs + m * I);
+      call->xb[m] = xs + m * I;
+    }
+  } else if (kPairs && M >= kPairedFrom) {
     call->packed = Packed(scratch<Scratch::kLinear>(Packed::floats(M, I)), M, I);
     call->packed.pack(call->xrow.data());
   }
