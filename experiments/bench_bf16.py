@@ -3,17 +3,19 @@
 What holding a bfloat16 checkpoint's weights as bfloat16 buys (colibri.weights.holds_bf16:
 their bit patterns, widened exactly as the CPU kernels load them) against the same weights
 widened to float32 at load (COLIBRI_BF16=0), side by side in one process, on the peers
-benchmark's shapes (experiments/bench_peers.py) in bfloat16.
+benchmark's shapes (experiments/bench_peers.py) in bfloat16; and what bfloat16 products buy
+on top (COLIBRI_BF16=products: inputs rounded to bfloat16, AVX-512 BF16's VDPBF16PS where the
+CPU has it), whose results differ from float32's by design.
 
 --level kernel: the expert calls alone, on the routes the peers checkpoints choose at 1 and 16
 rows (as experiments/bench_kernel_revs.py replays them): random weights rounded to bfloat16,
 held once as their bits and once as the float32s they stand for, both on huge pages as the
-engine holds them; the two take turns step by step, --passes times (default 14) over 24 steps.
-Outputs must agree bitwise.
+engine holds them, and as bits for bfloat16 products; they take turns step by step, --passes
+times (default 14) over 24 steps. Outputs must agree bitwise, bfloat16 products' aside.
 --level engine: the bfloat16 checkpoint (made here, cached under .cache/bench-peers) loaded
-twice, once with COLIBRI_BF16=0 (routed experts and dense matrices alike); the two engines
-decode bursts in turn, 1 and then 16 conversations at a time, --passes (default 2) x 24
-bursts each; tokens must agree.
+three times: COLIBRI_BF16=0 (routed experts and dense matrices alike), 1 and products; the
+engines decode bursts in turn, 1 and then 16 conversations at a time, --passes (default 2) x
+24 bursts each; tokens must agree, bfloat16 products' aside (they take their own routes).
 
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of bfloat16 / float32 time, and the routed experts' bytes. Writes
@@ -44,12 +46,14 @@ from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.checkpoint import to_f32
 from colibri.config import load_config
-from colibri.formats import Holding
+from colibri.engine.hwinfo import cpu_name
+from colibri.formats import BF16P, Holding
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
-HELD = ("float32", "bfloat16")
+HELD = ("float32", "bfloat16", "bf16 products")
+EXACT = HELD[:2]  # the ways of holding that give float32's results
 
 
 def bf16_bits(a) -> np.ndarray:
@@ -63,9 +67,11 @@ def kernel_level(ckpt: Path, rows: int, passes: int) -> dict:
     hold = {
         "float32": lambda a: on_huge_pages(to_f32(bf16_bits(a), "BF16")),
         "bfloat16": lambda a: on_huge_pages(bf16_bits(a)),
+        "bf16 products": lambda a: on_huge_pages(bf16_bits(a).view(BF16P.storage)),
     }
     routes = record_routes(ckpt, rows)
-    return compare(dict.fromkeys(HELD, call), load_config(ckpt), routes, passes, hold)
+    calls = dict.fromkeys(HELD, call)
+    return compare(calls, load_config(ckpt), routes, passes, hold, exact=EXACT)
 
 
 def bf16_checkpoint(name: str) -> Path:
@@ -74,10 +80,11 @@ def bf16_checkpoint(name: str) -> Path:
 
 def engine(ckpt: Path, held: str):
     """(runner, first tokens of 16 conversations) with the weights held as `held`."""
-    runner, first = engine_under(ckpt, Holding(bf16=held != "float32"))
+    holding = Holding(bf16=held != "float32", bf16_products=held == "bf16 products")
+    runner, first = engine_under(ckpt, holding)
     model = runner.model
-    assert (model.store.held.itemsize == 2) == (held == "bfloat16")
-    assert (model.params["lm_head"].dtype.itemsize == 2) == (held == "bfloat16")
+    assert model.store.held == model.params["lm_head"].dtype
+    assert (model.store.held.itemsize == 2) == (held != "float32")
     return runner, first
 
 
@@ -138,16 +145,16 @@ def main() -> None:
             else:
                 ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
                 eb = 3 * cfg.moe.moe_ff * cfg.hidden
-                mb = {"float32": 4 * eb / 2**20, "bfloat16": 2 * eb / 2**20}
+                mb = {h: (4 if h == "float32" else 2) * eb / 2**20 for h in HELD}
             for rows in (1, 16):
                 if level == "kernel":
                     got = kernel_level(ckpt, rows, passes)["ms"]
                 else:
-                    got = engine_level(engines, rows, passes)
+                    got = engine_level(engines, rows, passes, exact=EXACT)
                 raw[f"{name}/{level}/{rows}"] = got
                 gib = {h: mb[h] * layer_experts / 1024 for h in HELD}
                 out += held_rows(name, level, rows, got, gib, "weights held as")
-                print(pd.DataFrame(out[-2:]).to_string(index=False), flush=True)
+                print(pd.DataFrame(out[-len(HELD) :]).to_string(index=False), flush=True)
             if level == "engine":
                 del engines
     cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level {','.join(levels)}" + (
@@ -160,7 +167,9 @@ def main() -> None:
         "kernel: ms a step of the expert calls (24 greedy steps' routes, every layer), the "
         "versions taking turns step by step; outputs bitwise equal. engine: decode tok/s on the "
         f"bfloat16 checkpoint, bursts of {BURST} steps taking turns, {BURSTS} per pass and row "
-        "count; same tokens.",
+        "count; same tokens. bf16 products (COLIBRI_BF16=products) round the inputs of their "
+        "products to bfloat16: other outputs, and in the engine other tokens and routes. "
+        f"CPU: {cpu_name()}.",
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]

@@ -83,11 +83,13 @@ def compare(
     passes: int,
     hold: dict | None = None,
     weight_bytes: float = 4.0,
+    exact: tuple[str, ...] | None = None,
 ) -> dict:
     """Time every version on the routes, alternating; ms a step per pass for each version.
     `hold`: for some versions, where their copy of the weights is put (others: where XLA
     allocates them); by default every version's on huge pages, as in the engine.
-    `weight_bytes`: bytes a weight takes as held, for the GB a step reads."""
+    `weight_bytes`: bytes a weight takes as held, for the GB a step reads. `exact`: the
+    versions whose outputs must agree bitwise (default: all)."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
@@ -101,7 +103,7 @@ def compare(
     held = {
         v: [tuple(map(hold[v], layer)) for layer in layers] if v in hold else layers for v in calls
     }
-    same_bits({v: f(*held[v][0], x, ids[0][0]) for v, f in calls.items()})
+    same_bits({v: f(*held[v][0], x, ids[0][0]) for v, f in calls.items() if v in (exact or calls)})
 
     def step(v, i):
         for layer, e in zip(held[v], ids[i], strict=True):
