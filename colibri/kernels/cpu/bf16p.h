@@ -14,12 +14,10 @@
 
 #pragma once
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -120,52 +118,13 @@ inline v8 bfold(const BAcc& a) { return a.lo + a.hi; }
 
 #endif
 
-// The inputs of a call rounded to bfloat16 and laid out for the tiles: split into tiles of up
-// to eight as evenly as can be (9: 4 + 5, 16: 8 + 8), tile t's n inputs (from input j0) take
-// the n L values from j0 L on, chunk by chunk of 32 columns, each chunk its inputs' 32 values
-// one after another, then each input's last L % 32 columns. A tile's step reads its inputs as
-// one stream (against one stream an input: 1.14-1.23x as fast, tiles of 16 inputs on weights
-// in L2, one core).
-struct BInputs {
-  uint16_t* data = nullptr;
-  int64_t r = 0, L = 0, L32 = 0, tiles = 0;
-  std::vector<int64_t> start;  // each tile's first input, then r
-
-  BInputs() = default;
-  BInputs(uint16_t* data, int64_t r, int64_t L)
-      : data(data), r(r), L(L), L32(L / 32 * 32), tiles((r + 7) / 8) {
-    start.assign(1, 0);
-    for (int64_t t = 0; t < tiles; ++t)
-      start.push_back(start.back() + (r - start.back()) / (tiles - t));
-  }
-  int64_t count(int64_t t) const { return start[t + 1] - start[t]; }
-  const uint16_t* tile(int64_t t) const { return data + start[t] * L; }
-
-  // Columns [c, c + n) of input j, rounded to bfloat16 from src.
-  void put(int64_t j, int64_t c, const float* src, int64_t n) const {
-    const int64_t t = std::upper_bound(start.begin(), start.end(), j) - start.begin() - 1;
-    const int64_t k = j - start[t], m = count(t);
-    uint16_t* base = data + start[t] * L;
-    for (int64_t end = c + n; c < end;) {
-      if (c >= L32) {  // the tail, input by input
-        round_row(src, end - c, base + L32 * m + k * (L - L32) + (c - L32));
-        return;
-      }
-      const int64_t piece = std::min(end, (c / 32 + 1) * 32) - c;
-      round_row(src, piece, base + (c / 32) * m * 32 + k * 32 + c % 32);
-      src += piece;
-      c += piece;
-    }
-  }
-};
-
-// out[i * TR + j] = the bfloat16 product of weight row w[i] and input j of a tile of TR
-// inputs (laid out as BInputs keeps them, from xg) over L columns. `next`: where the rows after
+// out[i * TR + j] = the bfloat16 product of weight row w[i] and input x[j] over L columns,
+// for TW weight rows and TR inputs (both rows of bfloat16 bits). `next`: where the rows after
 // these are (`ld` weights on), prefetched column by column as the tile goes, for a tile that
 // meets rows already in L1 (the second of two tiles over the same rows); else, for tiles of
 // several inputs, each row's stream 2 KiB ahead (one input streams fast without).
 template <int TW, int TR>
-inline void bdots(const uint16_t* const* w, const uint16_t* xg, int64_t L, float* out,
+inline void bdots(const uint16_t* const* w, const uint16_t* const* x, int64_t L, float* out,
                   int64_t next = 0) {
   BAcc acc[TW][TR];
   for (int i = 0; i < TW; ++i)
@@ -178,9 +137,8 @@ inline void bdots(const uint16_t* const* w, const uint16_t* xg, int64_t L, float
       for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 1024, 0, 3);
     BVec wv[TW];
     for (int i = 0; i < TW; ++i) wv[i] = bload(w[i] + c);
-    const uint16_t* xc = xg + c * TR;
     for (int j = 0; j < TR; ++j) {
-      const BVec xv = bload(xc + 32 * j);
+      const BVec xv = bload(x[j] + c);
       for (int i = 0; i < TW; ++i) bfma(acc[i][j], wv[i], xv);
     }
   }
@@ -191,42 +149,59 @@ inline void bdots(const uint16_t* const* w, const uint16_t* xg, int64_t L, float
   if (L32 < L)
     for (int i = 0; i < TW; ++i)
       for (int j = 0; j < TR; ++j) {
-        const uint16_t* xt = xg + L32 * TR + j * (L - L32) - L32;
         float s = out[i * TR + j];
-        for (int64_t t = L32; t < L; ++t) s = std::fma(bf16_value(w[i][t]), bf16_value(xt[t]), s);
+        for (int64_t t = L32; t < L; ++t) s = std::fma(bf16_value(w[i][t]), bf16_value(x[j][t]), s);
         out[i * TR + j] = s;
       }
 }
 
-// Rows w[0 .. TW) (indices `rows`) against the n inputs of tile t (n from 1 to 8):
-// emit(row, j, value).
+// Rows w[0 .. TW) (indices `rows`) against inputs x[j0 .. j0 + TR): emit(row, j, value).
+template <int TW, int TR, typename Emit>
+inline void btile(const uint16_t* const* w, const int64_t* rows, const uint16_t* const* x,
+                  int64_t j0, int64_t L, Emit& emit, int64_t next) {
+  float out[TW * TR];
+  bdots<TW, TR>(w, x + j0, L, out, next);
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) emit(rows[i], j0 + j, out[i * TR + j]);
+}
+
+// Inputs x[j0 .. j0 + n), n from 1 to 8, against rows w[0 .. TW).
 template <int TW, typename Emit>
-inline void btile(const uint16_t* const* w, const int64_t* rows, const BInputs& x, int64_t t,
-                  Emit& emit, int64_t next) {
-  float out[TW * 8];
-  const int64_t n = x.count(t), j0 = x.start[t];
+inline void btiles(const uint16_t* const* w, const int64_t* rows, const uint16_t* const* x,
+                   int64_t j0, int64_t n, int64_t L, Emit& emit, int64_t next) {
   switch (n) {
-#define COLIBRI_BTILE(k)                                \
-  case k:                                               \
-    bdots<TW, k>(w, x.tile(t), x.L, out, next);          \
+#define COLIBRI_BTILE(k)                         \
+  case k:                                        \
+    btile<TW, k>(w, rows, x, j0, L, emit, next); \
     break;
     COLIBRI_BTILE(1) COLIBRI_BTILE(2) COLIBRI_BTILE(3) COLIBRI_BTILE(4)
     COLIBRI_BTILE(5) COLIBRI_BTILE(6) COLIBRI_BTILE(7) COLIBRI_BTILE(8)
 #undef COLIBRI_BTILE
   }
-  for (int i = 0; i < TW; ++i)
-    for (int64_t j = 0; j < n; ++j) emit(rows[i], j0 + j, out[i * n + j]);
 }
 
-// Apply the rows of W [R, L] (rows `ld` weights apart) to the inputs x (x.L == L):
+// Rows w[0 .. TW) against all r inputs, in tiles of up to eight inputs as even as can be
+// (9: 4 + 5), while the rows are in L1; the tiles after the first fetch the next rows (`ld`
+// weights on) meanwhile, so that the stream from memory goes on while they compute.
+template <int TW, typename Emit>
+inline void ball_inputs(const uint16_t* const* w, const int64_t* rows, const uint16_t* const* x,
+                        int64_t r, int64_t L, int64_t ld, Emit& emit) {
+  const int64_t tiles = (r + 7) / 8;
+  for (int64_t t = 0, j0 = 0; t < tiles; ++t) {
+    const int64_t n = (r - j0) / (tiles - t);
+    btiles<TW>(w, rows, x, j0, n, L, emit, t > 0 ? ld : 0);
+    j0 += n;
+  }
+}
+
+// Apply the rows of W [R, L] (rows `ld` weights apart) to r inputs x[j] (bfloat16 rows of L):
 // emit(row, j, value) for every row and input. The TW rows of a tile are R / TW apart (as in
 // tiles.h): four rows for one or two inputs (four streams), three for more (3 x 8 sums, three
-// weight vectors and an input in AVX-512's 32 registers). Each group of rows meets every tile
-// of inputs while it is in L1; the tiles after the first fetch the next rows meanwhile, so
-// that the stream from memory goes on while they compute.
+// weight vectors and an input in AVX-512's 32 registers).
 template <typename Emit>
-void bmatvecs(const Bf16P* W, int64_t R, int64_t L, int64_t ld, const BInputs& x, Emit emit) {
-  if (x.r <= 0) return;
+void bmatvecs(const Bf16P* W, int64_t R, int64_t L, int64_t ld, const uint16_t* const* x,
+              int64_t r, Emit emit) {
+  if (r <= 0) return;
   const uint16_t* base = reinterpret_cast<const uint16_t*>(W);
   auto walk = [&](auto tw) {
     constexpr int TW = decltype(tw)::value;
@@ -238,14 +213,14 @@ void bmatvecs(const Bf16P* W, int64_t R, int64_t L, int64_t ld, const BInputs& x
         rows[i] = row + i * gap;
         w[i] = base + rows[i] * ld;
       }
-      for (int64_t t = 0; t < x.tiles; ++t) btile<TW>(w, rows, x, t, emit, t ? ld : 0);
+      ball_inputs<TW>(w, rows, x, r, L, ld, emit);
     }
     for (int64_t row = gap * TW; row < R; ++row) {
       w[0] = base + row * ld;
-      for (int64_t t = 0; t < x.tiles; ++t) btile<1>(w, &row, x, t, emit, t ? ld : 0);
+      ball_inputs<1>(w, &row, x, r, L, ld, emit);
     }
   };
-  if (x.r <= 2)
+  if (r <= 2)
     walk(std::integral_constant<int, 4>{});
   else
     walk(std::integral_constant<int, 3>{});

@@ -49,9 +49,8 @@ struct Problem {
   std::vector<int64_t> assign;
   std::vector<const float*> xrow;  // by sorted assignment: its input row
   std::vector<const float*> hrow;  // and its hidden row in h (experts not paired)
-  // Bf16P: per expert, its inputs and its hidden rows rounded to bfloat16, as the tiles read
-  // them (bf16p.h).
-  std::vector<BInputs> xb, hb;
+  // Bf16P: by sorted assignment, its input and its hidden row rounded to bfloat16.
+  std::vector<const uint16_t*> xb, hb;
   float* h = nullptr;  // the hidden rows, expert by expert ([rows, F] each, or packed)
   float* u = nullptr;  // up projections, before the product, laid out as h
   // Per expert, where its rows go through the paired tiles (pairs.h): its inputs, hidden rows
@@ -89,19 +88,21 @@ struct Problem {
     const int64_t rows_at = hrow[q] - h;
     float* hq = h + rows_at + f0;
     float* uq = u + rows_at + f0;
-    bmatvecs(G, nf, D, ldg, xb[i], [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
-    bmatvecs(U, nf, D, ldg, xb[i], [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
+    bmatvecs(G, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
+    bmatvecs(U, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
     for (int64_t j = 0; j < r; ++j) {
       swiglu(hq + j * F, uq + j * F, nf);
-      hb[i].put(j, f0, hq + j * F, nf);
+      round_row(hq + j * F, nf, const_cast<uint16_t*>(hb[q + j]) + f0);
     }
   }
 
   void output_bf16(int64_t i, int64_t c) {
     const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
+    const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
     const T* Dn = down + (s * D + d0) * ldd;
-    bmatvecs(Dn, nd, F, ldd, hb[i], [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
+    bmatvecs(Dn, nd, F, ldd, &hb[q], r,
+             [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
   }
 
   void hidden_widened(int64_t i, int64_t c) {
@@ -297,15 +298,16 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     xoff[i + 1] = xoff[i] + (paired ? Packed::floats(r, D) : 0);
   }
   // Bf16P: then the inputs and the hidden rows rounded to bfloat16 (two to a float).
-  const int64_t halves = kProducts<T> ? staged * (D + F) : 0;
+  const int64_t halves = kProducts<T> ? N * D + staged * F : 0;
   p.h = scratch<Scratch::kExperts>(2 * hoff[experts] + xoff[experts] + (halves + 1) / 2);
   p.u = p.h + hoff[experts];
   float* xs = p.u + hoff[experts];
   uint16_t* xbf = reinterpret_cast<uint16_t*>(xs + xoff[experts]);
-  uint16_t* hbf = xbf + staged * D;
+  uint16_t* hbf = xbf + N * D;
   if constexpr (kProducts<T>) {
-    p.xb.resize(experts);
-    p.hb.resize(experts);
+    for (int64_t n = 0; n < N; ++n) round_row(x.typed_data() + n * D, D, xbf + n * D);
+    p.xb.resize(staged);
+    p.hb.resize(staged);
   }
   p.xrow.resize(staged);
   p.hrow.resize(staged);
@@ -317,11 +319,10 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     for (int64_t q = q0; q < q0 + r; ++q) {
       p.xrow[q] = x.typed_data() + (p.assign[q] / K) * D;
       p.hrow[q] = p.h + hoff[i] + (q - q0) * F;
-    }
-    if constexpr (kProducts<T>) {
-      p.xb[i] = BInputs(xbf + q0 * D, r, D);
-      p.hb[i] = BInputs(hbf + q0 * F, r, F);
-      for (int64_t q = q0; q < q0 + r; ++q) p.xb[i].put(q - q0, 0, p.xrow[q], D);
+      if constexpr (kProducts<T>) {
+        p.xb[q] = xbf + (p.assign[q] / K) * D;
+        p.hb[q] = hbf + q * F;
+      }
     }
     if (xoff[i + 1] > xoff[i]) {
       p.xp[i] = Packed(xs + xoff[i], r, D);

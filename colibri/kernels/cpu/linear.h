@@ -28,14 +28,14 @@ namespace {
 // then its I / blk float32 block scales, ld bytes in all), int4 rows (T = Int4: I / 2 bytes
 // of values, then I / blk scales) or int4 (Int4Z) or int8 (Int8Z) rows with offsets, widened
 // as it is loaded; or bfloat16 bits multiplied in bfloat16 (T = Bf16P: x rounded to
-// bfloat16 first, once, into `xb` as the tiles read it; bf16p.h).
+// bfloat16 first, once, into `xb`; bf16p.h).
 template <typename T>
 struct LinearCall : Gang {
   const T* w;
   float* y;
   int64_t M, O, I, ld, blk, chunk, items;
   std::vector<const float*> xrow;
-  BInputs xb;  // Bf16P: x rounded to bfloat16
+  std::vector<const uint16_t*> xb;  // Bf16P: x rounded to bfloat16, row by row
   Packed packed;  // the rows packed for the paired tiles, where they are used (packed.r > 0)
   std::atomic<int64_t> next{0};
 
@@ -47,7 +47,7 @@ struct LinearCall : Gang {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
       auto emit = [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; };
       if constexpr (kProducts<T>)
-        bmatvecs(w + o0 * ld, no, I, ld, xb, emit);
+        bmatvecs(w + o0 * ld, no, I, ld, xb.data(), M, emit);
       else if (packed.r)
         matvecs(w + o0 * ld, no, I, packed, emit, ld, blk);
       else
@@ -91,8 +91,11 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
   if constexpr (kProducts<T>) {
     uint16_t* xs = reinterpret_cast<uint16_t*>(scratch<Scratch::kLinear>((M * I + 1) / 2));
-    call->xb = BInputs(xs, M, I);
-    for (int64_t m = 0; m < M; ++m) call->xb.put(m, 0, call->xrow[m], I);
+    call->xb.resize(M);
+    for (int64_t m = 0; m < M; ++m) {
+      round_row(call->xrow[m], I, xs + m * I);
+      call->xb[m] = xs + m * I;
+    }
   } else if (kPairs && M >= kPairedFrom) {
     call->packed = Packed(scratch<Scratch::kLinear>(Packed::floats(M, I)), M, I);
     call->packed.pack(call->xrow.data());
