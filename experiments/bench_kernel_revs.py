@@ -14,8 +14,8 @@ experiments/bench_peers.py (made there, or here if missing) choose when --rows c
 decode at once (as there: one prompt, the last 8 tokens changed in each conversation; 24
 greedy steps), replayed on random weights of the same shapes held on huge pages as the
 engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held bf16,
-as bfloat16 bits; with --held fp8 (int4, awq4, int8), quantized and held as those rows, as
-experiments/bench_quantized.py holds them
+as bfloat16 bits (bf16p: for bfloat16 products); with --held fp8 (int4, awq4, int8),
+quantized and held as those rows, as experiments/bench_quantized.py holds them
 (--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
 routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
 of every layer) and lm_head on --rows rows, 24 steps per pass (with --held, every matrix held
@@ -58,6 +58,7 @@ from colibri.bench.replay import (
 )
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.config import load_config
+from colibri.formats import BF16P
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -193,7 +194,14 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
 
 
 # Per --held format: bytes of a weight's value, float32s a block keeps (scale, offset).
-VALUE_BYTES = {"bf16": (2, 0), "fp8": (1, 1), "int4": (0.5, 1), "awq4": (0.5, 2), "int8": (1, 2)}
+VALUE_BYTES = {
+    "bf16": (2, 0),
+    "bf16p": (2, 0),
+    "fp8": (1, 1),
+    "int4": (0.5, 1),
+    "awq4": (0.5, 2),
+    "int8": (1, 2),
+}
 
 
 def bf16_bits(a: np.ndarray) -> np.ndarray:
@@ -202,9 +210,12 @@ def bf16_bits(a: np.ndarray) -> np.ndarray:
 
 
 def held_rows(fmt: str):
-    """Float32 stacks of matrices [S, R, C] as --held `fmt` holds them: bfloat16 bits or
-    quantized rows (FP8, int4, int4 with zero points, int8: colibri.bench.formats)."""
+    """Float32 stacks of matrices [S, R, C] as --held `fmt` holds them: bfloat16 bits (bf16p:
+    as int16, for bfloat16 products) or quantized rows (FP8, int4, int4 with zero points, int8:
+    colibri.bench.formats)."""
     f = FORMATS.get(fmt)
+    if fmt == "bf16p":
+        return lambda a: bf16_bits(a).view(BF16P.storage)
     return bf16_bits if f is None else lambda a: f["pair"](a)[0]
 
 
