@@ -23,8 +23,9 @@ experiments/results/bf16.md and .json.
 
 --level peers (needs the `bench` extra's llama-cpp-python, as experiments/bench_peers.py): the
 same bfloat16 checkpoint against llama.cpp on its bf16 GGUF export (matrices bit for bit, norms
-and routers f32), each in a process of its own as bench_peers runs them, --rounds (default 3)
-alternating rounds, batch 1, 64 tokens after a 128-token prompt; best of rounds. Writes
+and routers f32), colibri with float32 and with bfloat16 products, each in a process of its own
+as bench_peers runs them, --rounds (default 3) alternating rounds, batch 1, 64 tokens after a
+128-token prompt; best of rounds. Writes
 experiments/results/bf16_peers.md and .json.
 """
 
@@ -96,7 +97,9 @@ def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:
     gguf = CACHE / f"{name}-bf16.gguf"
     if not gguf.exists():
         export_gguf(ckpt, gguf, dtype="bf16")
-    return side_by_side(name, {"colibri (bf16 held)": ckpt, "llama.cpp bf16": gguf}, rounds, tokens)
+    paths = {"colibri (bf16 held)": ckpt, "colibri (bf16 products)": ckpt, "llama.cpp bf16": gguf}
+    envs = {"colibri (bf16 products)": {"COLIBRI_BF16": "products"}}
+    return side_by_side(name, paths, rounds, tokens, envs)
 
 
 def write_peers(args, rows: list[dict]) -> None:
@@ -107,8 +110,10 @@ def write_peers(args, rows: list[dict]) -> None:
         f"Command: `{cmd} --rounds {args.rounds}`  ",
         "Batch-1 greedy decode of 64 tokens after a 128-token prompt, each engine in a process "
         "of its own, alternating rounds; best of rounds. colibri holds the bf16 weights as bf16 "
-        "and computes in float32; llama.cpp runs its bf16 GGUF export (norms and routers f32) "
-        "with an f32 KV cache and rounds activations to bf16 for its bf16 products.",
+        "and computes in float32, or with COLIBRI_BF16=products rounds the inputs of its bf16 "
+        "products to bf16; llama.cpp runs its bf16 GGUF export (norms and routers f32) "
+        "with an f32 KV cache and rounds activations to bf16 for its bf16 products. "
+        "Greedy tokens are compared with the first colibri row's.",
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]

@@ -17,7 +17,10 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
     probes = iter([{"gb_s": 40.0}, {"gb_s": 20.0}])
     rates = {"colibri": iter([100.0, 150.0]), "llama.cpp": iter([120.0, 110.0])}
 
-    def worker(kind, path, prompt, tokens):
+    envs = []
+
+    def worker(kind, path, prompt, tokens, env=None):
+        envs.append((kind, env))
         res = {
             "decode_tok_s_1": next(rates[kind]),
             "prefill_tok_s": 1.0,
@@ -34,7 +37,14 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
     monkeypatch.setattr(sidebyside, "run_worker", worker)
     monkeypatch.setattr(sidebyside, "load_config", lambda p: SimpleNamespace(vocab_size=64))
     rows = sidebyside.side_by_side(
-        "m", {"colibri (int8 held)": Path("a"), "llama.cpp q8_0": Path("b")}, rounds=2
+        "m",
+        {"colibri (int8 held)": Path("a"), "llama.cpp q8_0": Path("b")},
+        rounds=2,
+        envs={"colibri (int8 held)": {"COLIBRI_INT8": "1"}},
+    )
+    assert (
+        sorted(envs, key=str)
+        == [("colibri", {"COLIBRI_INT8": "1"})] * 2 + [("llama.cpp", None)] * 2
     )
     ours, theirs = rows
     assert ours["decode tok/s (batch 1, best of rounds)"] == 150.0

@@ -19,10 +19,17 @@ def agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
-def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 64) -> list[dict]:
+def side_by_side(
+    name: str,
+    paths: dict[str, Path],
+    rounds: int,
+    tokens: int = 64,
+    envs: dict[str, dict[str, str]] | None = None,
+) -> list[dict]:
     """Batch-1 greedy decode of `tokens` tokens after a 128-token prompt by each engine on its
     checkpoint (label -> path; the first a colibri checkpoint, labels starting "colibri" or
-    "llama.cpp"), each run in a process of its own (workers.run_worker), the order flipping
+    "llama.cpp"; `envs`: label -> variables its runs get, e.g. COLIBRI_BF16=products), each
+    run in a process of its own (workers.run_worker), the order flipping
     every round: each engine's best round, against the first engine's. Each colibri run comes
     right after a bandwidth probe in a process of its own (workers.run_probe): its rate against
     the roofline of that probe, the bytes a step reads as colibri holds the weights
@@ -37,7 +44,7 @@ def side_by_side(name: str, paths: dict[str, Path], rounds: int, tokens: int = 6
         for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
             kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
             probe = run_probe() if kind == "colibri" else None
-            res = run_worker(kind, paths[peer], prompt, tokens)
+            res = run_worker(kind, paths[peer], prompt, tokens, env=(envs or {}).get(peer))
             if probe:
                 roof = probe["gb_s"] * 1e9 / res["held_step_bytes_1"]
                 res["roofline"] = {"gb_s": probe["gb_s"], "ratio": res["decode_tok_s_1"] / roof}

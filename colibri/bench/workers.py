@@ -35,9 +35,10 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     from colibri import kernels
     from colibri.engine.model import load_model
     from colibri.engine.runner import Row, Runner
+    from colibri.formats import Holding
 
     t0 = time.perf_counter()
-    model = load_model(ckpt, progress=False)
+    model = load_model(ckpt, progress=False, holding=Holding.from_env(os.environ))
     assert model.store.all_resident, "the benchmark wants every expert resident"
     runner = Runner(model, slots=16, capacity=len(prompt) + tokens + 8)
     load_s = time.perf_counter() - t0
@@ -209,13 +210,17 @@ def worker_command(kind: str, out: Path) -> list[str]:
     return [sys.executable, "-m", "colibri.bench.workers", "--worker", kind, "--out", str(out)]
 
 
-def run_worker(peer: str, path: Path, prompt: list[int], tokens: int) -> dict:
+def run_worker(
+    peer: str, path: Path, prompt: list[int], tokens: int, env: dict[str, str] | None = None
+) -> dict:
+    """One run of `peer` on `path` in a process of its own (`env`: variables added to this
+    process's, e.g. COLIBRI_BF16=products for a colibri run)."""
     out = CACHE / f"worker-{os.getpid()}.json"
     kind = "llama" if peer.startswith("llama") else peer
     cmd = worker_command(kind, out) + ["--path", str(path)]
     cmd += ["--tokens", str(tokens), "--prompt-ids", json.dumps(prompt)]
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
     res = json.loads(out.read_text())
     out.unlink()
     print(
