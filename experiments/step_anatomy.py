@@ -13,7 +13,9 @@ engine holds them (weights, the experts the rows chose counted once, and the mea
 and values) over the faster of the two reads; each kernel call's GFLOP/s beside it, for
 several rows, where the tiles' arithmetic rather than the memory may bound a call. The
 profiler costs time of its own: the table's rates are the unprofiled run's, the anatomy the
-profiled one's (its step time says by how much they differ).
+profiled one's (its step time says by how much they differ). The checkpoint is held as the
+switches say (formats.Holding.from_env: COLIBRI_BF16=products, bf16 products, whose calls are
+bounded by the bfloat16 dot products' ceiling rather than the FMA's).
 
 Writes experiments/results/step_anatomy.md and .json (--out NAME: NAME.md, NAME.json).
 """
@@ -37,6 +39,7 @@ from colibri.bench.bandwidth import probe_array, read_rate
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.engine.hwinfo import host
+from colibri.formats import Holding
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
@@ -87,7 +90,8 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
     from colibri.engine.runner import Runner
 
     earlier = set(dump.glob("*"))
-    model = load_model(ckpt, progress=False)
+    holding = Holding.from_env(os.environ)
+    model = load_model(ckpt, progress=False, holding=holding)
     cfg = model.cfg
     prompt = prompt_ids(cfg.vocab_size, prompt_len)
     runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
@@ -136,6 +140,8 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
     return {
         "rows": rows,
         "fma_gflop_s": fma_ceiling(),
+        "bf16_dot_gflop_s": bf16_dot_ceiling() if holding.bf16_products else 0.0,
+        "holding": holding.to_env(),
         "step_bytes": step_bytes,
         "weight_bytes": weights,
         "rounds": out,
@@ -152,6 +158,20 @@ def fma_ceiling() -> float:
     return max(kernels.fma_peak(8), kernels.fma_peak(16))
 
 
+def bf16_dot_ceiling() -> float:
+    """GFLOP/s of bfloat16 dot products on all cores (0 without AVX-512 BF16)."""
+    from colibri import kernels
+
+    return kernels.bf16_dot_peak()
+
+
+def ceiling(res: dict, label: str) -> float:
+    """The multiply-add ceiling of a part: the bfloat16 dot products' for bf16 products'
+    calls where the build has them, else the FMA's."""
+    dot = res.get("bf16_dot_gflop_s", 0.0)
+    return dot if dot and "(bf16p rows)" in label else res.get("fma_gflop_s", 0.0)
+
+
 def steady_reads(rnd: dict) -> bool:
     """Whether the reads before and after a round agree. Where they do not, the machine's
     memory (which moved between ~30 and ~60 GB/s within seconds on the machines measured)
@@ -165,7 +185,6 @@ def table(res: dict, rnd: dict) -> list[dict]:
     multiply-adds at the cores' ceiling."""
     step = rnd["profiled_step_us"]
     probe = max(rnd["read_gb_s"])
-    fma = res.get("fma_gflop_s", 0.0)
     rows = []
     for label, p in sorted(rnd["parts"].items(), key=lambda kv: -kv[1]["us"]):
         per_call = p["us"] / p["calls"] if p["calls"] else 0.0
@@ -173,7 +192,7 @@ def table(res: dict, rnd: dict) -> list[dict]:
         if moved is not None and label.startswith("routed experts"):
             moved *= res.get("distinct_experts", res["top_k"])  # the rows' chosen experts
         gb_s = moved / per_call / 1e3 if moved and per_call else None
-        bound = None
+        bound, fma = None, ceiling(res, label)
         if moved and flops and per_call and fma:
             bound = max(moved / probe / 1e3, flops / fma / 1e3) / per_call
         rows.append(
@@ -208,12 +227,20 @@ def weight_calls_bound(rows: list[dict]) -> tuple[float, float]:
     return us / rows[-1]["µs a step"], sum(r["µs a step"] * r["/ bound"] for r in calls) / us
 
 
+def switches() -> str:
+    """The holding switches this run was given that differ from the defaults, as a command's
+    prefix ("COLIBRI_BF16=products ")."""
+    given = Holding.from_env(os.environ).to_env()
+    usual = Holding().to_env()
+    return "".join(f"{k}={v} " for k, v in given.items() if v != usual[k])
+
+
 def write(results: dict, args, out: str) -> None:
     hw = host()
     lines = [
         f"# Where a {'batch-1' if args.rows == 1 else f'{args.rows}-row'} decode step's time goes",
         "",
-        f"Command: `python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `{switches()}python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
         f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM  ",
         f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
         f"{args.prompt}-token prompt, in bursts of {BURST} steps. Each round: a plain read of "
@@ -257,7 +284,13 @@ def write(results: dict, args, out: str) -> None:
                 f"The weight calls take {share:.0%} of the step and run at {bound:.2f} of "
                 f"their bound (the longer of reading the weights at "
                 f"{max(best['read_gb_s']):.1f} GB/s and computing at "
-                f"{res['fma_gflop_s']:.0f} GFLOP/s, call by call)."
+                f"{res['fma_gflop_s']:.0f} GFLOP/s"
+                + (
+                    f", bf16 products at {res['bf16_dot_gflop_s']:.0f}"
+                    if res.get("bf16_dot_gflop_s")
+                    else ""
+                )
+                + ", call by call)."
             )
             lines.append("")
         costly = list(best["xla_ops"].items())[:5]

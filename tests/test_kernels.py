@@ -648,6 +648,12 @@ def test_the_multiply_add_ceiling_is_probed():
     assert (wide > 1.0) == ("avx512f" in kernels._cpu_id().split())
 
 
+def test_the_bf16_dot_product_ceiling_is_probed_where_the_cpu_has_the_instruction():
+    """colibri_bf16_dot_peak measures VDPBF16PS where the build has AVX-512 BF16, 0 elsewhere."""
+    rate = kernels.bf16_dot_peak(seconds=0.02, threads=1)
+    assert (rate > 1.0) == ("avx512_bf16" in kernels._cpu_id().split())
+
+
 def test_the_read_probe_reads_every_float():
     """colibri_read_sum, the bandwidth probe's plain read, sums every element (its vector body
     and its tail), so the reads it is timed on all happen; other arrays are refused."""

@@ -115,3 +115,19 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     assert "| routed experts |" in report and "3-row decode step" in report
     # Each weight call against the longer of reading its weights and computing its FLOPs.
     assert res["fma_gflop_s"] > 0 and "of their bound" in report
+
+
+def test_bf16_products_calls_are_bounded_by_the_dot_products_ceiling():
+    """A bf16 products call's bound takes the bfloat16 dot products' ceiling where the run
+    measured one; every other call, and every call without it, the FMA's."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
+    spec = importlib.util.spec_from_file_location("step_anatomy_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    res = {"fma_gflop_s": 100.0, "bf16_dot_gflop_s": 200.0}
+    assert script.ceiling(res, "routed experts (bf16p rows)") == 200.0
+    assert script.ceiling(res, "linear [64, 64] (bf16p rows)") == 200.0
+    assert script.ceiling(res, "routed experts (bf16 rows)") == 100.0
+    assert script.ceiling({"fma_gflop_s": 100.0}, "routed experts (bf16p rows)") == 100.0

@@ -359,6 +359,20 @@ def fma_peak(lanes: int = 8, seconds: float = 0.3, threads: int | None = None) -
         return sum(pool.map(lambda _: peak(lanes, seconds), range(n)))
 
 
+def bf16_dot_peak(seconds: float = 0.3, threads: int | None = None) -> float:
+    """GFLOP/s of bfloat16 dot products (AVX-512 BF16's VDPBF16PS, 32 multiply-adds an
+    instruction) on `threads` threads at once (default: one a core), the ceiling of bfloat16
+    products' tiles (cpu/bf16p.h); 0 where the build has no such instruction."""
+    lib = _library()
+    if lib is None:
+        return 0.0
+    peak = lib.colibri_bf16_dot_peak
+    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_double]
+    n = threads or os.cpu_count() or 1
+    with ThreadPoolExecutor(n) as pool:
+        return sum(pool.map(lambda _: peak(seconds), range(n)))
+
+
 def read_sum(a: np.ndarray) -> float:
     """The sum of a contiguous float32 array, read in eight 8-lane sums with nothing else done
     (on the calling thread; ctypes lets go of the GIL): how fast a core reads memory. Its value

@@ -85,7 +85,8 @@ inline void bfma(BAcc& acc, const BVec& w, const BVec& x) {
 }
 // Lanes l + lanes l + 8.
 inline v8 bfold(const BAcc& a) {
-  return reinterpret_cast<v8>(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1)));
+  const __m256 lo = _mm512_castps512_ps256(a), hi = _mm512_extractf32x8_ps(a, 1);
+  return reinterpret_cast<v8>(_mm256_add_ps(lo, hi));
 }
 
 #else

@@ -13,8 +13,8 @@
 //   linear.h   colibri_linear (one target per held format)
 //   attend.h   colibri_attend
 //   cut.h      colibri_cut_requested
-//   peak.h     colibri_fma_peak and colibri_read_sum, the multiply-add ceiling and the read
-//              rate the kernels are measured against
+//   peak.h     colibri_fma_peak, colibri_bf16_dot_peak and colibri_read_sum: the ceilings
+//              and the read rate the kernels are measured against
 //
 // Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
 // a fixed horizontal sum and then the scalar tail, whatever tile it is computed in, and the

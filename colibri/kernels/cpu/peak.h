@@ -16,9 +16,9 @@
 namespace {
 
 // Twelve independent chains of multiply-adds, enough in flight to cover the latency of two
-// pipes; `fma(a, b, c)` one vector instruction of `Lanes` floats. GFLOP/s, two a lane.
-template <int Lanes, typename V, typename Fma>
-double fma_chains(V one, V tiny, Fma fma, double seconds) {
+// pipes; `fma(a, b, c)` one vector instruction of `Lanes` multiply-adds. GFLOP/s, two each.
+template <int Lanes, typename B, typename V, typename Fma>
+double fma_chains(B one, V tiny, Fma fma, double seconds) {
   V a[12];
   for (int i = 0; i < 12; ++i) a[i] = tiny;
   const auto start = std::chrono::steady_clock::now();
@@ -57,6 +57,21 @@ extern "C" double colibri_fma_peak(int32_t lanes, double seconds) {
   (void)lanes;
   (void)seconds;
   return 0;
+}
+
+// GFLOP/s of bfloat16 dot products (VDPBF16PS on 512-bit vectors: 32 multiply-adds an
+// instruction) on the calling thread, the ceiling of bf16p.h's tiles; 0 where the build has
+// no such instruction.
+extern "C" double colibri_bf16_dot_peak(double seconds) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const __m512bh ones = reinterpret_cast<__m512bh>(_mm512_set1_epi16(0x3f80));  // 1.0
+  return fma_chains<32>(ones, _mm512_set1_ps(1e-3f),
+                        [](__m512 a, __m512bh b, __m512) { return _mm512_dpbf16_ps(a, b, b); },
+                        seconds);
+#else
+  (void)seconds;
+  return 0;
+#endif
 }
 
 // Sum of the n floats at p in eight 8-lane sums, nothing else done with them: a core reading
