@@ -200,7 +200,8 @@ class HoldingError(ValueError):
 class Holding:
     """Which held formats loading may keep a checkpoint's matrices in, rather than widening
     them to float32 at load. Read once where a command starts (`from_env`) and passed to
-    loading; results are the same either way, memory and speed are not (docs/design.md)."""
+    loading; results are the same either way, memory and speed are not (docs/design.md), but
+    for bf16 products, which ask for other results by name."""
 
     bf16: bool = True  # COLIBRI_BF16: bfloat16 matrices as bf16 bits
     bf16_products: bool = False  # COLIBRI_BF16=products: and their products in bfloat16

@@ -28,12 +28,6 @@
 
 namespace {
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr bool kDpbf16 = true;
-#else
-constexpr bool kDpbf16 = false;
-#endif
-
 // Subnormal inputs and results taken as zero while it lives, on this thread (DAZ and FTZ).
 struct FlushSubnormals {
 #if defined(__SSE__)
