@@ -166,10 +166,11 @@ def _logits(d, holding: Holding, tiered: bool = False):
 
 def test_the_engine_computes_bfloat16_products_on_either_path(checkpoints, monkeypatch):
     """A bfloat16 checkpoint loaded with COLIBRI_BF16=products holds its matrices for bfloat16
-    products (int16 bits; norms stay float32). The kernels' logits (prompts of up to 16 tokens
-    and decode) and XLA's (kernels off) agree to float32 rounding, while both lie well away
-    from float32 products of the same weights: each path rounds where the other does. Tiered
-    placement gives bitwise the resident logits."""
+    products (int16 bits; norms stay float32). The prefill logits with the kernels and with
+    XLA's loops (kernels off) agree to float32 rounding, while both lie well away from float32
+    products of the same weights: each path rounds where the other does (the odd input on a
+    rounding boundary may still round apart, and then a few decode logits with it). Tiered
+    placement gives bitwise the resident logits, prefill and decode."""
     d = checkpoints("qwen3_moe", "bfloat16")
     products = Holding.from_env({"COLIBRI_BF16": "products"})
     held, (pre, dec) = _logits(d, products)
