@@ -349,28 +349,27 @@ def fma_peak(lanes: int = 8, seconds: float = 0.3, threads: int | None = None) -
     """GFLOP/s of multiply-adds on vectors of `lanes` floats (8: 256-bit, 16: 512-bit) on
     `threads` threads at once (default: one a core), the ceiling of the tiles' arithmetic;
     0 where the build has no such vectors."""
-    lib = _library()
-    if lib is None:
-        return 0.0
-    peak = lib.colibri_fma_peak
-    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_int32, ctypes.c_double]
-    n = threads or os.cpu_count() or 1
-    with ThreadPoolExecutor(n) as pool:  # ctypes lets go of the GIL for the call
-        return sum(pool.map(lambda _: peak(lanes, seconds), range(n)))
+    return _probe_rate("colibri_fma_peak", [ctypes.c_int32], (lanes,), seconds, threads)
 
 
 def bf16_dot_peak(seconds: float = 0.3, threads: int | None = None) -> float:
     """GFLOP/s of bfloat16 dot products (AVX-512 BF16's VDPBF16PS, 32 multiply-adds an
     instruction) on `threads` threads at once (default: one a core), the ceiling of bfloat16
     products' tiles (cpu/bf16p.h); 0 where the build has no such instruction."""
+    return _probe_rate("colibri_bf16_dot_peak", [], (), seconds, threads)
+
+
+def _probe_rate(symbol: str, argtypes: list, args: tuple, seconds: float, threads) -> float:
+    """The sum over `threads` threads at once (default: one a core) of a ceiling probe's
+    GFLOP/s, `symbol`(*args, seconds); 0 when the kernels are off."""
     lib = _library()
     if lib is None:
         return 0.0
-    peak = lib.colibri_bf16_dot_peak
-    peak.restype, peak.argtypes = ctypes.c_double, [ctypes.c_double]
+    peak = getattr(lib, symbol)
+    peak.restype, peak.argtypes = ctypes.c_double, [*argtypes, ctypes.c_double]
     n = threads or os.cpu_count() or 1
-    with ThreadPoolExecutor(n) as pool:
-        return sum(pool.map(lambda _: peak(seconds), range(n)))
+    with ThreadPoolExecutor(n) as pool:  # ctypes lets go of the GIL for the call
+        return sum(pool.map(lambda _: peak(*args, seconds), range(n)))
 
 
 def read_sum(a: np.ndarray) -> float:

@@ -162,6 +162,7 @@ def expert_outputs(
     if native:
         return kernels.moe_experts(experts["gate"], experts["up"], experts["down"], x, ids)
     NK = N * K
+    x = formats.round_inputs(x, experts["gate"].dtype)  # as bfloat16 products take it (BF16P)
     block, least = plan or expert_plan(N, K, num_experts)
     flat = ids.reshape(-1)
     key = jnp.where(flat >= 0, flat, S)  # unstaged entries sort last and are never computed
@@ -256,9 +257,8 @@ def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
         return widen_rows(jax.lax.dynamic_slice(a, (slot, 0, 0), (1, *a.shape[1:]))[0], cols)
 
     g, u, d = matrix("gate", D), matrix("up", D), matrix("down", F)
-    held = experts["gate"].dtype  # bfloat16 products (BF16P) take x and h rounded to bfloat16
-    x = formats.round_inputs(x, held)
-    h = formats.round_inputs(jax.nn.silu(x @ g.T) * (x @ u.T), held)
+    # x as the products take it (rounded once by expert_outputs); h too, for bfloat16 products
+    h = formats.round_inputs(jax.nn.silu(x @ g.T) * (x @ u.T), experts["gate"].dtype)
     return h @ d.T
 
 

@@ -63,77 +63,45 @@ struct Problem {
   int64_t total() const { return static_cast<int64_t>(slot.size()) * (fitems + ditems); }
 
   // Phase 1, item (expert i, chunk c): h = silu(gate . x) * (up . x) over its share of F.
+  // Bfloat16 products (never paired) then round the hidden rows for the down projection.
   void hidden(int64_t i, int64_t c) {
-    if constexpr (kProducts<T>)
-      hidden_bf16(i, c);
-    else
-      hidden_widened(i, c);
-  }
-
-  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
-  void output(int64_t i, int64_t c) {
-    if constexpr (kProducts<T>)
-      output_bf16(i, c);
-    else
-      output_widened(i, c);
-  }
-
-  // Bfloat16 products (never paired): the hidden rows in float32 as for the other formats,
-  // then rounded to bfloat16 for the down projection.
-  void hidden_bf16(int64_t i, int64_t c) {
     const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const T* G = gate + (s * F + f0) * ldg;
     const T* U = up + (s * F + f0) * ldg;
-    const int64_t rows_at = hrow[q] - h;
-    float* hq = h + rows_at + f0;
-    float* uq = u + rows_at + f0;
-    bmatvecs(G, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; });
-    bmatvecs(U, nf, D, ldg, &xb[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; });
-    for (int64_t j = 0; j < r; ++j) {
-      swiglu(hq + j * F, uq + j * F, nf);
-      round_row(hq + j * F, nf, const_cast<uint16_t*>(hb[q + j]) + f0);
-    }
-  }
-
-  void output_bf16(int64_t i, int64_t c) {
-    const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
-    const int64_t r = first[i + 1] - q;
-    const int64_t* a = assign.data() + q;
-    const T* Dn = down + (s * D + d0) * ldd;
-    bmatvecs(Dn, nd, F, ldd, &hb[q], r,
-             [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
-  }
-
-  void hidden_widened(int64_t i, int64_t c) {
-    const int64_t f0 = c * fchunk, nf = std::min(fchunk, F - f0), s = slot[i], q = first[i];
-    const int64_t r = first[i + 1] - q;
-    const T* G = gate + (s * F + f0) * ldg;
-    const T* U = up + (s * F + f0) * ldg;
-    if (hp[i].r) {
-      const Packed &hx = hp[i], &ux = upp[i];
-      matvecs(G, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *hx.at(j, f0 + f) = v; },
-              ldg, bg);
-      matvecs(U, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *ux.at(j, f0 + f) = v; },
-              ldg, bg);
-      // Chunks f0 / 8 .. of every group (f0 is a multiple of 8), padding lanes included (zeros).
-      const int64_t c0 = f0 / 8, nc = (f0 + nf + 7) / 8 - c0;
-      for (int64_t g = 0; g < hx.groups(); ++g) {
-        const int64_t n = hx.pairs(g) * 16;
-        swiglu(hx.group(g) + c0 * n, ux.group(g) + c0 * n, nc * n);
+    if constexpr (!kProducts<T>) {
+      if (hp[i].r) {
+        const Packed &hx = hp[i], &ux = upp[i];
+        matvecs(G, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *hx.at(j, f0 + f) = v; },
+                ldg, bg);
+        matvecs(U, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *ux.at(j, f0 + f) = v; },
+                ldg, bg);
+        // Chunks f0 / 8 .. of every group (f0 a multiple of 8), padding lanes included (zeros).
+        const int64_t c0 = f0 / 8, nc = (f0 + nf + 7) / 8 - c0;
+        for (int64_t g = 0; g < hx.groups(); ++g) {
+          const int64_t n = hx.pairs(g) * 16;
+          swiglu(hx.group(g) + c0 * n, ux.group(g) + c0 * n, nc * n);
+        }
+        return;
       }
-      return;
     }
     const int64_t rows_at = hrow[q] - h;  // the expert's hidden rows, one after another
     float* hq = h + rows_at + f0;
     float* uq = u + rows_at + f0;
-    matvecs(
-        G, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; }, ldg,
-        bg);
-    matvecs(
-        U, nf, D, &xrow[q], r, [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; }, ldg,
-        bg);
-    for (int64_t j = 0; j < r; ++j) swiglu(hq + j * F, uq + j * F, nf);
+    auto to_h = [&](int64_t f, int64_t j, float v) { hq[j * F + f] = v; };
+    auto to_u = [&](int64_t f, int64_t j, float v) { uq[j * F + f] = v; };
+    if constexpr (kProducts<T>) {
+      bmatvecs(G, nf, D, ldg, &xb[q], r, to_h);
+      bmatvecs(U, nf, D, ldg, &xb[q], r, to_u);
+    } else {
+      matvecs(G, nf, D, &xrow[q], r, to_h, ldg, bg);
+      matvecs(U, nf, D, &xrow[q], r, to_u, ldg, bg);
+    }
+    for (int64_t j = 0; j < r; ++j) {
+      swiglu(hq + j * F, uq + j * F, nf);
+      if constexpr (kProducts<T>)
+        round_row(hq + j * F, nf, const_cast<uint16_t*>(hb[q + j]) + f0);
+    }
   }
 
   // h[0 .. n) <- silu(h) * u, 8 lanes at a time (the tail too, so every element is computed
@@ -153,19 +121,19 @@ struct Problem {
     }
   }
 
-  void output_widened(int64_t i, int64_t c) {
+  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
+  void output(int64_t i, int64_t c) {
     const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
     const T* Dn = down + (s * D + d0) * ldd;
-    if (hp[i].r) {
-      matvecs(Dn, nd, F, hp[i], [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
-              ldd, bd);
-      return;
-    }
-    matvecs(
-        Dn, nd, F, &hrow[q], r, [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; },
-        ldd, bd);
+    auto to_y = [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; };
+    if constexpr (kProducts<T>)
+      bmatvecs(Dn, nd, F, ldd, &hb[q], r, to_y);
+    else if (hp[i].r)
+      matvecs(Dn, nd, F, hp[i], to_y, ldd, bd);
+    else
+      matvecs(Dn, nd, F, &hrow[q], r, to_y, ldd, bd);
   }
 };
 
