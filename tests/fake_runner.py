@@ -78,12 +78,16 @@ class FakeInFlight:
         self.t_start = time.perf_counter()
         self._broken = broken
         self._ran: int | None = None if cuttable else self.steps
+        self._landed = False  # (ran() has slept for its steps)
         self._value = None
 
     def ran(self) -> int:
         if self._ran is None:  # a cuttable burst: cut where a frame came in
             during, self._runner.frame_during = self._runner.frame_during, None
             self._ran = self.steps if during is None else max(1, min(during, self.steps))
+        if not self._landed:
+            self._landed = True
+            time.sleep(self._runner.step_s * self._ran)
         return self._ran
 
     def tokens(self) -> np.ndarray:
@@ -125,6 +129,7 @@ class FakeRunner:
         self.cache: list[list[int]] = [[] for _ in range(slots)]
         self.faults: list[Fault] = []
         self.frame_during: int | None = None
+        self.step_s = 0.0  # how long each step a forward runs takes to land (slept)
         self.calls: list[tuple[int, bool, bool]] = []  # (steps, cuttable, chained) per start
         self.prefills = 0  # prefills that returned
         self.turns = 0  # end_turn calls

@@ -42,6 +42,7 @@ settings = st.builds(
     seed=st.integers(0, 2**31),
     burst=st.integers(1, 6),
     burst_ms=st.integers(0, 10_000),
+    stream_ms=st.integers(0, 10_000),
     wire=st.sampled_from(WIRES),
     profile=st.booleans(),
     warmup=st.booleans(),

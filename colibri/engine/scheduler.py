@@ -71,6 +71,7 @@ class SchedulerConfig:
     burst_ms: float = 5.0  # longest a chained burst may be expected to take (input waits it)
     full_burst_ms: float = 20.0  # the same while every KV slot is taken (no prompt can wait)
     cut_bursts: bool = True  # longer bursts too, cut short by input (Runner.cuts), unchained
+    stream_ms: float = 200.0  # longest a burst may hold back its tokens (slower: one step each)
 
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
@@ -82,7 +83,7 @@ class SchedulerConfig:
             raise ValueError(f"hits_every={self.hits_every} must be >= 1")
         if self.burst < 1:
             raise ValueError(f"burst={self.burst} must be >= 1")
-        for name in ("burst_ms", "full_burst_ms"):
+        for name in ("burst_ms", "full_burst_ms", "stream_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -641,8 +642,11 @@ class Scheduler:
         length, is given the chance) runs whole and can be chained behind; a longer one is
         cuttable (with `cut_bursts`, where the runner `cuts`): the input thread cuts it after
         the step in which a frame comes in, so that frame waits no longer than for single
-        steps. Otherwise 1 (one length of burst only: each is a program compiled per batch
-        and context size)."""
+        steps. Never one that the recent steps say would hold its tokens back longer than
+        `stream_ms`: slower steps run one a forward, chained, and each token is written as it
+        is chosen (a burst saves the host ~1 ms a forward, little beside steps that slow).
+        Otherwise 1 (one length of burst only: each is a program compiled per batch and
+        context size)."""
         cfg = self.config
         n = min(cfg.burst, cfg.hits_every)
         if n == 1 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
@@ -650,6 +654,8 @@ class Scheduler:
         if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
             return 1, False
         if any(r.req.temperature > 0 for r in runs):
+            return 1, False
+        if self.step_s is not None and n * self.step_s > cfg.stream_ms / 1e3:
             return 1, False
         full = all(slot.owner is not None for slot in self.slots)
         limit_ms = cfg.full_burst_ms if full else cfg.burst_ms

@@ -37,6 +37,7 @@ class EngineSettings:
     seed: int = 0  # SEED: sampling seed, combined with each request id
     burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
+    stream_ms: int = 200  # STREAM_MS: longest a burst may hold back tokens (slower: no bursts)
     wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
     profile: bool = False  # PROFILE=1: layer by layer, so PERF phases are timed when resident
     warmup: bool = False  # WARMUP=1: after READY, compile every program traffic can reach
@@ -55,7 +56,7 @@ class EngineSettings:
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "SERVE_GATES"),
         *("KVSAVE", "SEED"),
-        *("BURST", "BURST_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
+        *("BURST", "BURST_MS", "STREAM_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
         *("DEVICES", "COORDINATOR", "PROCESSES", "PROCESS_ID"),
     )
@@ -81,6 +82,7 @@ class EngineSettings:
             seed=r.int("SEED", d.seed, lo=0),
             burst=r.int("BURST", d.burst, lo=1, hi=6),
             burst_ms=r.int("BURST_MS", d.burst_ms, lo=0, hi=10_000),
+            stream_ms=r.int("STREAM_MS", d.stream_ms, lo=0, hi=10_000),
             wire=r.choice("WIRE", WIRES, d.wire),
             profile=r.flag("PROFILE", d.profile),
             warmup=r.flag("WARMUP", d.warmup),
@@ -106,6 +108,7 @@ class EngineSettings:
             "SEED": str(self.seed),
             "BURST": str(self.burst),
             "BURST_MS": str(self.burst_ms),
+            "STREAM_MS": str(self.stream_ms),
             "WIRE": self.wire,
             "PROFILE": _bit(self.profile),
             "WARMUP": _bit(self.warmup),

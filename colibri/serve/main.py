@@ -66,6 +66,7 @@ def run_engine(model_dir: str | Path, settings: EngineSettings) -> NoReturn:
             stop_ids=cfg.eos_token_ids,
             burst=settings.burst,
             burst_ms=settings.burst_ms,
+            stream_ms=settings.stream_ms,
         ),
         kv_store=_kv_store(settings, model_dir),
     )
