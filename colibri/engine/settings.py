@@ -55,8 +55,8 @@ class EngineSettings:
     # SERVE=1 is set by colibrì's gateway for its C engine; SERVE_BATCH alone selects here.
     VARIABLES: ClassVar[tuple[str, ...]] = (
         *("SERVE", "SERVE_BATCH", "KV_SLOTS", "CTX", "NGEN", "SERVE_TOPK", "SERVE_GATES"),
-        *("KVSAVE", "SEED"),
-        *("BURST", "BURST_MS", "STREAM_MS", "WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
+        *("KVSAVE", "SEED", "BURST", "BURST_MS", "STREAM_MS"),
+        *("WIRE", "PROFILE", "WARMUP", "STATE_DIR", *TierConfig.VARIABLES),
         *Holding.VARIABLES,
         *("DEVICES", "COORDINATOR", "PROCESSES", "PROCESS_ID"),
     )
