@@ -23,7 +23,10 @@ best of a plain read and numpy reductions on every core, an OpenBLAS and an XLA 
 product and colibri's own linear kernel on one row, over 1 GiB on huge pages): once against the
 best probe of the run (before and after the rounds), and once paired, each round's colibri rate
 against a probe run in its own process just before it (the median of the rounds' ratios; the
-machine's bandwidth moves by a quarter within minutes). At 4 and 16 rows the experts touched
+machine's bandwidth moves by a quarter within minutes), beside the most of that round's
+roofline the kernels' own streaming allows (the chosen experts' bytes at the rate colibri's
+expert kernel streams every expert's rows from memory on both cores at one row, measured in
+the same colibri run: workers.expert_stream_rate). At 4 and 16 rows the experts touched
 are the distinct experts colibri's routers chose, counted per layer, and the table of several
 conversations counts their keys and values too (a 16-row step's rows attend over 16 contexts:
 7-22% of its bytes here), with the GB/s each batch size moves. A step of 16 rows is as much
@@ -153,7 +156,21 @@ def main() -> None:
             c["decode_tok_s_1"] / (g * 1e9 / bytes1)
             for g, c in zip(probes, runs[(name, "colibri")], strict=True)
         ]
-        summary[name]["roofline_paired"] = {"gb_s": probes, "colibri_ratio": ratios}
+        # The most of each round's roofline the kernels' own streaming allows: the chosen
+        # experts' bytes at the rate the expert kernel streams every expert's rows from memory
+        # on both cores (measured in that colibri run), the rest at the probe's rate.
+        bounds = [
+            min(1.0, (bytes1 / g) / ((e := c["expert_step_bytes_1"]) / s + (bytes1 - e) / g))
+            if (s := c.get("stream_gb_s"))
+            else None
+            for g, c in zip(probes, runs[(name, "colibri")], strict=True)
+        ]
+        summary[name]["roofline_paired"] = {
+            "gb_s": probes,
+            "colibri_ratio": ratios,
+            "stream_gb_s": [c.get("stream_gb_s") for c in runs[(name, "colibri")]],
+            "stream_bound": bounds,
+        }
         rows.append(
             {
                 "model": name,
@@ -291,8 +308,14 @@ def write_results(
     paired = []
     for n, res in summary.items():
         pr = res["roofline_paired"]
-        rounds = zip(pr["colibri_ratio"], pr["gb_s"], strict=True)
-        paired.append(f"{n} " + ", ".join(f"{r:.2f} ({g:.1f} GB/s)" for r, g in rounds))
+        rounds = zip(pr["colibri_ratio"], pr["gb_s"], pr["stream_bound"], strict=True)
+        paired.append(
+            f"{n} "
+            + ", ".join(
+                f"{r:.2f} ({g:.1f} GB/s" + (f"; {b:.2f})" if b is not None else ")")
+                for r, g, b in rounds
+            )
+        )
     md = [
         "# colibri beside its peers",
         "",
@@ -303,7 +326,10 @@ def write_results(
         f"Batch-1 greedy decode of {args.tokens} tokens after a {args.prompt}-token prompt; "
         f"best of {args.rounds} alternating rounds, each configuration in its own process.",
         "Each round also probes the bandwidth in a process of its own just before colibri "
-        f"runs; colibri / roofline per round (probe): {'; '.join(paired)}.",
+        "runs; colibri / roofline per round (probe; the most of that roofline the kernels' "
+        "own streaming allows, the chosen experts at the rate the expert kernel streams every "
+        "expert's rows from memory on both cores, measured in the same run): "
+        f"{'; '.join(paired)}.",
         "",
         markdown_table(table, index=False),
         "",

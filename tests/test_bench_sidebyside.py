@@ -1,6 +1,7 @@
 """colibri.bench.sidebyside's table from the runs it makes: each engine's best round, colibri's
 rate against the roofline of each round's probe, and the most of that roofline its widening
-allows (the workers and the probe stood in for by what they report)."""
+and its kernels' streaming allow (the workers and the probe stood in for by what they
+report)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
             res |= {"held_step_bytes_1": 100e6, "expert_step_bytes_1": 60e6}
             if kernels:
                 res["widen_gb_s"] = 20.0
+                res["stream_gb_s"] = 15.0
         return res
 
     monkeypatch.setattr(sidebyside, "run_probe", lambda: next(probes))
@@ -56,3 +58,8 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
     want = "0.83, 1.00" if kernels else None
     assert ours["most the widening allows, per round"] == want
     assert theirs["most the widening allows, per round"] is None
+    # Streaming: 60 MB at 15 GB/s (4 ms) and the other 40 MB at the probe's rate (1 ms at 40
+    # GB/s, 2 at 20): 5 ms against 2.5 (0.50), 6 ms against 5 (0.83).
+    want = "0.50, 0.83" if kernels else None
+    assert ours["most the kernels' streaming allows, per round"] == want
+    assert theirs["most the kernels' streaming allows, per round"] is None

@@ -36,7 +36,11 @@ def side_by_side(
     (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
     roofline its arithmetic allows: a step takes at least the time both cores need to put the
     chosen experts' rows through the kernels from L2 (workers.expert_widen_rate), however well
-    streaming hides behind it, so it reaches at most the roofline's time over that time."""
+    streaming hides behind it, so it reaches at most the roofline's time over that time. And
+    the most the kernels allow while they stream: the chosen experts' bytes at the rate both
+    cores stream experts' rows through the expert kernel from memory at one row
+    (workers.expert_stream_rate, in the same process), the rest of the step's bytes at the
+    probe's rate."""
     first = next(iter(paths))
     prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
     runs = {k: [] for k in paths}
@@ -51,6 +55,11 @@ def side_by_side(
                 if "widen_gb_s" in res:  # measured where the CPU kernels run
                     widen_s = res["expert_step_bytes_1"] / (res["widen_gb_s"] * 1e9)
                     res["roofline"]["bound"] = min(1.0, 1 / roof / widen_s)
+                if "stream_gb_s" in res:
+                    experts = res["expert_step_bytes_1"]
+                    rest = res["held_step_bytes_1"] - experts
+                    step_s = experts / (res["stream_gb_s"] * 1e9) + rest / (probe["gb_s"] * 1e9)
+                    res["roofline"]["stream_bound"] = min(1.0, 1 / roof / step_s)
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
     rows = []
@@ -74,6 +83,10 @@ def side_by_side(
                 or None,
                 "most the widening allows, per round": ", ".join(
                     f"{x['bound']:.2f}" for x in roofs if "bound" in x
+                )
+                or None,
+                "most the kernels' streaming allows, per round": ", ".join(
+                    f"{x['stream_bound']:.2f}" for x in roofs if "stream_bound" in x
                 )
                 or None,
             }

@@ -85,6 +85,7 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     res["expert_step_bytes_1"] = held_step_bytes({}, model.experts, top_k)
     if kernels.available():
         res["widen_gb_s"] = (os.cpu_count() or 1) * expert_widen_rate(model)
+        res["stream_gb_s"] = expert_stream_rate(model)
     sizes, kinds = (1, 4, 16), ((1, "_single"), (BURST, ""))
     for rows in sizes:
         for burst, _ in kinds:
@@ -125,6 +126,37 @@ def expert_widen_rate(model) -> float:
     gate = model.experts[0]["gate"][0]
     rows = max(8, (256 << 10) // (gate.nbytes // gate.shape[0]))
     return widen_rate(jnp.asarray(gate[:rows]), model.cfg.hidden)
+
+
+def expert_stream_rate(model, passes: int = 3) -> float:
+    """GB/s at which the expert kernel, on every core, streams the routed experts' rows as held
+    from memory at one row: one token routed to every expert of every layer in turn (all of
+    them, together far more than the caches hold), one jitted pass; the best of `passes`.
+    Where the rows are widened (int8, int4) this is what the widening lets both cores stream
+    while they read; for float32 rows, about the memory's own rate."""
+    import jax
+    import jax.numpy as jnp
+
+    from colibri import kernels
+
+    experts = [{k: layer[k] for k in ("gate", "up", "down")} for layer in model.experts]
+    ids = jnp.arange(experts[0]["gate"].shape[0], dtype=jnp.int32)[None]
+
+    @jax.jit
+    def every_expert(x, experts):
+        return jnp.stack(
+            [kernels.moe_experts(e["gate"], e["up"], e["down"], x, ids)[0, 0, 0] for e in experts]
+        )
+
+    x = jnp.ones((1, model.cfg.hidden), jnp.float32)
+    every_expert(x, experts).block_until_ready()
+    nbytes = sum(a.nbytes for e in experts for a in e.values())
+    best = 0.0
+    for _ in range(passes):
+        t = time.perf_counter()
+        every_expert(x, experts).block_until_ready()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def work_transformers(ckpt: Path, prompt: list[int], tokens: int) -> dict:
