@@ -60,6 +60,6 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
     assert theirs["most the widening allows, per round"] is None
     # Streaming: 60 MB at 15 GB/s (4 ms) and the other 40 MB at the probe's rate (1 ms at 40
     # GB/s, 2 at 20): 5 ms against 2.5 (0.50), 6 ms against 5 (0.83).
-    want = "0.50, 0.83" if kernels else None
-    assert ours["most the kernels' streaming allows, per round"] == want
-    assert theirs["most the kernels' streaming allows, per round"] is None
+    want = "0.50 (15.0), 0.83 (15.0)" if kernels else None
+    assert ours["most the kernels' streaming allows, per round (their GB/s)"] == want
+    assert theirs["most the kernels' streaming allows, per round (their GB/s)"] is None

@@ -60,6 +60,7 @@ def side_by_side(
                     rest = res["held_step_bytes_1"] - experts
                     step_s = experts / (res["stream_gb_s"] * 1e9) + rest / (probe["gb_s"] * 1e9)
                     res["roofline"]["stream_bound"] = min(1.0, 1 / roof / step_s)
+                    res["roofline"]["stream_gb_s"] = res["stream_gb_s"]
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
     rows = []
@@ -85,8 +86,10 @@ def side_by_side(
                     f"{x['bound']:.2f}" for x in roofs if "bound" in x
                 )
                 or None,
-                "most the kernels' streaming allows, per round": ", ".join(
-                    f"{x['stream_bound']:.2f}" for x in roofs if "stream_bound" in x
+                "most the kernels' streaming allows, per round (their GB/s)": ", ".join(
+                    f"{x['stream_bound']:.2f} ({x['stream_gb_s']:.1f})"
+                    for x in roofs
+                    if "stream_bound" in x
                 )
                 or None,
             }
