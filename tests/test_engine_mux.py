@@ -485,6 +485,7 @@ def test_settings_name_the_variable_and_value():
         ("SERVE_BATCH", "yes"),
         ("SEED", "-3"),
         ("BURST_MS", "-1"),
+        ("STREAM_MS", "soon"),
     ]
     for name, value in bad:
         with pytest.raises(SettingsError, match=f"{name}='{value}'"):
