@@ -128,12 +128,10 @@ def expert_widen_rate(model) -> float:
     return widen_rate(jnp.asarray(gate[:rows]), model.cfg.hidden)
 
 
-def expert_stream_rate(model, passes: int = 3) -> float:
-    """GB/s at which the expert kernel, on every core, streams the routed experts' rows as held
-    from memory at one row: one token routed to every expert of every layer in turn (all of
-    them, together far more than the caches hold), one jitted pass; the best of `passes`.
-    Where the rows are widened (int8, int4) this is what the widening lets both cores stream
-    while they read; for float32 rows, about the memory's own rate."""
+def every_expert_call(model):
+    """(call, bytes): a call that routes one token to every expert of every layer through the
+    expert kernel, all the experts' rows as held streaming from memory at one row (together
+    far more than the caches hold; compiled and run once here), and the bytes it reads."""
     import jax
     import jax.numpy as jnp
 
@@ -151,10 +149,19 @@ def expert_stream_rate(model, passes: int = 3) -> float:
     x = jnp.ones((1, model.cfg.hidden), jnp.float32)
     every_expert(x, experts).block_until_ready()
     nbytes = sum(a.nbytes for e in experts for a in e.values())
+    return (lambda: every_expert(x, experts).block_until_ready()), nbytes
+
+
+def expert_stream_rate(model, passes: int = 3) -> float:
+    """GB/s at which the expert kernel, on every core, streams the routed experts' rows as held
+    from memory at one row (`every_expert_call`); the best of `passes`. Where the rows are
+    widened (int8, int4) this is what the widening lets both cores stream while they read; for
+    float32 rows, about the memory's own rate (experiments/bench_held_streams.py)."""
+    call, nbytes = every_expert_call(model)
     best = 0.0
     for _ in range(passes):
         t = time.perf_counter()
-        every_expert(x, experts).block_until_ready()
+        call()
         best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
     return best
 
