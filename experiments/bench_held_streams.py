@@ -21,7 +21,6 @@ Writes experiments/results/held_streams.md and .json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri import kernels
-from colibri.bench.bandwidth import probe_array, read_rate
+from colibri.bench.bandwidth import call_rate, probe_array, read_rate
 from colibri.bench.formats import FORMATS
 from colibri.bench.shapes import SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import every_expert_call
@@ -45,15 +44,6 @@ def every_expert(ckpt: Path):
     from colibri.engine.model import load_model
 
     return every_expert_call(load_model(ckpt, progress=False))
-
-
-def rate(call, nbytes: int, tries: int = 2) -> float:
-    best = 0.0
-    for _ in range(tries):
-        t = time.perf_counter()
-        call()
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def checkpoint(name: str, fmt: str) -> Path:
@@ -84,7 +74,7 @@ def main() -> None:
     samples = []
     for _ in tqdm(range(args.alternations), desc="alternations", unit="alt"):
         read = max(read_rate(probe) for _ in range(2))
-        samples.append({"read": read} | {k: rate(*c) for k, c in cases.items()})
+        samples.append({"read": read} | {k: call_rate(*c, tries=2) for k, c in cases.items()})
     df = pd.DataFrame(samples)
     rows = []
     for case in cases:

@@ -25,6 +25,16 @@ def probe_array(gib: float) -> np.ndarray:
     return a
 
 
+def call_rate(call, nbytes: int, tries: int) -> float:
+    """GB/s of the fastest of `tries` runs of `call()`, which reads `nbytes`."""
+    best = 0.0
+    for _ in range(tries):
+        t = time.perf_counter()
+        call()
+        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def read_rate(a: np.ndarray, read=None) -> float:
     """GB/s of one read of `a` by every core at once, each over its share: `read` a function of
     a contiguous array (default: `kernels.read_sum`, eight 8-lane sums and nothing else)."""

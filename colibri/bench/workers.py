@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.bench.accounting import distinct_experts, held_step_bytes
-from colibri.bench.bandwidth import memory_bandwidth, widen_rate
+from colibri.bench.bandwidth import call_rate, memory_bandwidth, widen_rate
 from colibri.bench.conversations import BURST, other_conversations
 from colibri.bench.shapes import CACHE
 
@@ -157,13 +157,7 @@ def expert_stream_rate(model, passes: int = 3) -> float:
     from memory at one row (`every_expert_call`); the best of `passes`. Where the rows are
     widened (int8, int4) this is what the widening lets both cores stream while they read; for
     float32 rows, about the memory's own rate (experiments/bench_held_streams.py)."""
-    call, nbytes = every_expert_call(model)
-    best = 0.0
-    for _ in range(passes):
-        t = time.perf_counter()
-        call()
-        best = max(best, nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+    return call_rate(*every_expert_call(model), passes)
 
 
 def work_transformers(ckpt: Path, prompt: list[int], tokens: int) -> dict:
