@@ -272,8 +272,9 @@ def test_bursts_run_whole_up_to_full_burst_ms_while_every_slot_is_taken():
 def test_steps_too_slow_to_stream_run_one_a_forward_chained():
     """Bursts that would hold their tokens back longer than stream_ms are not run: once the
     first forward (of unknown speed, so a whole burst, with the next chained behind it) has
-    landed, each step is its own forward, chained behind the last, and every token lands as
-    it is chosen. The same steps with a looser stream_ms burst."""
+    landed, each step is its own forward, started when the last lands (so that a frame waits
+    for one step at most), and every token lands as it is chosen. The same steps with a
+    looser stream_ms burst."""
     for stream_ms, bursts in ((60.0, False), (1e6, True)):
         sched = make(burst=6, stream_ms=stream_ms, **CUT)
         sched.runner.step_s = 0.02  # 6 steps: 120 ms
@@ -282,7 +283,7 @@ def test_steps_too_slow_to_stream_run_one_a_forward_chained():
         assert calls[:2] == [(6, False, False), (6, False, True)]
         assert any(steps > 1 for steps, _, _ in calls[2:]) == bursts
         if not bursts:
-            assert calls[2:] == [(1, False, True)] * (len(calls) - 2)
+            assert calls[2:] == [(1, False, False)] * (len(calls) - 2)
         assert tokens(events, 1) == reference(A, 30)
 
 

@@ -537,6 +537,8 @@ class Scheduler:
         further; requests admitted since feed their pending token."""
         if self.inflight is None or not self.runner.chains or self.waiting:
             return None  # waiting prompts are prefilled first, not behind a queued forward
+        if self._too_slow_to_burst():
+            return None  # the ~1 ms saved is little there; a frame then waits one step only
         runs, fwd = self.inflight
         if fwd.cuttable:
             return None  # its length is known when it lands
@@ -643,8 +645,10 @@ class Scheduler:
         cuttable (with `cut_bursts`, where the runner `cuts`): the input thread cuts it after
         the step in which a frame comes in, so that frame waits no longer than for single
         steps. Never one that the recent steps say would hold its tokens back longer than
-        `stream_ms`: slower steps run one a forward, chained, and each token is written as it
-        is chosen (a burst saves the host ~1 ms a forward, little beside steps that slow).
+        `stream_ms`: slower steps run one a forward, not chained (`_chain`), so that each
+        token is written as it is chosen and a frame waits for one step at most, as with
+        cuttable bursts (bursts and chaining save the host ~1 ms a forward, little beside
+        steps that slow).
         Otherwise 1 (one length of burst only: each is a program compiled per batch and
         context size)."""
         cfg = self.config
@@ -655,7 +659,7 @@ class Scheduler:
             return 1, False
         if any(r.req.temperature > 0 for r in runs):
             return 1, False
-        if self.step_s is not None and n * self.step_s > cfg.stream_ms / 1e3:
+        if self._too_slow_to_burst():
             return 1, False
         full = all(slot.owner is not None for slot in self.slots)
         limit_ms = cfg.full_burst_ms if full else cfg.burst_ms
@@ -664,6 +668,12 @@ class Scheduler:
         if cfg.cut_bursts and self.runner.cuts:
             return n, True
         return 1, False
+
+    def _too_slow_to_burst(self) -> bool:
+        """Whether the recent steps say a burst would hold its tokens back longer than
+        `stream_ms`."""
+        n = min(self.config.burst, self.config.hits_every)
+        return self.step_s is not None and n * self.step_s > self.config.stream_ms / 1e3
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and
