@@ -113,7 +113,12 @@ def write_peers(args, rows: list[dict]) -> None:
         "and computes in float32, or with COLIBRI_BF16=products rounds the inputs of its bf16 "
         "products to bf16; llama.cpp runs its bf16 GGUF export (norms and routers f32) "
         "with an f32 KV cache and rounds activations to bf16 for its bf16 products. "
-        "Greedy tokens are compared with the first colibri row's.",
+        "Greedy tokens are compared with the first colibri row's. Roofline: the bytes of "
+        "weights a batch-1 step reads as colibri holds them over the bandwidth probed just "
+        "before each colibri round; beside it, the most of it the widening allows (the "
+        "experts' rows from L2) and the kernels' streaming allows (every expert's rows "
+        "streamed from memory through the expert kernel, with its GB/s), measured in the "
+        "same round (colibri.bench.sidebyside).",
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
