@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from colibri.bench.accounting import kv_bytes, step_bytes, step_flops
+from colibri.bench.accounting import kv_bytes, step_bytes, step_flops, streaming_bound
 from colibri.bench.bandwidth import memory_bandwidth
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs
@@ -160,8 +160,8 @@ def main() -> None:
         # experts' bytes at the rate the expert kernel streams every expert's rows from memory
         # on both cores (measured in that colibri run), the rest at the probe's rate.
         bounds = [
-            min(1.0, (bytes1 / g) / ((e := c["expert_step_bytes_1"]) / s + (bytes1 - e) / g))
-            if (s := c.get("stream_gb_s"))
+            streaming_bound(bytes1, c["expert_step_bytes_1"], c["stream_gb_s"], g)
+            if "stream_gb_s" in c
             else None
             for g, c in zip(probes, runs[(name, "colibri")], strict=True)
         ]

@@ -68,3 +68,11 @@ def kv_bytes(cfg, rows: int, prompt: int, tokens: int) -> float:
     mean context."""
     per_position = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
     return rows * per_position * mean_context(prompt, tokens)
+
+
+def streaming_bound(step: float, experts: float, stream_gb_s: float, probe_gb_s: float) -> float:
+    """The most of a step's roofline (`step` bytes over the probe's rate) its kernels' own
+    streaming allows: the chosen experts' `experts` bytes at `stream_gb_s`, the rest of the
+    step at the probe's rate; at most 1."""
+    at_best = experts / stream_gb_s + (step - experts) / probe_gb_s
+    return min(1.0, step / probe_gb_s / at_best)

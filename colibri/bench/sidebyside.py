@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from colibri.bench.accounting import streaming_bound
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.workers import run_probe, run_worker
 from colibri.config import load_config
@@ -56,10 +57,12 @@ def side_by_side(
                     widen_s = res["expert_step_bytes_1"] / (res["widen_gb_s"] * 1e9)
                     res["roofline"]["bound"] = min(1.0, 1 / roof / widen_s)
                 if "stream_gb_s" in res:
-                    experts = res["expert_step_bytes_1"]
-                    rest = res["held_step_bytes_1"] - experts
-                    step_s = experts / (res["stream_gb_s"] * 1e9) + rest / (probe["gb_s"] * 1e9)
-                    res["roofline"]["stream_bound"] = min(1.0, 1 / roof / step_s)
+                    res["roofline"]["stream_bound"] = streaming_bound(
+                        res["held_step_bytes_1"],
+                        res["expert_step_bytes_1"],
+                        res["stream_gb_s"],
+                        probe["gb_s"],
+                    )
                     res["roofline"]["stream_gb_s"] = res["stream_gb_s"]
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
