@@ -73,6 +73,11 @@ class SchedulerConfig:
     cut_bursts: bool = True  # longer bursts too, cut short by input (Runner.cuts), unchained
     stream_ms: float = 200.0  # longest a burst may hold back its tokens (slower: one step each)
 
+    @property
+    def burst_steps(self) -> int:
+        """Steps of a burst: `burst`, up to the next HITS tick."""
+        return min(self.burst, self.hits_every)
+
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
             if getattr(self, name) < 0:
@@ -403,7 +408,7 @@ class Scheduler:
         warm = getattr(self.runner, "warmup", None)
         if warm is None or self.config.gates:  # (gates: the traced programs run instead)
             return iter(())
-        n = min(self.config.burst, self.config.hits_every)
+        n = self.config.burst_steps
         bursts = n > 1 and self.runner.chains and not (self.config.topk or self.config.gates)
         return warm(steps=n if bursts else 1, export=self.kv_store is not None)
 
@@ -652,7 +657,7 @@ class Scheduler:
         Otherwise 1 (one length of burst only: each is a program compiled per batch and
         context size)."""
         cfg = self.config
-        n = min(cfg.burst, cfg.hits_every)
+        n = cfg.burst_steps
         if n == 1 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
             return 1, False
         if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
@@ -672,8 +677,8 @@ class Scheduler:
     def _too_slow_to_burst(self) -> bool:
         """Whether the recent steps say a burst would hold its tokens back longer than
         `stream_ms`."""
-        n = min(self.config.burst, self.config.hits_every)
-        return self.step_s is not None and n * self.step_s > self.config.stream_ms / 1e3
+        cfg = self.config
+        return self.step_s is not None and cfg.burst_steps * self.step_s > cfg.stream_ms / 1e3
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and
