@@ -58,7 +58,7 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream.
     if constexpr (TR > 1) {
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
-        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048 / sizeof(T), 0, 3);
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
     }
     step(w, x, c, acc, std::make_index_sequence<TW>{});
   }
