@@ -129,7 +129,7 @@ inline void bdots(const uint16_t* const* w, const uint16_t* const* x, int64_t L,
     if (next)
       for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + next + c, 0, 3);
     else if (TR > 1)
-      for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 1024, 0, 3);
+      for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 2048, 0, 2);
     BVec wv[TW];
     for (int i = 0; i < TW; ++i) wv[i] = bload(w[i] + c);
     for (int j = 0; j < TR; ++j) {
