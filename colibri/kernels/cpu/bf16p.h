@@ -117,7 +117,7 @@ inline v8 bfold(const BAcc& a) { return a.lo + a.hi; }
 // for TW weight rows and TR inputs (both rows of bfloat16 bits). `next`: where the rows after
 // these are (`ld` weights on), prefetched column by column as the tile goes, for a tile that
 // meets rows already in L1 (the second of two tiles over the same rows); else, for tiles of
-// several inputs, each row's stream 2 KiB ahead (one input streams fast without).
+// several inputs, each row's stream 4 KiB ahead into L2 (one input streams fast without).
 template <int TW, int TR>
 inline void bdots(const uint16_t* const* w, const uint16_t* const* x, int64_t L, float* out,
                   int64_t next = 0) {

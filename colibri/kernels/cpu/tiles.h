@@ -55,7 +55,8 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
-    // Compute-heavier tiles: keep the next weights coming, 2 KiB ahead in each row's stream.
+    // Compute-heavier tiles: keep the next weights coming, 4 KiB ahead in each row's stream,
+    // into L2 (into L1 and 2 KiB ahead, these tiles took up to 1.4x the time: docs/kernels.md).
     if constexpr (TR > 1) {
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
@@ -88,9 +89,10 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
                          const v8* scale, const v8* offset, v8 (*acc)[TR]) {
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     {
-      // Once a cache line of values, 2 KiB ahead, as for the other weights, and here for a
-      // single input too: one-row calls over FP8 and int8 rows are much slower without it
-      // (float32 and bfloat16 rows, which stream fast alone, are slower with it).
+      // Once a cache line of values, into L1 2 KiB ahead (into L2 as `dots` does: up to 1.17x
+      // the time), and here for a single input too: one-row calls over FP8 and int8 rows are
+      // much slower without it (float32 and bfloat16 rows, which stream fast alone, are
+      // slower with it).
       const int64_t at = value_bytes(w[0], c);
       if (at % 64 == 0)
         for (int i = 0; i < TW; ++i)
