@@ -49,6 +49,24 @@ void chunk(const float* W, int64_t R, int64_t L, int64_t gap, const float* x, fl
     }
 }
 
+// The same with each group of TW rows stored interleaved, B floats of each row in turn: the
+// group is read as one sequential stream.
+template <int TW, int B>
+void interleaved(const float* W, int64_t R, int64_t L, const float* x, float* y) {
+  for (int64_t b = 0; b < R; b += TW) {
+    const float* g = W + b * L;
+    v8 acc[TW];
+    for (int i = 0; i < TW; ++i) acc[i] = v8{};
+    for (int64_t c = 0; c + B <= L; c += B, g += TW * B)
+      for (int k = 0; k < B; k += 8) {
+        const v8 xv = load8(x + c + k);
+        for (int i = 0; i < TW; ++i)
+          acc[i] = (v8)_mm256_fmadd_ps((__m256)load8(g + i * B + k), (__m256)xv, (__m256)acc[i]);
+      }
+    for (int i = 0; i < TW; ++i) y[b + i] = hsum(acc[i]);
+  }
+}
+
 // Plain read of the same bytes (four independent sums): the ceiling.
 void read_only(const float* W, int64_t n, float* y) {
   v8 a{}, b{}, c{}, d{};
@@ -80,7 +98,10 @@ int main(int argc, char** argv) {
                  {"4 adjacent rows", 4, 1},
                  {"8 adjacent rows", 8, 1},
                  {"4 rows a quarter apart", 4, R / 4},
-                 {"8 rows an eighth apart", 8, R / 8}};
+                 {"8 rows an eighth apart", 8, R / 8},
+                 {"4 rows interleaved by 8", -4, 8},
+                 {"4 rows interleaved by 16", -4, 16},
+                 {"8 rows interleaved by 8", -8, 8}};
   const int n = sizeof layouts / sizeof layouts[0];
   std::vector<double> best(n, 0.0);
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
@@ -96,6 +117,11 @@ int main(int argc, char** argv) {
             case 1: chunk<1>(w, R, L, 1, x.data(), y.data()); break;
             case 4: chunk<4>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
             case 8: chunk<8>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
+            case -4:
+              if (layouts[v].gap == 8) interleaved<4, 8>(w, R, L, x.data(), y.data());
+              else interleaved<4, 16>(w, R, L, x.data(), y.data());
+              break;
+            case -8: interleaved<8, 8>(w, R, L, x.data(), y.data()); break;
           }
         }
       };

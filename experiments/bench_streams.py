@@ -4,8 +4,9 @@ How fast weights stream through a matrix-vector product depending on which rows 
 by side: the fact behind the row order of colibri's CPU kernels (colibri/kernels/cpu/tiles.h). A
 small C++ program (bench_streams.cc, built here with the same flags as the kernels) computes
 y = W x over --mib MiB of float32 weights on every core, in work items of 64 rows, visiting the
-rows of an item one at a time, 4 or 8 neighbours side by side, or 4 (8) side by side a quarter
-(an eighth) of the item apart; a plain read of the same bytes is the ceiling. Best of --repeats,
+rows of an item one at a time, 4 or 8 neighbours side by side, 4 (8) side by side a quarter
+(an eighth) of the item apart, or 4 (8) stored interleaved (8 or 16 floats of each row in turn,
+one sequential stream); a plain read of the same bytes is the reference. Best of --repeats,
 layouts interleaved. Rows of 512 and 768 floats are the expert rows of the peers shapes.
 Writes experiments/results/streams.md and streams.json.
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from colibri import kernels
+from colibri.engine.hwinfo import cpu_name
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -49,8 +51,8 @@ def run(exe: Path, row_floats: int, mib: int, repeats: int) -> list[dict]:
             {
                 "row KiB": row_floats * 4 / 1024,
                 "layout": name,
-                "streams per thread": int(side) or 1,
-                "gap KiB": int(gap) * row_floats * 4 / 1024,
+                "streams per thread": max(int(side), 1),  # interleaved rows: one stream
+                "gap KiB": int(gap) * row_floats * 4 / 1024 if int(side) > 0 else 0.0,
                 "GB/s": float(gb_s),
             }
         )
@@ -75,7 +77,7 @@ def main() -> None:
     text = (
         "# Weight streaming by row layout\n\n"
         f"`python experiments/bench_streams.py --mib {args.mib} --repeats {args.repeats} "
-        f"--rows {args.rows}`; {os.cpu_count()} threads, items of {CHUNK_ROWS} rows.\n\n"
+        f"--rows {args.rows}`; {cpu_name()}, {os.cpu_count()} threads, items of {CHUNK_ROWS} rows.\n\n"
         f"{table}\n"
     )
     (RESULTS / "streams.md").write_text(text)
