@@ -244,16 +244,25 @@ def worker_command(kind: str, out: Path) -> list[str]:
 
 
 def run_worker(
-    peer: str, path: Path, prompt: list[int], tokens: int, env: dict[str, str] | None = None
+    peer: str,
+    path: Path,
+    prompt: list[int],
+    tokens: int,
+    env: dict[str, str] | None = None,
+    tree: Path | None = None,
 ) -> dict:
     """One run of `peer` on `path` in a process of its own (`env`: variables added to this
-    process's, e.g. COLIBRI_BF16=products for a colibri run)."""
-    out = CACHE / f"worker-{os.getpid()}.json"
+    process's, e.g. COLIBRI_BF16=products for a colibri run; `tree`: a checkout of colibri
+    whose code the worker runs, instead of this one's)."""
+    out = (CACHE / f"worker-{os.getpid()}.json").resolve()
     kind = "llama" if peer.startswith("llama") else peer
-    cmd = worker_command(kind, out) + ["--path", str(path)]
+    cmd = worker_command(kind, out) + ["--path", str(Path(path).resolve())]
     cmd += ["--tokens", str(tokens), "--prompt-ids", json.dumps(prompt)]
+    env = {**os.environ, **(env or {})}
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env, cwd=tree)
     res = json.loads(out.read_text())
     out.unlink()
     print(
