@@ -70,7 +70,7 @@ def summarize(name: str, runs: dict[str, list[dict]]) -> list[dict]:
     for key, label in MEASURES.items():
         if not all(key in r for r in base + new):
             continue
-        ratios = [n[key] / b[key] for b, n in zip(base, new)]
+        ratios = [n[key] / b[key] for b, n in zip(base, new, strict=True)]
         rows.append(
             {
                 "model": name,
@@ -111,13 +111,15 @@ def main() -> None:
                 if args.ckpt_suffix:
                     ckpt = CACHE / f"{name}{args.ckpt_suffix}"
                     if not (ckpt / "config.json").exists():
-                        raise SystemExit(f"{ckpt}: no such checkpoint (make it with the "
-                                         "benchmark that holds that format)")
+                        raise SystemExit(
+                            f"{ckpt}: no such checkpoint (make it with the "
+                            "benchmark that holds that format)"
+                        )
                 print(f"{name}: {args.pairs} pairs, base {rev} against the working tree")
                 prompt = prompt_ids(spec.vocab, args.prompt)
                 runs = pairs_of_runs(trees, ckpt, prompt, args.tokens, args.pairs, env)
-                same = all(b["tokens"] == n["tokens"] for b, n in zip(runs["base"],
-                                                                      runs["working tree"]))
+                pairs = zip(runs["base"], runs["working tree"], strict=True)
+                same = all(b["tokens"] == n["tokens"] for b, n in pairs)
                 rows += summarize(name, runs)
                 data["shapes"][name] = {"runs": runs, "same_tokens": same}
         finally:

@@ -77,7 +77,8 @@ def main() -> None:
     text = (
         "# Weight streaming by row layout\n\n"
         f"`python experiments/bench_streams.py --mib {args.mib} --repeats {args.repeats} "
-        f"--rows {args.rows}`; {cpu_name()}, {os.cpu_count()} threads, items of {CHUNK_ROWS} rows.\n\n"
+        f"--rows {args.rows}`; {cpu_name()}, {os.cpu_count()} threads, "
+        f"items of {CHUNK_ROWS} rows.\n\n"
         f"{table}\n"
     )
     (RESULTS / "streams.md").write_text(text)
