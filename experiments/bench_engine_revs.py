@@ -1,5 +1,5 @@
 """python experiments/bench_engine_revs.py [--base HEAD~1] [--pairs 4] [--shapes A,B]
-    [--tokens 64] [--prompt 128] [--env NAME=VALUE ...] [--out engine_revs]
+    [--tokens 64] [--prompt 128] [--dtype f32] [--env NAME=VALUE ...] [--out engine_revs]
 
 The whole engine at two revisions, side by side: the working tree and --base (any git revision,
 checked out in a temporary worktree for the run; it must have colibri/bench/workers.py). Each
@@ -10,9 +10,10 @@ experiments/bench_peers.py). Ratios are taken within a pair, a minute apart, on 
 memory speed moves by 2x between minutes; the median over pairs is the figure. Kernel changes
 are timed more finely by bench_kernel_revs.py (call by call, in one process); this shows what
 of them reaches a decode step. Both versions must choose the same greedy tokens (a change of
-speed never changes tokens); the report says whether they did. --env: variables for both
-workers (COLIBRI_BF16=products, COLIBRI_INT8=experts, ...), with --ckpt-suffix naming the
-checkpoint variant made by experiments/bench_quantized.py or bench_bf16.py (e.g. -bf16).
+speed never changes tokens); the report says whether they did. --dtype: the peers shape
+synthesized as bf16 or a held format of colibri.bench.formats (fp8, int4, awq4, int8), as
+bench_bf16.py and bench_quantized.py make it; --env: variables for both workers
+(COLIBRI_BF16=products, ...).
 Writes experiments/results/NAME.md and NAME.json.
 """
 
@@ -27,7 +28,8 @@ from pathlib import Path
 import pandas as pd
 
 from colibri.bench.conversations import prompt_ids
-from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs
+from colibri.bench.formats import FORMATS
+from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import run_worker
 from colibri.engine.hwinfo import cpu_name
 from colibri.report import markdown_table, write_report
@@ -49,6 +51,13 @@ def git(*args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=REPO, check=True, capture_output=True, text=True
     ).stdout.strip()
+
+
+def checkpoint(name: str, dtype: str) -> Path:
+    """The peers shape `name` as `dtype`, made if missing."""
+    if dtype == "f32":
+        return ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+    return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 
 def pairs_of_runs(
@@ -92,7 +101,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for both workers")
-    ap.add_argument("--ckpt-suffix", default="", help="checkpoint variant, e.g. -bf16")
+    ap.add_argument("--dtype", default="f32", choices=("f32", "bf16", *FORMATS))
     ap.add_argument("--out", default="engine_revs")
     args = ap.parse_args()
     env = dict(e.split("=", 1) for e in args.env)
@@ -107,14 +116,7 @@ def main() -> None:
             trees = {"base": tree, "working tree": REPO.resolve()}
             for name in args.shapes.split(","):
                 spec = SHAPES[name]
-                ckpt = ensure_inputs(name, spec, with_llama=False)["colibri"]
-                if args.ckpt_suffix:
-                    ckpt = CACHE / f"{name}{args.ckpt_suffix}"
-                    if not (ckpt / "config.json").exists():
-                        raise SystemExit(
-                            f"{ckpt}: no such checkpoint (make it with the "
-                            "benchmark that holds that format)"
-                        )
+                ckpt = checkpoint(name, args.dtype)
                 print(f"{name}: {args.pairs} pairs, base {rev} against the working tree")
                 prompt = prompt_ids(spec.vocab, args.prompt)
                 runs = pairs_of_runs(trees, ckpt, prompt, args.tokens, args.pairs, env)
@@ -138,7 +140,7 @@ def main() -> None:
         f"Command: `python experiments/bench_engine_revs.py --base {args.base} --pairs "
         f"{args.pairs} --shapes {args.shapes} --tokens {args.tokens} --prompt {args.prompt}"
         + "".join(f" --env {e}" for e in args.env)
-        + (f" --ckpt-suffix {args.ckpt_suffix}" if args.ckpt_suffix else "")
+        + (f" --dtype {args.dtype}" if args.dtype != "f32" else "")
         + "`  ",
         f"Machine: {cpu_name()}  ",
         f"Base: {rev}; working tree: {git('rev-parse', '--short', 'HEAD')}"
