@@ -6,16 +6,19 @@
 #
 # In order, each step bounded in time so that a slow one cannot starve the others:
 #   1. the devices JAX sees, and which of colibri's imports are missing;
-#   2. the oracle against transformers (tests/test_oracle.py, three families) at JAX's default
-#      matmul precision, then at "highest" (float32 products on a GPU may otherwise run as TF32);
+#   2. the oracle against transformers (tests/test_oracle.py, three families and their held
+#      variants) at JAX's default matmul precision: the model asks for float32 products itself
+#      (colibri.model.layers.EXACT), so a GPU's TF32 default must not show;
 #   3. the tiers on the GPU (pinned host RAM, staging into device slots: tests/test_tiers.py);
 #   4. decode steps on the GPU (experiments/bench_scale.py --devices 1).
-# Everything goes to $OUT/gpu_check.log; the benchmark's tables to $OUT/scale.md and .json.
+# A summary goes to $OUT/gpu_check.log, each pytest's whole report to $OUT/<step>.txt, the
+# benchmark's tables to $OUT/scale.md and .json. Packages the machine lacks (compressed-tensors,
+# for the int4 and int8 oracle) may come first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 FAMILIES="qwen3_moe or olmoe or deepseek_v3"
 
@@ -33,15 +36,17 @@ need = ["numpy", "jax", "safetensors", "tokenizers", "jinja2", "tqdm", "psutil",
 missing = [m for m in need if importlib.util.find_spec(m) is None]
 print("missing:", " ".join(missing) or "none")
 EOF
-  step "oracle, default precision"
-  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/test_oracle.py -k "$FAMILIES" 2>&1 | tail -25
-  step "oracle, JAX_DEFAULT_MATMUL_PRECISION=highest"
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 \
-    $PY -m pytest -q -p no:cacheprovider tests/test_oracle.py -k "$FAMILIES" 2>&1 | tail -25
+  step "oracle"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 200 $PY -m pytest -q -rfEs -p no:cacheprovider \
+    -n 4 tests/test_oracle.py -k "$FAMILIES" \
+    >"$OUT/oracle.txt" 2>&1
+  tail -n 25 "$OUT/oracle.txt"
   step "tiers on the GPU"
-  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_tiers.py -k qwen3_moe 2>&1 | tail -15
+  timeout 100 $PY -m pytest -q -rfEs -p no:cacheprovider tests/test_tiers.py -k qwen3_moe \
+    >"$OUT/tiers.txt" 2>&1
+  tail -n 15 "$OUT/tiers.txt"
   step "decode steps"
-  timeout 120 $PY experiments/bench_scale.py --devices 1 --steps 24 2>&1 | tail -20
+  timeout 100 $PY experiments/bench_scale.py --devices 1 --steps 24 2>&1 | tail -4
   cp experiments/results/scale.md experiments/results/scale.json "$OUT"/ 2>/dev/null
   git checkout -q -- experiments/results/scale.md experiments/results/scale.json 2>/dev/null
   step "done"

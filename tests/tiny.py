@@ -597,7 +597,14 @@ def hf_model(model_dir: Path):
         model_dir = decompressed(model_dir)
     if quant.get("quant_method") in ("gptq", "awq"):
         model_dir = gptq_dequantized(model_dir)
-    m = auto.from_pretrained(model_dir, dtype=torch.float32)
+    kw = {}
+    if quant.get("quant_method") == "fp8":  # its dequantized path, which a CPU takes by itself
+        from transformers import FineGrainedFP8Config
+
+        kw["quantization_config"] = FineGrainedFP8Config(
+            dequantize=True, weight_block_size=tuple(quant["weight_block_size"])
+        )
+    m = auto.from_pretrained(model_dir, dtype=torch.float32, **kw)
     m.eval()
     return m
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from colibri import kernels
 from colibri.config import ModelConfig
-from colibri.model.layers import Rope, apply_rope, linear, rms_norm, rope_cos_sin
+from colibri.model.layers import EXACT, Rope, apply_rope, linear, rms_norm, rope_cos_sin
 
 # Cache layout per layer: GQA {"k", "v": [S, Hkv, C, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
 # (and DSA's indexer keys "ik": [S, C, Di] where the layer runs an indexer, `indexer.select`)
@@ -66,13 +66,13 @@ def _softmax_attend(
 ) -> jax.Array:
     """q [B, T, Hkv, G, Dq], k [B, Hkv, S, Dq], v [B, Hkv, S, Dv] -> [B, T, Hkv, G, Dv];
     `keep` [B, T, S]: the only positions each query may attend to (DSA), besides causality."""
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k) * scale
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, precision=EXACT) * scale
     visible = jnp.arange(k.shape[2])[None, None, :] <= pos[:, :, None]  # [B, T, S]
     if keep is not None:
         visible = visible & keep
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
-    return jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=EXACT)
 
 
 def export_positions(layer: Cache, slot: int | jax.Array, length: int) -> Cache:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from colibri.config import ModelConfig
 from colibri.model import attention
-from colibri.model.layers import Rope, apply_rope, linear, rope_cos_sin
+from colibri.model.layers import EXACT, Rope, apply_rope, linear, rope_cos_sin
 
 _K_NORM_EPS = 1e-6  # transformers builds the indexer's LayerNorm with eps 1e-6
 
@@ -60,9 +60,9 @@ def index_scores(
     q = linear(q_lat, w["wq_b"]).reshape(B, T, d.n_heads, d.head_dim)
     cos, sin = rope
     q = apply_rope(q, cos, sin, d.interleave)
-    dots = jax.nn.relu(jnp.einsum("bthd,bsd->bths", q, keys) * d.head_dim**-0.5)
+    dots = jax.nn.relu(jnp.einsum("bthd,bsd->bths", q, keys, precision=EXACT) * d.head_dim**-0.5)
     heads = linear(x, w["weights"]) * d.n_heads**-0.5  # [B, T, H]
-    scores = jnp.einsum("bth,bths->bts", heads, dots)
+    scores = jnp.einsum("bth,bths->bts", heads, dots, precision=EXACT)
     visible = jnp.arange(keys.shape[1])[None, None, :] <= pos[:, :, None]
     return jnp.where(visible, scores, -jnp.inf)
 

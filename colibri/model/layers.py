@@ -11,6 +11,11 @@ import jax.numpy as jnp
 from colibri import formats, kernels
 from colibri.config import RopeConfig
 
+# Every product of the model at full float32 precision, on every backend: JAX's default lets a
+# GPU run float32 products as TF32, which moves logits beyond the oracle's 1e-4 and can change
+# tokens. On CPU this is what XLA computes anyway.
+EXACT = jax.lax.Precision.HIGHEST
+
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32 (on CPU, for the rows of a decode step,
@@ -78,7 +83,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
         y = _native_linear(x, w)
     else:
         x = formats.round_inputs(x, w.dtype)
-        y = jnp.einsum("...i,oi->...o", x, widen_rows(w, x.shape[-1]))
+        y = jnp.einsum("...i,oi->...o", x, widen_rows(w, x.shape[-1]), precision=EXACT)
     return y if b is None else y + b
 
 
@@ -98,7 +103,8 @@ def _native_linear_fwd(x, w):
 
 def _native_linear_bwd(res, dy):
     x, w = res
-    return jnp.einsum("...o,oi->...i", dy, w), jnp.einsum("...o,...i->oi", dy, x)
+    dx = jnp.einsum("...o,oi->...i", dy, w, precision=EXACT)
+    return dx, jnp.einsum("...o,...i->oi", dy, x, precision=EXACT)
 
 
 _native_linear.defvjp(_native_linear_fwd, _native_linear_bwd)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from colibri import formats, kernels
 from colibri.config import MoeConfig
-from colibri.model.layers import linear, swiglu, widen_rows
+from colibri.model.layers import EXACT, linear, swiglu, widen_rows
 
 # Routed experts of one layer: {"gate", "up": [S, F, D], "down": [S, D, F]}. S is the number of
 # resident experts (all E when fully resident, or a slot cache); indices passed in are slot ids.
@@ -258,13 +258,14 @@ def _expert_mlp(experts: Experts, x: jax.Array, slot: jax.Array) -> jax.Array:
 
     g, u, d = matrix("gate", D), matrix("up", D), matrix("down", F)
     # x as the products take it (rounded once by expert_outputs); h too, for bfloat16 products
-    h = formats.round_inputs(jax.nn.silu(x @ g.T) * (x @ u.T), experts["gate"].dtype)
-    return h @ d.T
+    gate, up = jnp.matmul(x, g.T, precision=EXACT), jnp.matmul(x, u.T, precision=EXACT)
+    h = formats.round_inputs(jax.nn.silu(gate) * up, experts["gate"].dtype)
+    return jnp.matmul(h, d.T, precision=EXACT)
 
 
 def combine(y: jax.Array, wts: jax.Array) -> jax.Array:
     """sum_k wts[n, k] * y[n, k]: [N, K, D], [N, K] -> [N, D]."""
-    return jnp.einsum("nkd,nk->nd", y, wts)
+    return jnp.einsum("nkd,nk->nd", y, wts, precision=EXACT)
 
 
 def mix_experts(experts: Experts, x: jax.Array, ids: jax.Array, wts: jax.Array) -> jax.Array:
