@@ -3,9 +3,13 @@
 // 8-lane accumulators at once, each exactly as tiles.h's `dots` advances it. The inputs are
 // packed for that once per call (`Packed`); a weight vector is loaded into both halves.
 //
-// With 32 registers a tile keeps three weight rows against sixteen inputs (24 sums, 3 weight
-// vectors, 1 input vector), so a row of weights met by up to 16 inputs is read once and
-// consumed in one pass, and the inputs come as one sequential stream instead of one per input.
+// A tile keeps three weight rows against up to eight inputs (12 sums, 3 weight vectors, 1 input
+// vector), the inputs coming as one sequential stream instead of one per input. More inputs
+// than eight come in groups of eight, each group over the whole slice of rows before the next
+// (float32 and bfloat16 rows): a group's inputs (8 L floats, 24 KiB at L = 768) stay in L1
+// while the rows stream past, and the next group reads the slice from L2. Sixteen inputs a
+// tile (48 KiB at L = 768, an L1's size) computed from DRAM at about half their rate from
+// cache (docs/kernels.md, "Groups of eight inputs").
 // Results are bitwise those of tiles.h (cpu.cc, "Exactness"; tests/test_kernels.py compares
 // this build with the AVX2 one, which has no such tiles).
 
@@ -39,13 +43,14 @@ constexpr bool kPairs = false;
 constexpr int64_t kPairedFrom = 5;
 constexpr int64_t kPairedExpertFrom = 9;
 
-// r inputs of L floats packed for the paired tiles, in groups of 16: group g holds inputs
-// 16 g .. 16 g + 15 as ceil(L / 8) chunks of eight columns, each chunk its inputs' eight
+// r inputs of L floats packed for the paired tiles, in groups of 8: group g holds inputs
+// 8 g .. 8 g + 7 as ceil(L / 8) chunks of eight columns, each chunk its inputs' eight
 // columns pair by pair ([input 2p | input 2p + 1] in 16 floats), so that a tile's step reads
 // one 16-float vector a pair, one after another. A last chunk of fewer than eight columns and
 // the second half of a last pair without an input are zeros.
 struct Packed {
-  static constexpr int64_t kGroup = 16;
+  static constexpr int64_t kGroup = 8;
+  static constexpr int64_t kFull = kGroup / 2;  // pairs in a full group
   float* data = nullptr;
   int64_t r = 0, L = 0;
   int64_t nch = 0;     // chunks of eight columns: ceil(L / 8)
@@ -59,14 +64,14 @@ struct Packed {
 
   int64_t groups() const { return r > 0 ? last + 1 : 0; }
   int64_t inputs(int64_t g) const { return std::min(kGroup, r - g * kGroup); }
-  int64_t pairs(int64_t g) const { return g == last ? tail : 8; }
+  int64_t pairs(int64_t g) const { return g == last ? tail : kFull; }
   // Floats r inputs of L take (every group but the last is full).
   static int64_t floats(int64_t r, int64_t L) {
     if (r <= 0) return 0;
     const int64_t chunks = (L + 7) / 8, full = (r - 1) / kGroup, last = r - full * kGroup;
-    return (full * 8 + (last + 1) / 2) * 16 * chunks;
+    return (full * kFull + (last + 1) / 2) * 16 * chunks;
   }
-  float* group(int64_t g) const { return data + g * 128 * nch; }
+  float* group(int64_t g) const { return data + g * kFull * 16 * nch; }
   // Where column c of input j is.
   float* at(int64_t j, int64_t c) const {
     const int64_t g = j / kGroup, k = j % kGroup;
@@ -174,9 +179,10 @@ inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out)
 
 // Rows w[0 .. TW) (their indices `rows`) against every input of x: emit(row, j, value).
 template <int TW, typename T, typename Emit>
-inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, Emit& emit) {
-  float out[TW * 16];
-  for (int64_t g = 0; g < x.groups(); ++g) {
+inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, Emit& emit,
+                       int64_t g0, int64_t g1) {
+  float out[TW * Packed::kGroup];
+  for (int64_t g = g0; g < g1; ++g) {
     switch (x.pairs(g)) {
 #define COLIBRI_PAIRS(n)        \
   case n:                       \
@@ -218,26 +224,28 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
           const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
           for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
         }
-      pair_tiles<TW>(w, rows, x, emit);
+      pair_tiles<TW>(w, rows, x, emit, 0, x.groups());
     }
     for (int64_t row = gap * TW; row < R; ++row) {
       widen_row(W + row * ld, L, blk, wide.data());
-      pair_tiles<1>(w, &row, x, emit);
+      pair_tiles<1>(w, &row, x, emit, 0, x.groups());
     }
   } else {
     (void)blk;
     const T* w[TW];
     int64_t rows[TW];
-    for (int64_t row = 0; row < gap; ++row) {
-      for (int i = 0; i < TW; ++i) {
-        rows[i] = row + i * gap;
-        w[i] = W + rows[i] * ld;
+    for (int64_t g = 0; g < x.groups(); ++g) {  // a group over every row, then the next
+      for (int64_t row = 0; row < gap; ++row) {
+        for (int i = 0; i < TW; ++i) {
+          rows[i] = row + i * gap;
+          w[i] = W + rows[i] * ld;
+        }
+        pair_tiles<TW>(w, rows, x, emit, g, g + 1);
       }
-      pair_tiles<TW>(w, rows, x, emit);
-    }
-    for (int64_t row = gap * TW; row < R; ++row) {
-      w[0] = W + row * ld;
-      pair_tiles<1>(w, &row, x, emit);
+      for (int64_t row = gap * TW; row < R; ++row) {
+        w[0] = W + row * ld;
+        pair_tiles<1>(w, &row, x, emit, g, g + 1);
+      }
     }
   }
 }
@@ -246,7 +254,7 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` elements apart) to the inputs packed in
 // x (x.L == L): emit(row, j, value) for every row and input, bitwise as tiles.h's `matvecs`
-// over the same inputs as rows. Three weight rows a tile (up to 24 sums), four where the first
+// over the same inputs as rows. Three weight rows a tile (up to 12 sums), four where the first
 // group has only one or two pairs. Only where kPairs.
 template <typename T, typename Emit>
 void matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit emit, int64_t ld = 0,
