@@ -227,6 +227,26 @@ def weight_calls_bound(rows: list[dict]) -> tuple[float, float]:
     return us / rows[-1]["µs a step"], sum(r["µs a step"] * r["/ bound"] for r in calls) / us
 
 
+def attainable_step(res: dict, rnd: dict, rows: list[dict]) -> float:
+    """µs a step with every weight call at its bound and attention reading the step's keys and
+    values at the round's faster read; every other part (XLA's ops, norms, the router's choice,
+    the gaps) as it ran. The memory roofline over it: the most of that roofline the step can
+    reach on this machine, where a call's multiply-adds outlast its reads."""
+    probe = max(rnd["read_gb_s"])
+    kv_us = (res["step_bytes"] - res["weight_bytes"]) / probe / 1e3
+    us = 0.0
+    for r in rows:
+        if r["part"] == "step (profiled)":
+            continue
+        if r.get("/ bound"):
+            us += r["µs a step"] * r["/ bound"]
+        elif r["part"] == "attention":
+            us += kv_us
+        else:
+            us += r["µs a step"]
+    return us
+
+
 def switches() -> str:
     """The holding switches this run was given that differ from the defaults, as a command's
     prefix ("COLIBRI_BF16=products ")."""
@@ -263,7 +283,11 @@ def write(results: dict, args, out: str) -> None:
                 f"{r['profiled_step_us'] / 1e3:.2f} ms"
                 for r in rounds
             )
-            + " (*: the reads disagree, the machine's bandwidth moved during the round)"
+            + (
+                " (*: the reads disagree, the machine's bandwidth moved during the round)"
+                if not all(steady_reads(r) for r in rounds)
+                else ""
+            )
             + "."
         )
         lines.append("")
@@ -291,6 +315,17 @@ def write(results: dict, args, out: str) -> None:
                     else ""
                 )
                 + ", call by call)."
+            )
+            lines.append("")
+            probe = max(best["read_gb_s"])
+            roof = res["step_bytes"] / probe / 1e3
+            res["attainable_step_us"] = att = attainable_step(res, best, rows)
+            lines.append(
+                f"With every weight call at its bound, attention reading the step's keys and "
+                f"values at {probe:.1f} GB/s and the rest as it ran, a step takes "
+                f"{att / 1e3:.2f} ms: {roof / att:.2f} of the memory roofline "
+                f"({roof / 1e3:.2f} ms) at best, where the unprofiled steps reached "
+                f"{best['roofline_ratio']:.2f}."
             )
             lines.append("")
         costly = list(best["xla_ops"].items())[:5]

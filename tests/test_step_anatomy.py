@@ -115,19 +115,42 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     assert "| routed experts |" in report and "3-row decode step" in report
     # Each weight call against the longer of reading its weights and computing its FLOPs.
     assert res["fma_gflop_s"] > 0 and "of their bound" in report
+    assert 0 < res["attainable_step_us"] < rnd["profiled_step_us"] and "at best" in report
 
 
 def test_bf16_products_calls_are_bounded_by_the_dot_products_ceiling():
     """A bf16 products call's bound takes the bfloat16 dot products' ceiling where the run
     measured one; every other call, and every call without it, the FMA's."""
+    script = _script()
+    res = {"fma_gflop_s": 100.0, "bf16_dot_gflop_s": 200.0}
+    assert script.ceiling(res, "routed experts (bf16p rows)") == 200.0
+    assert script.ceiling(res, "linear [64, 64] (bf16p rows)") == 200.0
+    assert script.ceiling(res, "routed experts (bf16 rows)") == 100.0
+    assert script.ceiling({"fma_gflop_s": 100.0}, "routed experts (bf16p rows)") == 100.0
+
+
+def test_the_attainable_step_puts_weight_calls_and_attention_at_their_bounds():
+    """Weight calls at their bound, attention at the keys and values over the faster read, the
+    rest as it ran; the step's own row is not a part."""
+    script = _script()
+    rows = [
+        {"part": "routed experts", "µs a step": 100.0, "/ bound": 0.5},
+        {"part": "attention", "µs a step": 40.0},
+        {"part": "RMSNorm", "µs a step": 10.0},
+        {"part": "between bursts", "µs a step": 5.0},
+        {"part": "step (profiled)", "µs a step": 160.0},
+    ]
+    res = {"step_bytes": 3e6, "weight_bytes": 2e6}  # 1 MB of keys and values: 20 µs at 50 GB/s
+    rnd = {"read_gb_s": [40.0, 50.0]}
+    assert script.attainable_step(res, rnd, rows) == pytest.approx(50 + 20 + 10 + 5)
+
+
+def _script():
+    """experiments/step_anatomy.py as a module."""
     import importlib.util
 
     path = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
     spec = importlib.util.spec_from_file_location("step_anatomy_script", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    res = {"fma_gflop_s": 100.0, "bf16_dot_gflop_s": 200.0}
-    assert script.ceiling(res, "routed experts (bf16p rows)") == 200.0
-    assert script.ceiling(res, "linear [64, 64] (bf16p rows)") == 200.0
-    assert script.ceiling(res, "routed experts (bf16 rows)") == 100.0
-    assert script.ceiling({"fma_gflop_s": 100.0}, "routed experts (bf16p rows)") == 100.0
+    return script
