@@ -709,6 +709,7 @@ def test_queue_full_is_429_and_a_dead_engine_is_503_then_restarted(model_dir, tm
         assert queued[0].status_code == 503
         health = gw.health()
         assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        assert "exit status -9" in health.json()["reason"]  # also once the next one is starting
         assert httpx.post(url, json=body, timeout=30).status_code == 503
         # the gateway starts a new engine (after a second) and serves again
         back = wait_for(lambda: (h := gw.health()).status_code == 200 and h.json(), timeout=180)

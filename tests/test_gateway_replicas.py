@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import sys
 import threading
 
 import httpx
@@ -20,6 +22,7 @@ import pytest
 from engine_util import Reference
 from gateway_util import Gateway, wait_for
 
+from colibri.gateway.engine_client import EngineClient
 from colibri.gateway.replicas import Replicas, Unavailable
 from colibri.gateway.slots import Affinity, QueueFull
 from colibri.gateway.templates import load_chat_template
@@ -38,6 +41,10 @@ class StubEngine:
 
     def __init__(self) -> None:
         self.alive, self.gone = True, None
+
+    @property
+    def why_down(self) -> str:
+        return self.gone or "not ready"
 
 
 def test_routing_prefix_first_then_the_least_loaded_replica():
@@ -80,6 +87,30 @@ def test_routing_prefix_first_then_the_least_loaded_replica():
         msg = "replica 0: engine closed its output; replica 1: not ready"
         with pytest.raises(Unavailable, match=msg):
             await take(None, "s", "S asks")
+
+    asyncio.run(run())
+
+
+def test_a_lost_engine_is_named_until_the_next_one_serves():
+    """`/health` gives a down replica's reason from its loss until its next engine is ready:
+    during the backoff and during the restart alike."""
+
+    async def run():
+        exits = [sys.executable, "-c", "import sys; sys.exit(3)"]
+        e = EngineClient(exits, os.environ, name="the engine")
+        with pytest.raises(RuntimeError, match=r"closed its output \(exit status 3\)"):
+            await e.start(timeout=30)
+        assert not e.alive and e.why_down == "engine closed its output (exit status 3)"
+        e.cmd = [sys.executable, "-c", "import time; time.sleep(60)"]  # starts, never READY
+        supervisor = asyncio.create_task(e.supervise(timeout=60, backoff=(0.0, 0.0)))
+        for _ in range(1000):
+            if e.restarts:
+                break
+            await asyncio.sleep(0.01)
+        assert e.restarts == 1 and not e.alive
+        assert e.why_down == "restarting after: engine closed its output (exit status 3)"
+        supervisor.cancel()
+        e.kill()
 
     asyncio.run(run())
 

@@ -215,8 +215,7 @@ class Gateway:
             "restarts": sum(r.engine.restarts for r in reps),
         }
         if not up:
-            lone = reps[0].engine.gone or "engine not ready (restarting)"
-            body["reason"] = lone if len(reps) == 1 else reps.why_down()
+            body["reason"] = reps.why_down()
         if authorized:
             body["scheduler"] = scheduler_json(reps)
             t = self.shown.engine.telemetry
@@ -549,7 +548,7 @@ def replica_json(r: Replica, authorized: bool) -> dict:
         "restarts": engine.restarts,
     }
     if not engine.alive:
-        body["reason"] = engine.gone or "engine not ready (restarting)"
+        body["reason"] = engine.why_down
     if authorized:
         body["pid"] = engine.proc.pid if engine.proc is not None else None
         body["scheduler"] = scheduler_json([r])

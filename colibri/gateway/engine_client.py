@@ -141,6 +141,7 @@ class EngineClient:
         self.proc: subprocess.Popen | None = None
         self.session = Session()
         self.gone: str | None = None  # why the engine is unusable, once it is
+        self.lost: str | None = None  # why the last engine was lost, kept while one restarts
         self.restarts = 0  # engines started after the first was lost
         self.cancelled = 0  # CANCEL acknowledgements received
         self._stopping = False  # we sent EOF: the engine's exit is expected
@@ -210,13 +211,21 @@ class EngineClient:
         self.session = Session()
         self._turns.clear()
         self._outbox = queue.SimpleQueue()
-        self.gone = None
+        self.lost, self.gone = self.gone, None
         self._lost.clear()
 
     @property
     def alive(self) -> bool:
         ready = self._ready is not None and self._ready.done() and not self._ready.exception()
         return ready and self.gone is None and self.proc is not None and self.proc.poll() is None
+
+    @property
+    def why_down(self) -> str:
+        """Why the engine does not serve (while not `alive`): how it was lost, also while the
+        next one starts."""
+        if self.gone is not None:
+            return self.gone
+        return f"restarting after: {self.lost}" if self.lost else "engine not ready"
 
     @property
     def in_flight(self) -> int:

@@ -85,10 +85,8 @@ class Replicas:
     def why_down(self) -> str:
         """Why no replica serves: the engine's reason alone, or each replica's."""
         if len(self.replicas) == 1:
-            return self.replicas[0].engine.gone or "not ready"
-        return "; ".join(
-            f"replica {r.index}: {r.engine.gone or 'not ready'}" for r in self.replicas
-        )
+            return self.replicas[0].engine.why_down
+        return "; ".join(f"replica {r.index}: {r.engine.why_down}" for r in self.replicas)
 
 
 def replica_settings(
