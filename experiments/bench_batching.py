@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from colibri.engine.hwinfo import cpu_detail
 from colibri.protocol import codec
 from colibri.protocol.codec import Data, Done, Error, HwInfo, Submit, format_request
 from colibri.report import markdown_table
@@ -202,7 +203,7 @@ def run(ckpt: Path, tokens: int, trials: int) -> dict:
     bare, traffic = runner_only(ckpt, tokens, trials)
     load = f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     return {
-        "machine": f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM, {load}",
+        "machine": f"{hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM, {load}",
         "model": f"synthetic {SPEC.family}: {SPEC.layers} layers, {SPEC.experts} experts, "
         f"top-{SPEC.top_k}, hidden {SPEC.hidden}, moe_ff {SPEC.moe_ff}, vocab {SPEC.vocab}",
         "tokens": tokens,

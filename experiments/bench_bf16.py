@@ -47,7 +47,7 @@ from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.checkpoint import to_f32
 from colibri.config import load_config
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.formats import BF16P, Holding
 from colibri.report import markdown_table, write_report
 
@@ -179,7 +179,7 @@ def main() -> None:
         f"bfloat16 checkpoint, bursts of {BURST} steps taking turns, {BURSTS} per pass and row "
         "count; same tokens. bf16 products (COLIBRI_BF16=products) round the inputs of their "
         "products to bfloat16: other outputs, and in the engine other tokens and routes. "
-        f"CPU: {cpu_name()}.",
+        f"CPU: {cpu_detail()}.",
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]

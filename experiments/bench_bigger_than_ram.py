@@ -67,7 +67,7 @@ from colibri.bench.conversations import prompt_ids
 from colibri.bench.sidebyside import agreement
 from colibri.checkpoint import Checkpoint
 from colibri.config import load_config
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
 from colibri.synth import synthesize_config
 
@@ -335,7 +335,7 @@ def main() -> None:
 
     df = pd.DataFrame(rows).set_index("shape")
     mem = psutil.virtual_memory().total
-    machine = f"{cpu_name()}, {os.cpu_count()} cores, {mem / 2**30:.1f} GiB RAM, " + (
+    machine = f"{cpu_detail()}, {os.cpu_count()} cores, {mem / 2**30:.1f} GiB RAM, " + (
         platform.platform()
     )
     capped = [r.get("capped") for res in runs.values() for r in res.values() if "capped" in r]
@@ -398,7 +398,7 @@ def main() -> None:
     data = {
         "command": command,
         "machine": machine,
-        "cpu": cpu_name(),
+        "cpu": cpu_detail(),
         "cores": os.cpu_count(),
         "ram_bytes": mem,
         "reduced": reduced,

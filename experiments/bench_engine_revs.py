@@ -31,7 +31,7 @@ from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import run_worker
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
@@ -142,7 +142,7 @@ def main() -> None:
         + "".join(f" --env {e}" for e in args.env)
         + (f" --dtype {args.dtype}" if args.dtype != "f32" else "")
         + "`  ",
-        f"Machine: {cpu_name()}  ",
+        f"Machine: {cpu_detail()}  ",
         f"Base: {rev}; working tree: {git('rev-parse', '--short', 'HEAD')}"
         + (" with uncommitted changes" if dirty else "")
         + (f"; environment {env_text}" if env else ""),

@@ -33,7 +33,7 @@ from colibri.bench.bandwidth import call_rate, probe_array, read_rate
 from colibri.bench.formats import FORMATS
 from colibri.bench.shapes import SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import every_expert_call
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
 
 RESULTS = Path(__file__).parent / "results"
@@ -105,7 +105,7 @@ def main() -> None:
         "# Held rows streamed by the expert kernel at one row, against a plain read",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {cpu_name()}  ",
+        f"Machine: {cpu_detail()}  ",
         "Every alternation: a plain read of 1 GiB on every core (best of two), then one token "
         "routed to every expert of every layer through the expert kernel for each format "
         "(rows as colibri holds them, from memory), and the linear kernel on one row over the "

@@ -44,6 +44,7 @@ import pandas as pd
 
 from colibri.bench.bandwidth import pread_bandwidth
 from colibri.checkpoint import Checkpoint
+from colibri.engine.hwinfo import cpu_detail
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
 from colibri.experts.budget import GiB, TierConfig
@@ -263,7 +264,7 @@ def main() -> None:
     df = pd.DataFrame(rows).set_index("case")
     streaming = df.loc[STREAMING]
     summary = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "machine": f"{cpu_detail()}, {os.cpu_count()} cores, {platform.platform()}",
         "checkpoint": {
             "path": str(ckpt_dir),
             "disk_bytes": disk_bytes,

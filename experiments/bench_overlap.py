@@ -45,7 +45,7 @@ import jax
 import pandas as pd
 
 from colibri import kernels
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -181,7 +181,7 @@ def main() -> None:
         f"--mib {args.mib} --repeats {args.repeats}"
         + (f" --isa {args.isa}" if args.isa != "native" else "")
         + (f" --held {args.held}" if args.held != "f32" else "")
-        + f"`; {os.cpu_count()} cores of {cpu_name()}, best of "
+        + f"`; {os.cpu_count()} cores of {cpu_detail()}, best of "
         f"{args.repeats} runs of {SECONDS:g} s per case.\n\n"
         f"{table}\n\n"
         f"{totals_table}\n\n"

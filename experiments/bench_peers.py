@@ -55,7 +55,7 @@ from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs
 from colibri.bench.sidebyside import agreement
 from colibri.bench.workers import run_probe, run_worker
 from colibri.config import load_config
-from colibri.engine.hwinfo import host
+from colibri.engine.hwinfo import cpu_detail, host
 from colibri.report import markdown_table
 
 PEERS = ["colibri", "transformers", "llama.cpp f32", "llama.cpp q8_0"]
@@ -291,7 +291,7 @@ def write_results(
         if "fma_peak_gflop_s" in b
     )
     machine = (
-        f"{hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM; memory bandwidth "
+        f"{hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM; memory bandwidth "
         f"{gb_s:.1f} GB/s, the best probe before and after the runs ({probes}); "
         f"multiply-add ceiling of both cores, GFLOP/s ({ceiling or 'not probed'})"
     )

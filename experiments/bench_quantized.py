@@ -64,7 +64,7 @@ from colibri.bench.replay import compare, on_huge_pages, record_routes
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.sidebyside import side_by_side
 from colibri.config import load_config
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.formats import HOLD_ALL, Holding
 from colibri.report import markdown_table, write_report
 from colibri.weights import expert_shapes
@@ -124,7 +124,7 @@ def write_peers(args, rows: list[dict]) -> None:
         f"# colibri on the {fmt} checkpoint and llama.cpp on {kind} of the same model",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {cpu_name()}  ",
+        f"Machine: {cpu_detail()}  ",
         f"{FORMATS[fmt]['note']} colibri holds the routed experts and the attention as {fmt} "
         "rows (embeddings, routers and lm_head stay bfloat16) and computes in float32; "
         f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms and routers f32) "

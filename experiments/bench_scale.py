@@ -73,7 +73,7 @@ def run(model: Path, devices: int, steps: int) -> dict:
 
 def main() -> None:
     from colibri.bench.shapes import shape_checkpoint
-    from colibri.engine.hwinfo import host
+    from colibri.engine.hwinfo import cpu_detail, host
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3_moe")
@@ -107,7 +107,7 @@ def main() -> None:
         "# Expert parallel: its cost",
         "",
         f"Command: `{cmd} --steps {args.steps}`  ",
-        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ngpu} GPU(s); the devices beyond one "
+        f"Machine: {hw.cores} cores, {cpu_detail()}, {hw.ngpu} GPU(s); the devices beyond one "
         "are simulated CPU devices sharing the cores, so this is the mechanism's overhead, "
         "not a speed-up.  ",
         f"Model: the peers benchmark's {args.shape} shape (f32), every expert resident.",

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from colibri import kernels
-from colibri.engine.hwinfo import cpu_name
+from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -77,7 +77,7 @@ def main() -> None:
     text = (
         "# Weight streaming by row layout\n\n"
         f"`python experiments/bench_streams.py --mib {args.mib} --repeats {args.repeats} "
-        f"--rows {args.rows}`; {cpu_name()}, {os.cpu_count()} threads, "
+        f"--rows {args.rows}`; {cpu_detail()}, {os.cpu_count()} threads, "
         f"items of {CHUNK_ROWS} rows.\n\n"
         f"{table}\n"
     )

@@ -38,7 +38,7 @@ from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import probe_array, read_rate
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
-from colibri.engine.hwinfo import host
+from colibri.engine.hwinfo import cpu_detail, host
 from colibri.formats import Holding
 from colibri.report import markdown_table, write_report
 
@@ -261,7 +261,7 @@ def write(results: dict, args, out: str) -> None:
         f"# Where a {'batch-1' if args.rows == 1 else f'{args.rows}-row'} decode step's time goes",
         "",
         f"Command: `{switches()}python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
-        f"Machine: {hw.cores} cores, {hw.cpu_name}, {hw.ram_total_gb:.0f} GB RAM  ",
+        f"Machine: {hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM  ",
         f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
         f"{args.prompt}-token prompt, in bursts of {BURST} steps. Each round: a plain read of "
         "1 GiB on every core, the steps, the same steps under jax.profiler, the read again. "
