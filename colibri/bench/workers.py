@@ -128,17 +128,19 @@ def expert_widen_rate(model) -> float:
     return widen_rate(jnp.asarray(gate[:rows]), model.cfg.hidden)
 
 
-def every_expert_call(model):
-    """(call, bytes): a call that routes one token to every expert of every layer through the
-    expert kernel, all the experts' rows as held streaming from memory at one row (together
-    far more than the caches hold; compiled and run once here), and the bytes it reads."""
+def every_expert_call(model, rows: int = 1):
+    """(call, bytes): a call that routes `rows` tokens each to every expert of every layer
+    through the expert kernel, all the experts' rows as held streaming from memory at that
+    many rows an expert (together far more than the caches hold; compiled and run once here),
+    and the bytes it reads."""
     import jax
     import jax.numpy as jnp
 
     from colibri import kernels
 
     experts = [{k: layer[k] for k in ("gate", "up", "down")} for layer in model.experts]
-    ids = jnp.arange(experts[0]["gate"].shape[0], dtype=jnp.int32)[None]
+    every = jnp.arange(experts[0]["gate"].shape[0], dtype=jnp.int32)
+    ids = jnp.broadcast_to(every, (rows, every.size))
 
     @jax.jit
     def every_expert(x, experts):
@@ -146,7 +148,8 @@ def every_expert_call(model):
             [kernels.moe_experts(e["gate"], e["up"], e["down"], x, ids)[0, 0, 0] for e in experts]
         )
 
-    x = jnp.ones((1, model.cfg.hidden), jnp.float32)
+    # Inputs of ordinary size, different row to row (ones would do as well for the timing).
+    x = jnp.cos(jnp.arange(rows * model.cfg.hidden, dtype=jnp.float32)).reshape(rows, -1)
     every_expert(x, experts).block_until_ready()
     nbytes = sum(a.nbytes for e in experts for a in e.values())
     return (lambda: every_expert(x, experts).block_until_ready()), nbytes
