@@ -133,7 +133,7 @@ def main() -> None:
         "# Held rows streamed by the expert kernel, against a plain read",
         "",
         f"Command: `{cmd}`  ",
-        f"Machine: {cpu_detail()}; multiply-adds at {peak:.0f} GFLOP/s on every core  ",
+        f"Machine: {cpu_detail()}; multiply-add ceiling {peak:.0f} GFLOP/s, all cores together  ",
         "Every alternation: a plain read of 1 GiB on every core (best of two), then, for each "
         "format and number of rows, that many tokens routed to every expert of every layer "
         "through the expert kernel (rows as colibri holds them, from memory), and the linear "
