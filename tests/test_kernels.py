@@ -570,8 +570,9 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     """The kernels built for each instruction-set level this CPU runs (AVX-512's 32 registers
     and EVEX encodings with the paired tiles of cpu/pairs.h, and AVX2 alone) compute the same
     bits, for every held format: the linear kernel on 1, 5, 16 and 37 rows (odd counts, more
-    than one group of 16) and the expert kernel on 16 and 40 rows of top-4 over 6 experts (up
-    to ~30 rows an expert, as in a prefill); attention, RMSNorm and the router's choice too.
+    than one group) and the expert kernel on 16 and 40 rows of top-4 over 6 experts (up to ~30
+    rows an expert, as in a prefill; experts small and larger than a work item); attention,
+    RMSNorm and the router's choice too.
     Bfloat16 products: AVX-512 BF16's instruction where this CPU has it against the AVX2
     build's emulation of it. Results never depend on the CPU's vector extensions."""
     from colibri.bench.kernel_calls import expert_call, registered
@@ -591,15 +592,20 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
                 out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
                 theirs = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
                 np.testing.assert_array_equal(np.asarray(theirs), np.asarray(kernels.linear(x, w)))
-            gate, up = (jnp.asarray(_held_rows(f, rng, 6 * F, D).reshape(6, F, -1)) for _ in "gu")
-            down = jnp.asarray(_held_rows(f, rng, 6 * D, F).reshape(6, D, -1))
-            for rows in (16, 40):
-                x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
-                ids = jnp.asarray(rng.integers(0, 6, (rows, 4)), jnp.int32)
-                np.testing.assert_array_equal(
-                    np.asarray(experts(gate, up, down, x, ids)),
-                    np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
+            # Experts of F hidden rows, and of more than a work item's share of them (~680 at
+            # this D: items from f0 > 0 on).
+            for ff in (F, 1400 if f.scaled else 1403):
+                gate, up = (
+                    jnp.asarray(_held_rows(f, rng, 6 * ff, D).reshape(6, ff, -1)) for _ in "gu"
                 )
+                down = jnp.asarray(_held_rows(f, rng, 6 * D, ff).reshape(6, D, -1))
+                for rows in (16, 40):
+                    x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
+                    ids = jnp.asarray(rng.integers(0, 6, (rows, 4)), jnp.int32)
+                    np.testing.assert_array_equal(
+                        np.asarray(experts(gate, up, down, x, ids)),
+                        np.asarray(kernels.moe_experts(gate, up, down, x, ids)),
+                    )
         _the_small_kernels_agree(lib, isa, rng)
 
 

@@ -72,10 +72,8 @@ struct Problem {
     if constexpr (!kProducts<T>) {
       if (hp[i].r) {
         const Packed &hx = hp[i], &ux = upp[i];
-        matvecs(G, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *hx.at(j, f0 + f) = v; },
-                ldg, bg);
-        matvecs(U, nf, D, xp[i], [&](int64_t f, int64_t j, float v) { *ux.at(j, f0 + f) = v; },
-                ldg, bg);
+        matvecs(G, nf, D, xp[i], PackedOut{&hx, f0}, ldg, bg);
+        matvecs(U, nf, D, xp[i], PackedOut{&ux, f0}, ldg, bg);
         // Chunks f0 / 8 .. of every group (f0 a multiple of 8), padding lanes included (zeros).
         const int64_t c0 = f0 / 8, nc = (f0 + nf + 7) / 8 - c0;
         for (int64_t g = 0; g < hx.groups(); ++g) {

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -93,6 +94,15 @@ struct Packed {
     }
     clear_padding();
   }
+};
+
+// Where paired tiles put their results for a destination packed as inputs are (the expert
+// call's hidden rows): row f of the weights (offset by f0) is column f0 + f of every input.
+// Within a group, input k's column c lies 8 k floats past input 0's, so a row's results go
+// out as one strided store instead of one `Packed::at` each.
+struct PackedOut {
+  const Packed* to;
+  int64_t f0;
 };
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
@@ -193,8 +203,18 @@ inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, 
 #undef COLIBRI_PAIRS
     }
     const int64_t j0 = g * Packed::kGroup, TPx2 = 2 * x.pairs(g);
-    for (int i = 0; i < TW; ++i)
-      for (int64_t j = 0; j < x.inputs(g); ++j) emit(rows[i], j0 + j, out[i * TPx2 + j]);
+    if constexpr (std::is_same_v<Emit, PackedOut>) {
+      const Packed& to = *emit.to;
+      const int64_t pairs = to.pairs(g), n = x.inputs(g);
+      for (int i = 0; i < TW; ++i) {
+        const int64_t c = emit.f0 + rows[i];
+        float* at = to.group(g) + (c / 8) * pairs * 16 + c % 8;
+        for (int64_t j = 0; j < n; ++j) at[8 * j] = out[i * TPx2 + j];
+      }
+    } else {
+      for (int i = 0; i < TW; ++i)
+        for (int64_t j = 0; j < x.inputs(g); ++j) emit(rows[i], j0 + j, out[i * TPx2 + j]);
+    }
   }
 }
 
