@@ -259,7 +259,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   std::vector<int64_t> hoff(experts + 1, 0), xoff(experts + 1, 0);
   for (int64_t i = 0; i < experts; ++i) {
     const int64_t r = p.first[i + 1] - p.first[i];
-    const bool paired = kPairs && !kProducts<T> && r >= kPairedExpertFrom;
+    const bool paired = kPairs && !kProducts<T> && r >= kPairedFrom;
     hoff[i + 1] = hoff[i] + (paired ? Packed::floats(r, F) : r * F);
     xoff[i + 1] = xoff[i] + (paired ? Packed::floats(r, D) : 0);
   }

@@ -42,7 +42,6 @@ constexpr bool kPairs = false;
 // them), and experts this many rows chose; fewer stream their weights through tiles.h's
 // (docs/kernels.md).
 constexpr int64_t kPairedFrom = 5;
-constexpr int64_t kPairedExpertFrom = 9;
 
 // r inputs of L floats packed for the paired tiles, in groups of 8: group g holds inputs
 // 8 g .. 8 g + 7 as ceil(L / 8) chunks of eight columns, each chunk its inputs' eight
