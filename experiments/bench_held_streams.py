@@ -26,7 +26,6 @@ Writes experiments/results/<out>.md and .json.
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 import jax
@@ -35,7 +34,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri import kernels
-from colibri.bench.bandwidth import call_rate, probe_array, read_rate
+from colibri.bench.bandwidth import call_rate, fma_ceiling, probe_array, read_rate
 from colibri.bench.formats import FORMATS
 from colibri.bench.shapes import SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import every_expert_call
@@ -73,13 +72,7 @@ def from_cache(model, rows: int, experts: int = 4, calls: int = 100) -> float:
     x = jnp.cos(jnp.arange(rows * model.cfg.hidden, dtype=jnp.float32)).reshape(rows, -1)
     run(x).block_until_ready()
     flops = calls * 2 * rows * experts * 3 * g.shape[1] * model.cfg.hidden
-    return flops / 1e9 / min(timed(lambda: run(x).block_until_ready()) for _ in range(10))
-
-
-def timed(call) -> float:
-    t = time.perf_counter()
-    call()
-    return time.perf_counter() - t
+    return call_rate(lambda: run(x).block_until_ready(), flops, tries=10)  # of FLOPs: GFLOP/s
 
 
 def bound_name(reads: pd.Series, computing: float) -> str:
@@ -107,7 +100,7 @@ def main() -> None:
     args = ap.parse_args()
     if not kernels.available():
         raise SystemExit("bench_held_streams needs colibri's CPU kernels")
-    peak = max(kernels.fma_peak(n) for n in (16, 8, 16, 8))  # GFLOP/s, the widest vectors
+    peak = fma_ceiling(repeats=2)
     probe = probe_array(1.0)
     w = jnp.asarray(probe.reshape(-1, 4096))  # the same memory, as float32 rows
     v = jnp.ones((1, 4096), jnp.float32)

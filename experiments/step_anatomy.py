@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from colibri.bench import anatomy
 from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
-from colibri.bench.bandwidth import probe_array, read_rate
+from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.engine.hwinfo import cpu_detail, host
@@ -148,14 +148,6 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
         "top_k": cfg.moe.top_k,
         "distinct_experts": float(np.mean(chosen)),
     }
-
-
-def fma_ceiling() -> float:
-    """GFLOP/s of multiply-adds on all cores, the wider of the vectors the build has (0 without
-    the kernels)."""
-    from colibri import kernels
-
-    return max(kernels.fma_peak(8), kernels.fma_peak(16))
 
 
 def bf16_dot_ceiling() -> float:

@@ -35,6 +35,13 @@ def call_rate(call, nbytes: int, tries: int) -> float:
     return best
 
 
+def fma_ceiling(repeats: int = 1) -> float:
+    """GFLOP/s of multiply-adds on all cores on the wider of the vectors the build has (512-bit
+    where it has AVX-512), the best of `repeats` probes of each: the ceiling of the tiles'
+    arithmetic (0 without the kernels)."""
+    return max(kernels.fma_peak(n) for n in (8, 16) for _ in range(repeats))
+
+
 def read_rate(a: np.ndarray, read=None) -> float:
     """GB/s of one read of `a` by every core at once, each over its share: `read` a function of
     a contiguous array (default: `kernels.read_sum`, eight 8-lane sums and nothing else)."""
