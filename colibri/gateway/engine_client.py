@@ -221,10 +221,12 @@ class EngineClient:
 
     @property
     def why_down(self) -> str:
-        """Why the engine does not serve (while not `alive`): how it was lost, also while the
-        next one starts."""
+        """Why the engine does not serve (while not `alive`): how it was lost, also before its
+        reader has told the loop (the process has exited) and while the next one starts."""
         if self.gone is not None:
             return self.gone
+        if self.proc is not None and (status := self.proc.poll()) is not None:
+            return f"engine exited (exit status {status})"
         return f"restarting after: {self.lost}" if self.lost else "engine not ready"
 
     @property
