@@ -106,22 +106,6 @@ struct PackedOut {
 
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 
-typedef float v16 __attribute__((vector_size(64)));
-
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline v16 fma16(v16 a, v16 b, v16 c) {
-  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
-                                               reinterpret_cast<__m512>(b),
-                                               reinterpret_cast<__m512>(c)));
-}
-
-inline void in_register(v16& v) { asm("" : "+v"(v)); }
-
 // Eight weights from p, widened as loadw widens them, in both halves.
 inline v16 loadw2(const float* p) {
   return reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(p)));

@@ -41,6 +41,25 @@ inline void in_register(v8& v) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// Sixteen lanes (AVX-512 builds): two 8-lane sums side by side (pairs.h, tiles.h's int4 rows).
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline v16 fma16(v16 a, v16 b, v16 c) {
+  return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
+                                               reinterpret_cast<__m512>(b),
+                                               reinterpret_cast<__m512>(c)));
+}
+
+inline void in_register(v16& v) { asm("" : "+v"(v)); }
+#endif
+
 inline float hsum(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

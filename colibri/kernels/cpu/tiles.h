@@ -159,6 +159,72 @@ inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float*
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+// TR inputs against 2 TP int4 rows (w[0 .. 2 TP)), rows 2p and 2p + 1 side by side in the
+// halves of a 512-bit vector: each half is the 8-lane sum `dots` makes of its row and input,
+// and one shift, one mask and one two-table permute look up sixteen weights (two rows'
+// blocks' tables, formats.h) where 8-lane steps take two shifts and two permutes.
+// out[i * TR + j] = dot(w[i], x[j]), as `dots`.
+template <int TP, int TR, typename Q>
+inline void nibble_pair_dots(const Q* const* w, const float* const* x, int64_t L, int64_t blk,
+                             float* out) {
+  constexpr int TW = 2 * TP;
+  v16 acc[TP][TR];
+  for (int p = 0; p < TP; ++p)
+    for (int j = 0; j < TR; ++j) acc[p][j] = v16{};
+  const int64_t vb = value_bytes(w[0], L), nb = L / blk;
+  const __m512i shift =
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16,
+                                           16);  // the second row's table
+  const __m512i nibble = _mm512_set1_epi32(15);
+  const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    __m512 table[TW];  // row i's block: its sixteen weights, made as nibble_table makes them
+    for (int i = 0; i < TW; ++i) {
+      float s;
+      std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
+      const v16 scale = v16{} + s;
+      v16 offset = scale * -8.0f;
+      if constexpr (kOffsets<Q>) offset = v16{} + block_offset(w[i], vb, nb, c0 / blk);
+      table[i] = reinterpret_cast<__m512>(fma16(q, scale, offset));
+    }
+    for (int64_t c = c0; c < c0 + blk; c += 8) {
+      // Once a cache line of values, into L1 512 bytes ahead (2 KiB ahead, as scaled_block
+      // prefetches its four rows, these eight streamed from memory at 0.8x the rate).
+      const int64_t at = c / 2;
+      if (at % 64 == 0)
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 512, 0, 3);
+      v16 xv[TR];
+      for (int j = 0; j < TR; ++j) {
+        xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
+        in_register(xv[j]);
+      }
+      for (int p = 0; p < TP; ++p) {
+        uint32_t a, b;
+        std::memcpy(&a, reinterpret_cast<const uint8_t*>(w[2 * p]) + at, sizeof a);
+        std::memcpy(&b, reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at, sizeof b);
+        const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(a), 0xff00, b);
+        const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(words, shift), nibble,
+                                                        second, 0xea);  // (A & B) | C
+        const v16 wv = reinterpret_cast<v16>(
+            _mm512_permutex2var_ps(table[2 * p], index, table[2 * p + 1]));
+        for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
+      }
+    }
+  }
+  v8 half[TW * TR];
+  for (int p = 0; p < TP; ++p)
+    for (int j = 0; j < TR; ++j) {
+      const __m512 v = reinterpret_cast<__m512>(acc[p][j]);
+      half[2 * p * TR + j] = reinterpret_cast<v8>(_mm512_castps512_ps256(v));
+      half[(2 * p + 1) * TR + j] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(v, 1));
+    }
+  hsums<TW * TR>(half, out);
+}
+#endif
+
 // out[0 .. L) = one scaled row (its values, then L / blk scales) as float32: each value times
 // its block's scale, exactly as `dots` widens it in registers.
 template <typename Q>
@@ -171,6 +237,16 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
     const v8 scale = v8{} + (huge ? s : s * folded(w));
     v8 offset = scale;
     if constexpr (kOffsets<Q>) offset = v8{} + block_offset(w, vb, nb, c0 / blk);
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    if constexpr (kNibbles<Q>) {
+      const NibbleTable table = nibble_table(w, scale, offset);
+      for (int64_t c = c0; c < c0 + blk; c += 8) {
+        const v8 v = looked_up8(w, c, table);
+        std::memcpy(out + c, &v, sizeof v);
+      }
+      continue;
+    }
+#endif
     for (int64_t c = c0; c < c0 + blk; c += 8) {
       const v8 v = huge ? scaled8<true>(w, c, scale, offset) : scaled8<false>(w, c, scale, offset);
       std::memcpy(out + c, &v, sizeof v);
@@ -228,6 +304,29 @@ inline void all_inputs(const T* const* w, const int64_t* rows, const float* cons
   for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit, blk);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+// matvecs_tile over int4 rows: 2 TP rows a tile, R / (2 TP) apart, against TR inputs.
+template <int TP, int TR, typename T, typename Emit>
+inline void nibble_matvecs(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
+                           Emit& emit, int64_t blk) {
+  constexpr int TW = 2 * TP;
+  float out[TW * TR];
+  const T* w[TW];
+  const int64_t gap = R / TW;
+  for (int64_t row = 0; row < gap; ++row) {
+    for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
+    nibble_pair_dots<TP, TR>(w, x, L, blk, out);
+    for (int i = 0; i < TW; ++i)
+      for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
+  }
+  for (int64_t row = gap * TW; row < R; ++row) {
+    w[0] = W + row * ld;
+    dots<1, TR>(w, x, L, out, blk);
+    for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
+  }
+}
+#endif
+
 // Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
 // every input, four (or three) at a time, while it is in L1 (a pass over the matrix for every
 // four inputs would re-read the weights from L2).
@@ -239,6 +338,14 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
              int64_t ld = 0, int64_t blk = 0) {
   if (ld == 0) ld = L;
   if (r <= 0) return;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  if constexpr (kNibbles<T>) {
+    if (r == 1) return nibble_matvecs<4, 1>(W, R, L, ld, x, emit, blk);
+    if (r == 2) return nibble_matvecs<4, 2>(W, R, L, ld, x, emit, blk);
+    if (r == 3) return nibble_matvecs<3, 3>(W, R, L, ld, x, emit, blk);
+    if (r == 4) return nibble_matvecs<3, 4>(W, R, L, ld, x, emit, blk);
+  }
+#endif
   if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit, blk);
   if (r == 3) return matvecs_tile<3, 3>(W, R, L, ld, x, emit, blk);
   if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
