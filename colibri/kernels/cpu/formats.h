@@ -236,7 +236,7 @@ constexpr bool kNibbles = std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z>;
 // (fma(q, s, -8 s), or fma(q, s, offset) for Int4Z), and each step's weights looked up by
 // their nibbles with a shift and a two-table permute (which reads an index's low four bits
 // only) instead of a shift, a mask, a conversion and a multiply-add. Bitwise scaled8's
-// weights. tiles.h's nibble_pair_dots looks up two rows' sixteen in one 512-bit permute.
+// weights. tiles.h's row_pair_dots looks up two rows' sixteen in one 512-bit permute.
 struct NibbleTable {
   v8 lo, hi;  // the weights of q = 0 .. 7 and 8 .. 15
 };

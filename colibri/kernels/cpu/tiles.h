@@ -160,14 +160,21 @@ inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float*
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-// TR inputs against 2 TP int4 rows (w[0 .. 2 TP)), rows 2p and 2p + 1 side by side in the
-// halves of a 512-bit vector: each half is the 8-lane sum `dots` makes of its row and input,
-// and one shift, one mask and one two-table permute look up sixteen weights (two rows'
-// blocks' tables, formats.h) where 8-lane steps take two shifts and two permutes.
+// Rows held so go through `row_pair_dots` at up to four inputs (AVX-512 builds): int4 rows
+// and int8 rows, whose weights take several operations each to make.
+template <typename T>
+constexpr bool kRowPairs = kNibbles<T> || std::is_same_v<T, Int8Z>;
+
+// TR inputs against 2 TP int4 or int8 rows (w[0 .. 2 TP)), rows 2p and 2p + 1 side by side in
+// the halves of a 512-bit vector, each half the 8-lane sum `dots` makes of its row and input:
+// sixteen weights of two rows are made by one 512-bit operation where 8-lane steps take two.
+// Int4: looked up in the two rows' blocks' tables (formats.h) by one shift, one mask (the
+// second row's table bit) and one two-table permute. Int8: sixteen bytes zero-extended and
+// converted, then n s + o with each half's row's scale and offset.
 // out[i * TR + j] = dot(w[i], x[j]), as `dots`.
 template <int TP, int TR, typename Q>
-inline void nibble_pair_dots(const Q* const* w, const float* const* x, int64_t L, int64_t blk,
-                             float* out) {
+inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, int64_t blk,
+                          float* out) {
   constexpr int TW = 2 * TP;
   v16 acc[TP][TR];
   for (int p = 0; p < TP; ++p)
@@ -180,36 +187,60 @@ inline void nibble_pair_dots(const Q* const* w, const float* const* x, int64_t L
   const __m512i nibble = _mm512_set1_epi32(15);
   const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    __m512 table[TW];  // row i's block: its sixteen weights, made as nibble_table makes them
+    // Int4: row i's block's sixteen weights, made as nibble_table makes them. Int8: pair p's
+    // scales and offsets, each row's in its half.
+    __m512 table[TW];
     for (int i = 0; i < TW; ++i) {
       float s;
       std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
       const v16 scale = v16{} + s;
       v16 offset = scale * -8.0f;
       if constexpr (kOffsets<Q>) offset = v16{} + block_offset(w[i], vb, nb, c0 / blk);
-      table[i] = reinterpret_cast<__m512>(fma16(q, scale, offset));
+      if constexpr (kNibbles<Q>) {
+        table[i] = reinterpret_cast<__m512>(fma16(q, scale, offset));
+      } else if (i % 2) {
+        table[i - 1] = _mm512_mask_mov_ps(table[i - 1], 0xff00, reinterpret_cast<__m512>(scale));
+        table[i] = _mm512_mask_mov_ps(table[i], 0xff00, reinterpret_cast<__m512>(offset));
+      } else {
+        table[i] = reinterpret_cast<__m512>(scale);
+        table[i + 1] = reinterpret_cast<__m512>(offset);
+      }
     }
     for (int64_t c = c0; c < c0 + blk; c += 8) {
-      // Once a cache line of values, into L1 512 bytes ahead (2 KiB ahead, as scaled_block
-      // prefetches its four rows, these eight streamed from memory at 0.8x the rate).
-      const int64_t at = c / 2;
+      // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
+      // scaled_block prefetches its four rows: eight streams from memory at 0.8x the rate).
+      const int64_t at = value_bytes(w[0], c);
       if (at % 64 == 0)
         for (int i = 0; i < TW; ++i)
-          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 512, 0, 3);
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
+                             0, 3);
       v16 xv[TR];
       for (int j = 0; j < TR; ++j) {
         xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
         in_register(xv[j]);
       }
       for (int p = 0; p < TP; ++p) {
-        uint32_t a, b;
-        std::memcpy(&a, reinterpret_cast<const uint8_t*>(w[2 * p]) + at, sizeof a);
-        std::memcpy(&b, reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at, sizeof b);
-        const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(a), 0xff00, b);
-        const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(words, shift), nibble,
-                                                        second, 0xea);  // (A & B) | C
-        const v16 wv = reinterpret_cast<v16>(
-            _mm512_permutex2var_ps(table[2 * p], index, table[2 * p + 1]));
+        const auto* a = reinterpret_cast<const uint8_t*>(w[2 * p]) + at;
+        const auto* b = reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at;
+        v16 wv;
+        if constexpr (kNibbles<Q>) {
+          uint32_t wa, wb;
+          std::memcpy(&wa, a, sizeof wa);
+          std::memcpy(&wb, b, sizeof wb);
+          const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(wa), 0xff00, wb);
+          const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(words, shift),
+                                                          nibble, second, 0xea);  // A & B | C
+          wv = reinterpret_cast<v16>(
+              _mm512_permutex2var_ps(table[2 * p], index, table[2 * p + 1]));
+        } else {
+          int64_t ba, bb;
+          std::memcpy(&ba, a, sizeof ba);
+          std::memcpy(&bb, b, sizeof bb);
+          const __m128i bytes = _mm_mask_set1_epi64(_mm_set1_epi64x(ba), 0x2, bb);
+          const v16 n = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+          wv = fma16(n, reinterpret_cast<v16>(table[2 * p]),
+                     reinterpret_cast<v16>(table[2 * p + 1]));
+        }
         for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
       }
     }
@@ -305,9 +336,9 @@ inline void all_inputs(const T* const* w, const int64_t* rows, const float* cons
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-// matvecs_tile over int4 rows: 2 TP rows a tile, R / (2 TP) apart, against TR inputs.
+// matvecs_tile over kRowPairs rows: 2 TP rows a tile, R / (2 TP) apart, against TR inputs.
 template <int TP, int TR, typename T, typename Emit>
-inline void nibble_matvecs(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
+inline void row_pair_matvecs(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                            Emit& emit, int64_t blk) {
   constexpr int TW = 2 * TP;
   float out[TW * TR];
@@ -315,7 +346,7 @@ inline void nibble_matvecs(const T* W, int64_t R, int64_t L, int64_t ld, const f
   const int64_t gap = R / TW;
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
-    nibble_pair_dots<TP, TR>(w, x, L, blk, out);
+    row_pair_dots<TP, TR>(w, x, L, blk, out);
     for (int i = 0; i < TW; ++i)
       for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
   }
@@ -339,11 +370,11 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (ld == 0) ld = L;
   if (r <= 0) return;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-  if constexpr (kNibbles<T>) {
-    if (r == 1) return nibble_matvecs<4, 1>(W, R, L, ld, x, emit, blk);
-    if (r == 2) return nibble_matvecs<4, 2>(W, R, L, ld, x, emit, blk);
-    if (r == 3) return nibble_matvecs<3, 3>(W, R, L, ld, x, emit, blk);
-    if (r == 4) return nibble_matvecs<3, 4>(W, R, L, ld, x, emit, blk);
+  if constexpr (kRowPairs<T>) {
+    if (r == 1) return row_pair_matvecs<4, 1>(W, R, L, ld, x, emit, blk);
+    if (r == 2) return row_pair_matvecs<4, 2>(W, R, L, ld, x, emit, blk);
+    if (r == 3) return row_pair_matvecs<3, 3>(W, R, L, ld, x, emit, blk);
+    if (r == 4) return row_pair_matvecs<3, 4>(W, R, L, ld, x, emit, blk);
   }
 #endif
   if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit, blk);
