@@ -43,7 +43,7 @@ before it, beside the most of that roofline the widening of its rows allows (the
 cores put them through the kernels from L2, measured in the same round) and the most the
 kernels allow while they stream (the chosen experts' bytes at the rate the expert kernel
 streams every expert's rows from memory on both cores, the rest at the probe's rate). Writes
-experiments/results/int8_peers.md (int4_peers.md) and .json.
+experiments/results/int8_peers.md (int4_peers.md) and .json (--out NAME: NAME.md and .json).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def write_peers(args, rows: list[dict]) -> None:
     cmd = (
         f"python experiments/bench_quantized.py --format {fmt} --shapes {args.shapes} "
         f"--level peers --rounds {args.rounds}"
+        + (f" --out {args.out}" if args.out else "")
     )
     md = [
         f"# colibri on the {fmt} checkpoint and llama.cpp on {kind} of the same model",
@@ -145,7 +146,7 @@ def write_peers(args, rows: list[dict]) -> None:
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
-    write_report(RESULTS, f"{fmt}_peers", md, {"command": cmd, "table": rows})
+    write_report(RESULTS, args.out or f"{fmt}_peers", md, {"command": cmd, "table": rows})
 
 
 def main() -> None:
@@ -155,6 +156,9 @@ def main() -> None:
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
     ap.add_argument("--rounds", type=int, default=3, help="--level peers")
+    ap.add_argument(
+        "--out", default="", help="--level peers: results name (default FORMAT_peers)"
+    )
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
