@@ -101,13 +101,15 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 ):
     """Weights held as FP8 rows (e4m3 values, then block scales): up to 16 rows (the native
     kernel) bitwise what the dequantized float32 weights give, each row as it is alone; more
-    rows (XLA) the same to float32 rounding."""
+    rows (XLA) the same to float32 rounding. Some blocks' scales are 2^8 or more (two exact
+    steps instead of one folded scale), beside rows whose scales are not."""
     rng = np.random.default_rng(seed)
     dim_in = blocks * block
     x = rng.standard_normal((rows, dim_in)).astype(np.float32)
     w = rng.standard_normal((dim_out, dim_in)).astype(np.float32)
     w[rng.random(w.shape) < 0.2] *= 1e-4  # fp8 subnormals and zeros
     bits, scale_inv = quantize_fp8(w, (block, block))
+    scale_inv[rng.random(scale_inv.shape) < 0.3] *= np.float32(2.0**16)
     scales = Fp8Scales(scale_inv, 0, block, block, dim_in)
     packed = scales.pack(bits.reshape(-1)).reshape(dim_out, -1)
     wide = scales.dequantize(bits)

@@ -160,17 +160,84 @@ inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float*
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-// Rows held so go through `row_pair_dots` at up to four inputs (AVX-512 builds): int4 rows
-// and int8 rows, whose weights take several operations each to make.
+// Rows held so go through `row_pair_dots` at up to four inputs (AVX-512 builds): int4, int8
+// and FP8 rows, whose weights take several operations each to make.
 template <typename T>
-constexpr bool kRowPairs = kNibbles<T> || std::is_same_v<T, Int8Z>;
+constexpr bool kRowPairs =
+    kNibbles<T> || std::is_same_v<T, Int8Z> || std::is_same_v<T, uint8_t>;
 
-// TR inputs against 2 TP int4 or int8 rows (w[0 .. 2 TP)), rows 2p and 2p + 1 side by side in
+// Sixteen weights of rows a and b (a's in the low half) from the value byte `at` of each, made
+// as scaled8 makes them. Int4: looked up in the rows' block tables (ta, tb: formats.h) by one
+// shift, one mask (the second row's table bit) and one two-table permute. Int8: sixteen bytes
+// zero-extended and converted, then n s + o (ta: each half's row's scale, tb: its offset).
+// FP8: sixteen bytes sign-extended, shifted and masked into float32 lanes as e4m3x8 places
+// them, times each half's scale (ta; Huge: times 2^120 first, as scaled8).
+template <bool Huge, typename Q>
+__attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, const uint8_t* b,
+                                                           __m512 ta, __m512 tb) {
+  if constexpr (kNibbles<Q>) {
+    const __m512i shift =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16,
+                                             16, 16);
+    uint32_t wa, wb;
+    std::memcpy(&wa, a, sizeof wa);
+    std::memcpy(&wb, b, sizeof wb);
+    const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(wa), 0xff00, wb);
+    const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(words, shift),
+                                                    _mm512_set1_epi32(15), second,
+                                                    0xea);  // A & B | C
+    return reinterpret_cast<v16>(_mm512_permutex2var_ps(ta, index, tb));
+  } else {
+    int64_t ba, bb;
+    std::memcpy(&ba, a, sizeof ba);
+    std::memcpy(&bb, b, sizeof bb);
+    const __m128i bytes = _mm_mask_set1_epi64(_mm_set1_epi64x(ba), 0x2, bb);
+    if constexpr (std::is_same_v<Q, Int8Z>) {
+      const v16 n = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+      return fma16(n, reinterpret_cast<v16>(ta), reinterpret_cast<v16>(tb));
+    } else {
+      // Sign in bit 31 (from the sign extension), exponent and mantissa in bits 26..20.
+      const __m512i placed =
+          _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20),
+                           _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)));
+      const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(placed));
+      return (Huge ? e * 0x1p120f : e) * reinterpret_cast<v16>(ta);
+    }
+  }
+}
+
+// Columns [c0, c0 + blk) of `row_pair_dots`: table[2 p], table[2 p + 1] as row_pair_weights
+// takes them for pair p.
+template <bool Huge, int TP, int TR, typename Q>
+inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
+                           const __m512* table, v16 (*acc)[TR]) {
+  constexpr int TW = 2 * TP;
+  for (int64_t c = c0; c < c0 + blk; c += 8) {
+    // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
+    // scaled_block prefetches its four rows: eight streams from memory at 0.8x the rate).
+    const int64_t at = value_bytes(w[0], c);
+    if (at % 64 == 0)
+      for (int i = 0; i < TW; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
+                           0, 3);
+    v16 xv[TR];
+    for (int j = 0; j < TR; ++j) {
+      xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
+      in_register(xv[j]);
+    }
+    for (int p = 0; p < TP; ++p) {
+      const v16 wv = row_pair_weights<Huge, Q>(reinterpret_cast<const uint8_t*>(w[2 * p]) + at,
+                                               reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at,
+                                               table[2 * p], table[2 * p + 1]);
+      for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
+    }
+  }
+}
+
+// TR inputs against 2 TP kRowPairs rows (w[0 .. 2 TP)), rows 2p and 2p + 1 side by side in
 // the halves of a 512-bit vector, each half the 8-lane sum `dots` makes of its row and input:
 // sixteen weights of two rows are made by one 512-bit operation where 8-lane steps take two.
-// Int4: looked up in the two rows' blocks' tables (formats.h) by one shift, one mask (the
-// second row's table bit) and one two-table permute. Int8: sixteen bytes zero-extended and
-// converted, then n s + o with each half's row's scale and offset.
 // out[i * TR + j] = dot(w[i], x[j]), as `dots`.
 template <int TP, int TR, typename Q>
 inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, int64_t blk,
@@ -180,20 +247,21 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
   for (int p = 0; p < TP; ++p)
     for (int j = 0; j < TR; ++j) acc[p][j] = v16{};
   const int64_t vb = value_bytes(w[0], L), nb = L / blk;
-  const __m512i shift =
-      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16,
-                                           16);  // the second row's table
-  const __m512i nibble = _mm512_set1_epi32(15);
   const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
     // Int4: row i's block's sixteen weights, made as nibble_table makes them. Int8: pair p's
-    // scales and offsets, each row's in its half.
+    // scales, then its offsets, each row's in its half; FP8: its scales (folded as scaled8
+    // takes them, unless a scale of the tile is too big: then every row's two steps, the
+    // same bits).
     __m512 table[TW];
+    float s[TW];
+    bool huge = false;
     for (int i = 0; i < TW; ++i) {
-      float s;
-      std::memcpy(&s, reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s);
-      const v16 scale = v16{} + s;
+      std::memcpy(&s[i], reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s[i]);
+      huge = huge || too_big(w[i], s[i]);
+    }
+    for (int i = 0; i < TW; ++i) {
+      const v16 scale = v16{} + (huge ? s[i] : s[i] * folded(w[i]));
       v16 offset = scale * -8.0f;
       if constexpr (kOffsets<Q>) offset = v16{} + block_offset(w[i], vb, nb, c0 / blk);
       if constexpr (kNibbles<Q>) {
@@ -206,44 +274,10 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
         table[i + 1] = reinterpret_cast<__m512>(offset);
       }
     }
-    for (int64_t c = c0; c < c0 + blk; c += 8) {
-      // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
-      // scaled_block prefetches its four rows: eight streams from memory at 0.8x the rate).
-      const int64_t at = value_bytes(w[0], c);
-      if (at % 64 == 0)
-        for (int i = 0; i < TW; ++i)
-          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
-                             0, 3);
-      v16 xv[TR];
-      for (int j = 0; j < TR; ++j) {
-        xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
-        in_register(xv[j]);
-      }
-      for (int p = 0; p < TP; ++p) {
-        const auto* a = reinterpret_cast<const uint8_t*>(w[2 * p]) + at;
-        const auto* b = reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at;
-        v16 wv;
-        if constexpr (kNibbles<Q>) {
-          uint32_t wa, wb;
-          std::memcpy(&wa, a, sizeof wa);
-          std::memcpy(&wb, b, sizeof wb);
-          const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32(wa), 0xff00, wb);
-          const __m512i index = _mm512_ternarylogic_epi32(_mm512_srlv_epi32(words, shift),
-                                                          nibble, second, 0xea);  // A & B | C
-          wv = reinterpret_cast<v16>(
-              _mm512_permutex2var_ps(table[2 * p], index, table[2 * p + 1]));
-        } else {
-          int64_t ba, bb;
-          std::memcpy(&ba, a, sizeof ba);
-          std::memcpy(&bb, b, sizeof bb);
-          const __m128i bytes = _mm_mask_set1_epi64(_mm_set1_epi64x(ba), 0x2, bb);
-          const v16 n = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
-          wv = fma16(n, reinterpret_cast<v16>(table[2 * p]),
-                     reinterpret_cast<v16>(table[2 * p + 1]));
-        }
-        for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
-      }
-    }
+    if (huge)
+      row_pair_block<true, TP, TR>(w, x, c0, blk, table, acc);
+    else
+      row_pair_block<false, TP, TR>(w, x, c0, blk, table, acc);
   }
   v8 half[TW * TR];
   for (int p = 0; p < TP; ++p)
