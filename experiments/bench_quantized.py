@@ -118,8 +118,7 @@ def write_peers(args, rows: list[dict]) -> None:
     fmt, kind = args.format, FORMATS[args.format]["llama"]
     cmd = (
         f"python experiments/bench_quantized.py --format {fmt} --shapes {args.shapes} "
-        f"--level peers --rounds {args.rounds}"
-        + (f" --out {args.out}" if args.out else "")
+        f"--level peers --rounds {args.rounds}" + (f" --out {args.out}" if args.out else "")
     )
     md = [
         f"# colibri on the {fmt} checkpoint and llama.cpp on {kind} of the same model",
@@ -156,9 +155,7 @@ def main() -> None:
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
     ap.add_argument("--rounds", type=int, default=3, help="--level peers")
-    ap.add_argument(
-        "--out", default="", help="--level peers: results name (default FORMAT_peers)"
-    )
+    ap.add_argument("--out", default="", help="--level peers: results name (default FORMAT_peers)")
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
