@@ -321,9 +321,10 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
-// quarter (or a third) of the matrix apart, not neighbours: streams that far apart are
-// prefetched in parallel, and short rows stream faster than from TW adjacent rows.
-template <int TW, int TR, typename T, typename Emit>
+// quarter (or a third, or an eighth) of the matrix apart, not neighbours: streams that far
+// apart are prefetched in parallel, and short rows stream faster than from TW adjacent rows.
+// RowPairs: the tiles are row_pair_dots' (kRowPairs rows, AVX-512 builds), TW / 2 pairs.
+template <int TW, int TR, bool RowPairs = false, typename T, typename Emit>
 inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit, int64_t blk) {
   float out[TW * TR];
@@ -331,7 +332,13 @@ inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const flo
   const int64_t gap = R / TW;
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
-    dots<TW, TR>(w, x, L, out, blk);
+    if constexpr (RowPairs) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+      row_pair_dots<TW / 2, TR>(w, x, L, blk, out);
+#endif
+    } else {
+      dots<TW, TR>(w, x, L, out, blk);
+    }
     for (int i = 0; i < TW; ++i)
       for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
   }
@@ -369,29 +376,6 @@ inline void all_inputs(const T* const* w, const int64_t* rows, const float* cons
   for (; j0 < r; j0 += 3) tile<TW, 3>(w, rows, x, j0, L, emit, blk);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-// matvecs_tile over kRowPairs rows: 2 TP rows a tile, R / (2 TP) apart, against TR inputs.
-template <int TP, int TR, typename T, typename Emit>
-inline void row_pair_matvecs(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
-                           Emit& emit, int64_t blk) {
-  constexpr int TW = 2 * TP;
-  float out[TW * TR];
-  const T* w[TW];
-  const int64_t gap = R / TW;
-  for (int64_t row = 0; row < gap; ++row) {
-    for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
-    row_pair_dots<TP, TR>(w, x, L, blk, out);
-    for (int i = 0; i < TW; ++i)
-      for (int j = 0; j < TR; ++j) emit(row + i * gap, j, out[i * TR + j]);
-  }
-  for (int64_t row = gap * TW; row < R; ++row) {
-    w[0] = W + row * ld;
-    dots<1, TR>(w, x, L, out, blk);
-    for (int j = 0; j < TR; ++j) emit(row, j, out[j]);
-  }
-}
-#endif
-
 // Up to four inputs: one pass of matvecs_tile. More: each tile of three weight rows meets
 // every input, four (or three) at a time, while it is in L1 (a pass over the matrix for every
 // four inputs would re-read the weights from L2).
@@ -405,10 +389,10 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (r <= 0) return;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   if constexpr (kRowPairs<T>) {
-    if (r == 1) return row_pair_matvecs<4, 1>(W, R, L, ld, x, emit, blk);
-    if (r == 2) return row_pair_matvecs<4, 2>(W, R, L, ld, x, emit, blk);
-    if (r == 3) return row_pair_matvecs<3, 3>(W, R, L, ld, x, emit, blk);
-    if (r == 4) return row_pair_matvecs<3, 4>(W, R, L, ld, x, emit, blk);
+    if (r == 1) return matvecs_tile<8, 1, true>(W, R, L, ld, x, emit, blk);
+    if (r == 2) return matvecs_tile<8, 2, true>(W, R, L, ld, x, emit, blk);
+    if (r == 3) return matvecs_tile<6, 3, true>(W, R, L, ld, x, emit, blk);
+    if (r == 4) return matvecs_tile<6, 4, true>(W, R, L, ld, x, emit, blk);
   }
 #endif
   if (r == 4) return matvecs_tile<3, 4>(W, R, L, ld, x, emit, blk);
