@@ -6,7 +6,8 @@
 //   simd.h     eight-lane float32 vectors: loads, multiply-adds, horizontal sums, e^x, silu
 //   formats.h  the held formats (COLIBRI_HELD_FORMATS) and how their weights are widened
 //   bf16p.h    bfloat16 products: inputs rounded to bfloat16, VDPBF16PS or its emulation
-//   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs
+//   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs;
+//              in AVX-512 builds int4, int8 and FP8 rows two a 512-bit vector
 //   pairs.h    AVX-512 builds: tiles of two inputs a 512-bit vector, over inputs packed once
 //   gang.h     a call's work shared out among XLA's intra-op threads
 //   experts.h  colibri_moe_experts (one target per held format)
