@@ -159,7 +159,14 @@ inline void dots(const Int8Z* const* w, const float* const* x, int64_t L, float*
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VL__)
+// The row pairs below need AVX-512 with its 256-bit forms (VL) and DQ (the halves' extraction).
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define COLIBRI_ROW_PAIRS 1
+#else
+#define COLIBRI_ROW_PAIRS 0
+#endif
+
+#if COLIBRI_ROW_PAIRS
 // Rows held so go through `row_pair_dots` at up to four inputs (AVX-512 builds): int4, int8
 // and FP8 rows, whose weights take several operations each to make.
 template <typename T>
@@ -333,8 +340,10 @@ inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const flo
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
     if constexpr (RowPairs) {
-#if defined(__AVX512F__) && defined(__AVX512VL__)
+#if COLIBRI_ROW_PAIRS
       row_pair_dots<TW / 2, TR>(w, x, L, blk, out);
+#else
+      static_assert(!RowPairs, "row pairs only where COLIBRI_ROW_PAIRS");
 #endif
     } else {
       dots<TW, TR>(w, x, L, out, blk);
@@ -387,7 +396,7 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
              int64_t ld = 0, int64_t blk = 0) {
   if (ld == 0) ld = L;
   if (r <= 0) return;
-#if defined(__AVX512F__) && defined(__AVX512VL__)
+#if COLIBRI_ROW_PAIRS
   if constexpr (kRowPairs<T>) {
     if (r == 1) return matvecs_tile<8, 1, true>(W, R, L, ld, x, emit, blk);
     if (r == 2) return matvecs_tile<8, 2, true>(W, R, L, ld, x, emit, blk);
