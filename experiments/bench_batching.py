@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from colibri.config import load_config
 from colibri.engine.hwinfo import cpu_detail
 from colibri.protocol import codec
 from colibri.protocol.codec import Data, Done, Error, HwInfo, Submit, format_request
@@ -87,6 +88,15 @@ class Engine:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=120)
+
+
+def describe(ckpt: Path) -> str:
+    """The checkpoint's name and shape, as its config gives it (the one run, synthesized or not)."""
+    c = load_config(ckpt)
+    return (
+        f"{ckpt.name} ({c.family}): {c.num_layers} layers, {c.moe.num_experts} experts, "
+        f"top-{c.moe.top_k}, hidden {c.hidden}, moe_ff {c.moe.moe_ff}, vocab {c.vocab_size}"
+    )
 
 
 def aggregate(engine: Engine, n: int, tokens: int) -> float:
@@ -204,8 +214,7 @@ def run(ckpt: Path, tokens: int, trials: int) -> dict:
     load = f"load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     return {
         "machine": f"{hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM, {load}",
-        "model": f"synthetic {SPEC.family}: {SPEC.layers} layers, {SPEC.experts} experts, "
-        f"top-{SPEC.top_k}, hidden {SPEC.hidden}, moe_ff {SPEC.moe_ff}, vocab {SPEC.vocab}",
+        "model": describe(ckpt),
         "tokens": tokens,
         "trials": trials,
         "burst": BURST,
