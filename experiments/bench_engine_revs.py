@@ -29,7 +29,7 @@ import pandas as pd
 
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
-from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs, shape_checkpoint
+from colibri.bench.shapes import ALL_SHAPES, CACHE, SHAPES, ensure_inputs, shape_checkpoint
 from colibri.bench.workers import run_worker
 from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
@@ -56,7 +56,7 @@ def git(*args: str) -> str:
 def checkpoint(name: str, dtype: str) -> Path:
     """The peers shape `name` as `dtype`, made if missing."""
     if dtype == "f32":
-        return ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+        return ensure_inputs(name, ALL_SHAPES[name], with_llama=False)["colibri"]
     return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 
@@ -115,7 +115,7 @@ def main() -> None:
         try:
             trees = {"base": tree, "working tree": REPO.resolve()}
             for name in args.shapes.split(","):
-                spec = SHAPES[name]
+                spec = ALL_SHAPES[name]
                 ckpt = checkpoint(name, args.dtype)
                 print(f"{name}: {args.pairs} pairs, base {rev} against the working tree")
                 prompt = prompt_ids(spec.vocab, args.prompt)

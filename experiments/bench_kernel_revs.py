@@ -56,7 +56,7 @@ from colibri.bench.replay import (
     same_bits,
     weights,
 )
-from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.bench.shapes import ALL_SHAPES, SHAPES, ensure_inputs
 from colibri.config import load_config
 from colibri.formats import BF16P
 from colibri.report import markdown_table
@@ -273,7 +273,7 @@ def main() -> None:
     }
     rows_out, raw = [], {}
     for name in args.shapes.split(","):
-        ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+        ckpt = ensure_inputs(name, ALL_SHAPES[name], with_llama=False)["colibri"]
         cfg = load_config(ckpt)
         sizes = [args.prompt] if args.prompt else [int(r) for r in args.rows.split(",")]
         for rows in sizes:
@@ -311,6 +311,7 @@ def main() -> None:
         f"--passes {args.passes} "
         + (f"--prompt {args.prompt}" if args.prompt else f"--rows {args.rows}")
         + (f" --held {args.held}" if args.held != "float32" else "")
+        + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
     )
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True

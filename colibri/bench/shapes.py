@@ -1,5 +1,6 @@
-"""The checkpoints the benchmarks run on: the peers benchmark's two synthetic shapes, made once
-and cached under CACHE (in the working folder)."""
+"""The checkpoints the benchmarks run on: the peers benchmark's two synthetic shapes (SHAPES,
+every benchmark's default) and, for the kernels' benchmarks, one with the rows of the models
+people run (ALL_SHAPES), made once and cached under CACHE (in the working folder)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,25 @@ SHAPES = {
         shard_mb=1024,
     ),
 }
+# Beside them, for the kernels' benchmarks (not the peers' default): rows as long as the models
+# people run (Qwen3-30B-A3B: hidden 2048, moe_ff 768), with fewer layers and experts: 4 layers
+# x 32 experts of 3 x 2048 x 768, top-8.
+ALL_SHAPES = {
+    **SHAPES,
+    "wide": SynthSpec(
+        family="qwen3_moe",
+        layers=4,
+        experts=32,
+        top_k=8,
+        hidden=2048,
+        moe_ff=768,
+        vocab=8192,
+        kv_heads=4,
+        dtype="f32",
+        seed=2,
+        shard_mb=1024,
+    ),
+}
 CACHE = Path(".cache/bench-peers")
 
 
@@ -59,8 +79,8 @@ def ensure_inputs(name: str, spec: SynthSpec, with_llama: bool) -> dict[str, Pat
 
 
 def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
-    """The peers shape `name` synthesized in `dtype` (cached under .cache/bench-peers)."""
+    """The shape `name` (ALL_SHAPES) synthesized in `dtype` (cached under .cache/bench-peers)."""
     out = CACHE / f"{name}-{dtype}"
     if not (out / "config.json").exists():
-        synthesize(dataclasses.replace(SHAPES[name], dtype=dtype, **changes), out)
+        synthesize(dataclasses.replace(ALL_SHAPES[name], dtype=dtype, **changes), out)
     return out
