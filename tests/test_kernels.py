@@ -572,9 +572,10 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     """The kernels built for each instruction-set level this CPU runs (AVX-512's 32 registers
     and EVEX encodings with the paired tiles of cpu/pairs.h, and AVX2 alone) compute the same
     bits, for every held format: the linear kernel on 1 to 5, 16 and 37 rows (each tile of up
-    to four inputs; odd counts, more than one group) and the expert kernel on 8, 16 and 40 rows
-    of top-4 over 6 experts (~5 to ~30 rows an expert, as in a prefill; experts small and
-    larger than a work item); attention, RMSNorm and the router's choice too.
+    to four inputs; odd counts, more than one group; on rows of over 512 columns, 9, 11, 13, 16
+    and 37, two groups a pass) and the expert kernel on 8, 16 and 40 rows of top-4 over 6
+    experts (~5 to ~30 rows an expert, as in a prefill; experts small and larger than a work
+    item); attention, RMSNorm and the router's choice too.
     Bfloat16 products: AVX-512 BF16's instruction where this CPU has it against the AVX2
     build's emulation of it. Results never depend on the CPU's vector extensions."""
     from colibri.bench.kernel_calls import expert_call, registered
@@ -587,13 +588,17 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             target = f"colibri_isa_{isa}_linear{f.suffix}"
             registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
             # Scaled rows come in blocks of 8; the others have a scalar tail past the vectors.
+            # Rows longer than 512 columns take two groups of inputs a pass (pairs.h).
             D, F = (96, 48) if f.scaled else (99, 45)
-            w = jnp.asarray(_held_rows(f, rng, 70, D))
-            for rows in (1, 2, 3, 4, 5, 16, 37):
-                x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
-                out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
-                theirs = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
-                np.testing.assert_array_equal(np.asarray(theirs), np.asarray(kernels.linear(x, w)))
+            for cols, counts in ((D, (1, 2, 3, 4, 5, 16, 37)), (D + 520, (9, 11, 13, 16, 37))):
+                w = jnp.asarray(_held_rows(f, rng, 70, cols))
+                for rows in counts:
+                    x = jnp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
+                    out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
+                    theirs = jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w)
+                    np.testing.assert_array_equal(
+                        np.asarray(theirs), np.asarray(kernels.linear(x, w))
+                    )
             # Experts of F hidden rows, and of more than a work item's share of them (~680 at
             # this D: items from f0 > 0 on).
             for ff in (F, 1400 if f.scaled else 1403):

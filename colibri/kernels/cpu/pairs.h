@@ -9,7 +9,8 @@
 // (float32 and bfloat16 rows): a group's inputs (8 L floats, 24 KiB at L = 768) stay in L1
 // while the rows stream past, and the next group reads the slice from L2. Sixteen inputs a
 // tile (48 KiB at L = 768, an L1's size) computed from DRAM at about half their rate from
-// cache (docs/kernels.md, "Groups of eight inputs").
+// cache (docs/kernels.md, "Groups of eight inputs"). Rows of more than 512 columns take two
+// groups a pass instead, block by block of columns (TwoGroups), and stream once for both.
 // Results are bitwise those of tiles.h (cpu.cc, "Exactness"; tests/test_kernels.py compares
 // this build with the AVX2 one, which has no such tiles).
 
@@ -170,6 +171,28 @@ inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out)
       }
 }
 
+// The results of a tile's TW rows against the inputs of group g, out[i * stride + j] for
+// input j of the group, emitted (or stored into the packed destination).
+template <int TW, typename Emit>
+__attribute__((always_inline)) inline void emit_group(const int64_t* rows, const Packed& x,
+                                                      Emit& emit, int64_t g, const float* out,
+                                                      int64_t stride) {
+  const int64_t n = x.inputs(g);
+  if constexpr (std::is_same_v<Emit, PackedOut>) {
+    const Packed& to = *emit.to;
+    const int64_t pairs = to.pairs(g);
+    for (int i = 0; i < TW; ++i) {
+      const int64_t c = emit.f0 + rows[i];
+      float* at = to.group(g) + (c / 8) * pairs * 16 + c % 8;
+      for (int64_t j = 0; j < n; ++j) at[8 * j] = out[i * stride + j];
+    }
+  } else {
+    const int64_t j0 = g * Packed::kGroup;
+    for (int i = 0; i < TW; ++i)
+      for (int64_t j = 0; j < n; ++j) emit(rows[i], j0 + j, out[i * stride + j]);
+  }
+}
+
 // Rows w[0 .. TW) (their indices `rows`) against every input of x: emit(row, j, value).
 template <int TW, typename T, typename Emit>
 inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, Emit& emit,
@@ -185,25 +208,112 @@ inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, 
       COLIBRI_PAIRS(5) COLIBRI_PAIRS(6) COLIBRI_PAIRS(7) COLIBRI_PAIRS(8)
 #undef COLIBRI_PAIRS
     }
-    const int64_t j0 = g * Packed::kGroup, TPx2 = 2 * x.pairs(g);
-    if constexpr (std::is_same_v<Emit, PackedOut>) {
-      const Packed& to = *emit.to;
-      const int64_t pairs = to.pairs(g), n = x.inputs(g);
-      for (int i = 0; i < TW; ++i) {
-        const int64_t c = emit.f0 + rows[i];
-        float* at = to.group(g) + (c / 8) * pairs * 16 + c % 8;
-        for (int64_t j = 0; j < n; ++j) at[8 * j] = out[i * TPx2 + j];
-      }
-    } else {
-      for (int i = 0; i < TW; ++i)
-        for (int64_t j = 0; j < x.inputs(g); ++j) emit(rows[i], j0 + j, out[i * TPx2 + j]);
-    }
+    emit_group<TW>(rows, x, emit, g, out, 2 * x.pairs(g));
   }
 }
 
+// Whether float32 and bfloat16 rows of L columns meet their inputs two groups a pass
+// (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would crowd L1.
+// At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
+// 0.92-0.95x, at 2048 0.66-0.78x (docs/kernels.md, "Two groups a pass").
+constexpr bool two_groups_a_pass(int64_t L) { return L > 512; }
+
+// Two groups at once (float32 and bfloat16 rows): a full group g and the next, of TP1 pairs, in
+// tiles of TW rows against all 8 + 2 TP1 inputs (TW (4 + TP1) sums), column block by column
+// block. A block's inputs (kBlock columns of both groups, 16 KiB) stay in L1 while every tile of
+// a run of kRun tiles passes over that block's columns of its rows, the tiles' sums (24 KiB)
+// waiting in memory between blocks: each lane's sum still runs in order of column from zero,
+// so the results are bitwise pair_dots's. The rows stream once for both groups instead of
+// once from memory and again from L2.
+template <int TW, int TP1>
+struct TwoGroups {
+  static constexpr int TP = Packed::kFull + TP1;  // pairs a tile meets
+  static constexpr int64_t kBlock = 256;          // columns a block
+  static constexpr int64_t kRun = 16;             // tiles whose sums wait at once
+
+  template <typename... V>
+  __attribute__((always_inline)) static void step(v16 (*acc)[TP], const float* a, const float* b,
+                                                  V... wv) {
+    (in_register(wv), ...);
+    for (int p = 0; p < TP; ++p) {
+      v16 xv = load16(p < Packed::kFull ? a + 16 * p : b + 16 * (p - Packed::kFull));
+      in_register(xv);
+      int i = 0;
+      ((acc[i][p] = fma16(wv, xv, acc[i][p]), ++i), ...);
+    }
+  }
+
+  template <typename T, size_t... I>
+  __attribute__((always_inline)) static void block(const T* const* w, const float* a,
+                                                   const float* b, int64_t c0, int64_t c1,
+                                                   v16* sums, int64_t ahead,
+                                                   std::index_sequence<I...>) {
+    v16 acc[TW][TP];
+    for (int i = 0; i < TW; ++i)
+      for (int p = 0; p < TP; ++p) acc[i][p] = sums[i * TP + p];
+    for (int64_t c = c0; c < c1; c += 8) {
+      if (c % (64 / sizeof(T)) == 0)
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead + c, 0, 2);
+      step(acc, a + (c / 8) * Packed::kFull * 16, b + (c / 8) * TP1 * 16, loadw2(w[I] + c)...);
+    }
+    for (int i = 0; i < TW; ++i)
+      for (int p = 0; p < TP; ++p) sums[i * TP + p] = acc[i][p];
+  }
+
+  // Rows 0 .. TW gap, in tiles of TW adjacent rows (the caller takes the rest one at a time).
+  // Each tile prefetches, into L2, the same columns of the rows two tiles on (past the matrix
+  // for the last two tiles: prefetches never fault); adjacent rows so prefetched streamed
+  // faster here than rows a third apart (1.00x against 0.93x the time at 768 columns).
+  template <typename T, typename Emit>
+  static void walk(const T* W, int64_t gap, int64_t L, int64_t ld, const Packed& x, int64_t g,
+                   Emit& emit) {
+    const int64_t L8 = L / 8 * 8;
+    const float *a = x.group(g), *b = x.group(g + 1);
+    thread_local std::vector<v16> sums;
+    sums.resize(kRun * TW * TP);
+    const T* w[TW];
+    int64_t rows[TW];
+    float out[TW * 2 * TP];
+    for (int64_t t0 = 0; t0 < gap; t0 += kRun) {
+      const int64_t nt = std::min(kRun, gap - t0);
+      std::fill(sums.begin(), sums.begin() + nt * TW * TP, v16{});
+      for (int64_t c0 = 0; c0 < L8; c0 += kBlock)
+        for (int64_t t = 0; t < nt; ++t) {
+          for (int i = 0; i < TW; ++i) w[i] = W + (TW * (t0 + t) + i) * ld;
+          block(w, a, b, c0, std::min(L8, c0 + kBlock), sums.data() + t * TW * TP, 2 * TW * ld,
+                std::make_index_sequence<TW>{});
+        }
+      for (int64_t t = 0; t < nt; ++t) {
+        for (int i = 0; i < TW; ++i) {
+          rows[i] = TW * (t0 + t) + i;
+          w[i] = W + rows[i] * ld;
+        }
+        v8 half[TW * 2 * TP];
+        for (int k = 0; k < TW * TP; ++k) {
+          const __m512 s = reinterpret_cast<const __m512&>(sums[t * TW * TP + k]);
+          half[2 * k] = reinterpret_cast<v8>(_mm512_castps512_ps256(s));
+          half[2 * k + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(s, 1));
+        }
+        hsums<TW * 2 * TP>(half, out);
+        if (L8 < L)
+          for (int i = 0; i < TW; ++i)
+            for (int64_t j = 0; j < Packed::kGroup + x.inputs(g + 1); ++j) {
+              float s = out[i * 2 * TP + j];
+              const float* xj = x.at(g * Packed::kGroup + j, L8);
+              for (int64_t u = L8; u < L; ++u) s = std::fma(widen(w[i][u]), xj[u - L8], s);
+              out[i * 2 * TP + j] = s;
+            }
+        emit_group<TW>(rows, x, emit, g, out, 2 * TP);
+        emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
+      }
+    }
+  }
+};
+
 // matvecs over packed inputs, TW weight rows a tile, the rows of a tile R / TW apart: the row
-// walk of tiles.h's `matvecs` (scaled rows widened into L1), over paired tiles. (Sharing that walk
-// through a callback measured 2-4% slower on 16-row int8 expert calls.)
+// walk of tiles.h's `matvecs` (scaled rows widened into L1), over paired tiles; long float32
+// and bfloat16 rows two groups a pass (TwoGroups). (Sharing that walk through a callback
+// measured 2-4% slower on 16-row int8 expert calls.)
 template <int TW, typename T, typename Emit>
 inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit& emit,
                          int64_t ld, int64_t blk) {
@@ -237,18 +347,34 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
     (void)blk;
     const T* w[TW];
     int64_t rows[TW];
-    for (int64_t g = 0; g < x.groups(); ++g) {  // a group over every row, then the next
-      for (int64_t row = 0; row < gap; ++row) {
-        for (int i = 0; i < TW; ++i) {
-          rows[i] = row + i * gap;
-          w[i] = W + rows[i] * ld;
+    for (int64_t g = 0; g < x.groups();) {  // two groups over every row, then the next
+      int64_t n = 1;
+      if constexpr (TW == 3) {
+        if (g + 1 < x.groups() && two_groups_a_pass(L)) {
+          switch (x.pairs(g + 1)) {
+#define COLIBRI_TWO(p)                                               \
+  case p:                                                            \
+    TwoGroups<TW, p>::walk(W, gap, L, ld, x, g, emit);                \
+    break;
+            COLIBRI_TWO(1) COLIBRI_TWO(2) COLIBRI_TWO(3) COLIBRI_TWO(4)
+#undef COLIBRI_TWO
+          }
+          n = 2;
         }
-        pair_tiles<TW>(w, rows, x, emit, g, g + 1);
       }
+      if (n == 1)
+        for (int64_t row = 0; row < gap; ++row) {
+          for (int i = 0; i < TW; ++i) {
+            rows[i] = row + i * gap;
+            w[i] = W + rows[i] * ld;
+          }
+          pair_tiles<TW>(w, rows, x, emit, g, g + 1);
+        }
       for (int64_t row = gap * TW; row < R; ++row) {
         w[0] = W + row * ld;
-        pair_tiles<1>(w, &row, x, emit, g, g + 1);
+        pair_tiles<1>(w, &row, x, emit, g, g + n);
       }
+      g += n;
     }
   }
 }
