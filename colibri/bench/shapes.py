@@ -45,18 +45,8 @@ SHAPES = {
 # x 32 experts of 3 x 2048 x 768, top-8.
 ALL_SHAPES = {
     **SHAPES,
-    "wide": SynthSpec(
-        family="qwen3_moe",
-        layers=4,
-        experts=32,
-        top_k=8,
-        hidden=2048,
-        moe_ff=768,
-        vocab=8192,
-        kv_heads=4,
-        dtype="f32",
-        seed=2,
-        shard_mb=1024,
+    "wide": dataclasses.replace(
+        SHAPES["qwen3_moe"], layers=4, experts=32, hidden=2048, moe_ff=768, seed=2
     ),
 }
 CACHE = Path(".cache/bench-peers")
