@@ -600,14 +600,15 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
                         np.asarray(theirs), np.asarray(kernels.linear(x, w))
                     )
             # Experts of F hidden rows, and of more than a work item's share of them (~680 at
-            # this D: items from f0 > 0 on).
-            for ff in (F, 1400 if f.scaled else 1403):
+            # this D: items from f0 > 0 on); and of rows over 512 columns (two groups a pass,
+            # their results packed for the down projections).
+            for cols, ff in ((D, F), (D, 1400 if f.scaled else 1403), (D + 520, F)):
                 gate, up = (
-                    jnp.asarray(_held_rows(f, rng, 6 * ff, D).reshape(6, ff, -1)) for _ in "gu"
+                    jnp.asarray(_held_rows(f, rng, 6 * ff, cols).reshape(6, ff, -1)) for _ in "gu"
                 )
-                down = jnp.asarray(_held_rows(f, rng, 6 * D, ff).reshape(6, D, -1))
+                down = jnp.asarray(_held_rows(f, rng, 6 * cols, ff).reshape(6, cols, -1))
                 for rows in (8, 16, 40):
-                    x = jnp.asarray(rng.standard_normal((rows, D)).astype(np.float32))
+                    x = jnp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
                     ids = jnp.asarray(rng.integers(0, 6, (rows, 4)), jnp.int32)
                     np.testing.assert_array_equal(
                         np.asarray(experts(gate, up, down, x, ids)),
