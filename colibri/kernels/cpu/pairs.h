@@ -119,13 +119,14 @@ inline v16 loadw2(const uint16_t* p) {
 }
 
 // acc[i][p] += wv_i * (pair p's columns) for the tile's weight vectors, passed as values and
-// pinned in registers as in tiles.h.
+// pinned in registers as in tiles.h. The columns of pairs 0 .. 3 are read from a, those of
+// pairs 4 on (a second group's, TwoGroups) from b.
 template <int TP, typename... V>
-__attribute__((always_inline)) inline void multiply_add_pairs(v16 (*acc)[TP], const float* xc,
-                                                              V... wv) {
+__attribute__((always_inline)) inline void multiply_add_pairs(v16 (*acc)[TP], const float* a,
+                                                              const float* b, V... wv) {
   (in_register(wv), ...);
   for (int p = 0; p < TP; ++p) {
-    v16 xv = load16(xc + 16 * p);
+    v16 xv = load16(p < Packed::kFull ? a + 16 * p : b + 16 * (p - Packed::kFull));
     in_register(xv);
     int i = 0;
     ((acc[i][p] = fma16(wv, xv, acc[i][p]), ++i), ...);
@@ -133,9 +134,36 @@ __attribute__((always_inline)) inline void multiply_add_pairs(v16 (*acc)[TP], co
 }
 
 template <int TP, typename T, size_t... I>
-__attribute__((always_inline)) inline void pair_step(const T* const* w, const float* xc, int64_t c,
-                                                     v16 (*acc)[TP], std::index_sequence<I...>) {
-  multiply_add_pairs<TP>(acc, xc, loadw2(w[I] + c)...);
+__attribute__((always_inline)) inline void pair_step(const T* const* w, const float* a,
+                                                     const float* b, int64_t c, v16 (*acc)[TP],
+                                                     std::index_sequence<I...>) {
+  multiply_add_pairs<TP>(acc, a, b, loadw2(w[I] + c)...);
+}
+
+// out[i * 2 TP + j] = the sums acc[i][p] of a tile's TW rows and TP pairs made into dot
+// products: each half's horizontal sum, then the scalar tail past the last whole eight
+// columns, for the n inputs from input j0 of x on (their pairs in order).
+template <int TW, int TP, typename T>
+__attribute__((always_inline)) inline void pair_sums(const v16 (*acc)[TP], const T* const* w,
+                                                     const Packed& x, int64_t j0, int64_t n,
+                                                     float* out) {
+  const int64_t L = x.L, L8 = L / 8 * 8;
+  v8 half[TW * 2 * TP];
+  for (int i = 0; i < TW; ++i)
+    for (int p = 0; p < TP; ++p) {
+      const __m512 a = reinterpret_cast<__m512>(acc[i][p]);
+      half[(i * TP + p) * 2] = reinterpret_cast<v8>(_mm512_castps512_ps256(a));
+      half[(i * TP + p) * 2 + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(a, 1));
+    }
+  hsums<TW * 2 * TP>(half, out);
+  if (L8 < L)
+    for (int i = 0; i < TW; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        float s = out[i * 2 * TP + j];
+        const float* xj = x.at(j0 + j, L8);
+        for (int64_t t = L8; t < L; ++t) s = std::fma(widen(w[i][t]), xj[t - L8], s);
+        out[i * 2 * TP + j] = s;
+      }
 }
 
 // out[i * 2 TP + j] = dot(w[i], input j) over L columns for the TW weight rows and the inputs
@@ -151,24 +179,10 @@ inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out)
   for (int64_t c = 0; c < L8; c += 8) {
     if (c % (64 / sizeof(T)) == 0)  // once a cache line, into L2 4 KiB ahead (as tiles.h)
       for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
-    pair_step<TP>(w, xg + (c / 8) * TP * 16, c, acc, std::make_index_sequence<TW>{});
+    const float* xc = xg + (c / 8) * TP * 16;
+    pair_step<TP>(w, xc, xc, c, acc, std::make_index_sequence<TW>{});
   }
-  v8 half[TW * 2 * TP];
-  for (int i = 0; i < TW; ++i)
-    for (int p = 0; p < TP; ++p) {
-      const __m512 a = reinterpret_cast<__m512>(acc[i][p]);
-      half[(i * TP + p) * 2] = reinterpret_cast<v8>(_mm512_castps512_ps256(a));
-      half[(i * TP + p) * 2 + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(a, 1));
-    }
-  hsums<TW * 2 * TP>(half, out);
-  if (L8 < L)
-    for (int i = 0; i < TW; ++i)
-      for (int j = 0; j < x.inputs(g); ++j) {
-        float s = out[i * 2 * TP + j];
-        const float* xj = x.at(g * Packed::kGroup + j, L8);
-        for (int64_t t = L8; t < L; ++t) s = std::fma(widen(w[i][t]), xj[t - L8], s);
-        out[i * 2 * TP + j] = s;
-      }
+  pair_sums<TW, TP>(acc, w, x, g * Packed::kGroup, x.inputs(g), out);
 }
 
 // The results of a tile's TW rows against the inputs of group g, out[i * stride + j] for
@@ -205,7 +219,6 @@ inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, 
     pair_dots<TW, n>(w, x, g, out); \
     break;
       COLIBRI_PAIRS(1) COLIBRI_PAIRS(2) COLIBRI_PAIRS(3) COLIBRI_PAIRS(4)
-      COLIBRI_PAIRS(5) COLIBRI_PAIRS(6) COLIBRI_PAIRS(7) COLIBRI_PAIRS(8)
 #undef COLIBRI_PAIRS
     }
     emit_group<TW>(rows, x, emit, g, out, 2 * x.pairs(g));
@@ -231,30 +244,18 @@ struct TwoGroups {
   static constexpr int64_t kBlock = 256;          // columns a block
   static constexpr int64_t kRun = 16;             // tiles whose sums wait at once
 
-  template <typename... V>
-  __attribute__((always_inline)) static void step(v16 (*acc)[TP], const float* a, const float* b,
-                                                  V... wv) {
-    (in_register(wv), ...);
-    for (int p = 0; p < TP; ++p) {
-      v16 xv = load16(p < Packed::kFull ? a + 16 * p : b + 16 * (p - Packed::kFull));
-      in_register(xv);
-      int i = 0;
-      ((acc[i][p] = fma16(wv, xv, acc[i][p]), ++i), ...);
-    }
-  }
-
-  template <typename T, size_t... I>
+  template <typename T>
   __attribute__((always_inline)) static void block(const T* const* w, const float* a,
                                                    const float* b, int64_t c0, int64_t c1,
-                                                   v16* sums, int64_t ahead,
-                                                   std::index_sequence<I...>) {
+                                                   v16* sums, int64_t ahead) {
     v16 acc[TW][TP];
     for (int i = 0; i < TW; ++i)
       for (int p = 0; p < TP; ++p) acc[i][p] = sums[i * TP + p];
     for (int64_t c = c0; c < c1; c += 8) {
       if (c % (64 / sizeof(T)) == 0)
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead + c, 0, 2);
-      step(acc, a + (c / 8) * Packed::kFull * 16, b + (c / 8) * TP1 * 16, loadw2(w[I] + c)...);
+      pair_step<TP>(w, a + (c / 8) * Packed::kFull * 16, b + (c / 8) * TP1 * 16, c, acc,
+                    std::make_index_sequence<TW>{});
     }
     for (int i = 0; i < TW; ++i)
       for (int p = 0; p < TP; ++p) sums[i * TP + p] = acc[i][p];
@@ -280,29 +281,15 @@ struct TwoGroups {
       for (int64_t c0 = 0; c0 < L8; c0 += kBlock)
         for (int64_t t = 0; t < nt; ++t) {
           for (int i = 0; i < TW; ++i) w[i] = W + (TW * (t0 + t) + i) * ld;
-          block(w, a, b, c0, std::min(L8, c0 + kBlock), sums.data() + t * TW * TP, 2 * TW * ld,
-                std::make_index_sequence<TW>{});
+          block(w, a, b, c0, std::min(L8, c0 + kBlock), sums.data() + t * TW * TP, 2 * TW * ld);
         }
       for (int64_t t = 0; t < nt; ++t) {
         for (int i = 0; i < TW; ++i) {
           rows[i] = TW * (t0 + t) + i;
           w[i] = W + rows[i] * ld;
         }
-        v8 half[TW * 2 * TP];
-        for (int k = 0; k < TW * TP; ++k) {
-          const __m512 s = reinterpret_cast<const __m512&>(sums[t * TW * TP + k]);
-          half[2 * k] = reinterpret_cast<v8>(_mm512_castps512_ps256(s));
-          half[2 * k + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(s, 1));
-        }
-        hsums<TW * 2 * TP>(half, out);
-        if (L8 < L)
-          for (int i = 0; i < TW; ++i)
-            for (int64_t j = 0; j < Packed::kGroup + x.inputs(g + 1); ++j) {
-              float s = out[i * 2 * TP + j];
-              const float* xj = x.at(g * Packed::kGroup + j, L8);
-              for (int64_t u = L8; u < L; ++u) s = std::fma(widen(w[i][u]), xj[u - L8], s);
-              out[i * 2 * TP + j] = s;
-            }
+        pair_sums<TW, TP>(reinterpret_cast<const v16(*)[TP]>(sums.data() + t * TW * TP), w, x,
+                          g * Packed::kGroup, Packed::kGroup + x.inputs(g + 1), out);
         emit_group<TW>(rows, x, emit, g, out, 2 * TP);
         emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
       }
