@@ -233,31 +233,24 @@ constexpr bool kNibbles = std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z>;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 // Int4 weights looked up rather than made (AVX-512 builds, their 256-bit forms included): a
 // block's sixteen weights, one for each four-bit value q, made once as scaled8 makes them
-// (fma(q, s, -8 s), or fma(q, s, offset) for Int4Z), and each step's weights looked up by
-// their nibbles with a shift and a two-table permute (which reads an index's low four bits
-// only) instead of a shift, a mask, a conversion and a multiply-add. Bitwise scaled8's
-// weights. tiles.h's row_pair_dots looks up two rows' sixteen in one 512-bit permute.
-struct NibbleTable {
-  v8 lo, hi;  // the weights of q = 0 .. 7 and 8 .. 15
-};
-
-inline NibbleTable nibble_table(const Int4*, v8 scale, v8) {
-  const v8 q = {0, 1, 2, 3, 4, 5, 6, 7}, offset = scale * -8.0f;
-  return {fma8(q, scale, offset), fma8(q + 8.0f, scale, offset)};
-}
-inline NibbleTable nibble_table(const Int4Z*, v8 scale, v8 offset) {
-  const v8 q = {0, 1, 2, 3, 4, 5, 6, 7};
-  return {fma8(q, scale, offset), fma8(q + 8.0f, scale, offset)};
+// (fma(q, s, offset), the offset -8 s for Int4, stored for Int4Z), and each step's weights
+// looked up by their nibbles with a shift and a two-table permute (which reads an index's low
+// four bits only) instead of a shift, a mask, a conversion and a multiply-add. Bitwise
+// scaled8's weights. tiles.h's row_pair_dots looks up two rows' sixteen in one 512-bit permute.
+inline __m512 nibble_table(v16 scale, v16 offset) {
+  const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return reinterpret_cast<__m512>(fma16(q, scale, offset));
 }
 
 // The eight weights of an int4 row from column c, looked up in their block's table.
-inline v8 looked_up8(const void* w, int64_t c, const NibbleTable& t) {
+inline v8 looked_up8(const void* w, int64_t c, __m512 table) {
   uint32_t word;
   std::memcpy(&word, static_cast<const uint8_t*>(w) + c / 2, sizeof word);
   const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(word), shift);
-  return reinterpret_cast<v8>(_mm256_permutex2var_ps(reinterpret_cast<__m256>(t.lo), q,
-                                                     reinterpret_cast<__m256>(t.hi)));
+  const __m256 lo = _mm512_castps512_ps256(table),
+               hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
+  return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo, q, hi));
 }
 #endif
 

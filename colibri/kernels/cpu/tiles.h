@@ -254,9 +254,8 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
   for (int p = 0; p < TP; ++p)
     for (int j = 0; j < TR; ++j) acc[p][j] = v16{};
   const int64_t vb = value_bytes(w[0], L), nb = L / blk;
-  const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    // Int4: row i's block's sixteen weights, made as nibble_table makes them. Int8: pair p's
+    // Int4: row i's block's sixteen weights (nibble_table). Int8: pair p's
     // scales, then its offsets, each row's in its half; FP8: its scales (folded as scaled8
     // takes them, unless a scale of the tile is too big: then every row's two steps, the
     // same bits).
@@ -272,7 +271,7 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
       v16 offset = scale * -8.0f;
       if constexpr (kOffsets<Q>) offset = v16{} + block_offset(w[i], vb, nb, c0 / blk);
       if constexpr (kNibbles<Q>) {
-        table[i] = reinterpret_cast<__m512>(fma16(q, scale, offset));
+        table[i] = nibble_table(scale, offset);
       } else if (i % 2) {
         table[i - 1] = _mm512_mask_mov_ps(table[i - 1], 0xff00, reinterpret_cast<__m512>(scale));
         table[i] = _mm512_mask_mov_ps(table[i], 0xff00, reinterpret_cast<__m512>(offset));
@@ -311,7 +310,9 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
     if constexpr (kOffsets<Q>) offset = v8{} + block_offset(w, vb, nb, c0 / blk);
 #if defined(__AVX512F__) && defined(__AVX512VL__)
     if constexpr (kNibbles<Q>) {
-      const NibbleTable table = nibble_table(w, scale, offset);
+      const v16 s16 = v16{} + scale[0];
+      const __m512 table =
+          nibble_table(s16, kOffsets<Q> ? v16{} + offset[0] : s16 * -8.0f);
       for (int64_t c = c0; c < c0 + blk; c += 8) {
         const v8 v = looked_up8(w, c, table);
         std::memcpy(out + c, &v, sizeof v);
