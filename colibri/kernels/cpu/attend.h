@@ -35,51 +35,93 @@ struct AttendCall : Gang {
   float scale;
   std::atomic<int64_t> next{0};
 
+  // A work item's keys and values: n positions (0: a padding row, or no such item).
+  struct Block {
+    const float *k = nullptr, *v = nullptr;
+    int64_t n = 0;
+  };
+
+  Block block(int64_t item) const {
+    if (item >= B * Hkv) return {};
+    const int64_t b = item / Hkv, s = slot[b];
+    if (s < 0 || s >= S || pos[b] < 0) return {};
+    const int64_t at = (s * Hkv + item % Hkv) * C * Dh;
+    return {k + at, v + at, std::min<int64_t>(pos[b], C - 1) + 1};
+  }
+
+  // Positions [from, to) of a block's keys or values (rows of Dh floats) on their way to L2.
+  static void fetch(const float* rows, int64_t from, int64_t to, int64_t Dh) {
+    const char* p = reinterpret_cast<const char*>(rows);
+    const int64_t row = Dh * static_cast<int64_t>(sizeof(float));
+    for (int64_t c = from * row / 64 * 64; c < to * row; c += 64) __builtin_prefetch(p + c, 0, 2);
+  }
+
   void drain() override {
     const int64_t G = H / Hkv, items = B * Hkv;
     std::vector<float> p;
     std::vector<const float*> qs(G);
-    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t b = item / Hkv, g = item % Hkv, s = slot[b];
+    // Items are claimed one ahead, and the next one's keys and values are fetched as this
+    // one's are read, a position for a position: a core otherwise computes an item and then
+    // waits on DRAM for the first rows of the next (its keys, then its values: short streams
+    // that the prefetchers start on late), its arithmetic and its reads one after the other.
+    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;) {
+      const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
+      const Block here = block(item), ahead = block(following);
+      const int64_t b = item / Hkv, g = item % Hkv, n = here.n;
+      item = following;
       float* o = out + (b * H + g * G) * Dh;
       std::fill(o, o + G * Dh, 0.0f);
-      if (s < 0 || s >= S || pos[b] < 0) continue;
-      const int64_t n = std::min<int64_t>(pos[b], C - 1) + 1;
+      if (n == 0) {
+        fetch(ahead.k, 0, ahead.n, Dh);
+        fetch(ahead.v, 0, ahead.n, Dh);
+        continue;
+      }
       for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
       const int64_t ld = Dh;  // floats from one position's key to the next
-      const float* kb = k + (s * Hkv + g) * C * Dh;
-      const float* vb = v + (s * Hkv + g) * C * Dh;
       const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
       p.resize(G * np);
-      matvecs(kb, n, Dh, qs.data(), G, [&](int64_t t, int64_t j, float d) { p[j * np + t] = d; },
+      matvecs(here.k, n, Dh, qs.data(), G,
+              [&](int64_t t, int64_t j, float d) {
+                p[j * np + t] = d;
+                if (j == 0 && t < ahead.n) fetch(ahead.k, t, t + 1, Dh);
+              },
               ld);
+      fetch(ahead.k, n, ahead.n, Dh);
       for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * np, n, np, scale);
       // o[j] = sum over t of p[j, t] * v[t], in order of t: per head, Dh floats at a time in
-      // registers (the value rows are re-read from cache for each head of the group).
+      // registers (the value rows are re-read from cache for each head of the group). The
+      // first pass over the values fetches the next item's.
+      int64_t fetching = std::min(n, ahead.n), fetched = 0;
       for (int64_t j = 0; j < G; ++j) {
         const float* pj = p.data() + j * np;
         float* oj = o + j * Dh;
         int64_t d0 = 0;
-        for (; d0 + 64 <= Dh; d0 += 64) accumulate<8>(pj, vb + d0, ld, n, oj + d0);
-        for (; d0 + 8 <= Dh; d0 += 8) accumulate<1>(pj, vb + d0, ld, n, oj + d0);
+        for (; d0 + 64 <= Dh; d0 += 64, fetched += fetching, fetching = 0)
+          accumulate<8>(pj, here.v + d0, ld, n, oj + d0, ahead.v, fetching, Dh);
+        for (; d0 + 8 <= Dh; d0 += 8, fetched += fetching, fetching = 0)
+          accumulate<1>(pj, here.v + d0, ld, n, oj + d0, ahead.v, fetching, Dh);
         for (; d0 < Dh; ++d0) {
           float acc = 0.0f;
-          for (int64_t t = 0; t < n; ++t) acc = std::fma(pj[t], vb[t * ld + d0], acc);
+          for (int64_t t = 0; t < n; ++t) acc = std::fma(pj[t], here.v[t * ld + d0], acc);
           oj[d0] = acc;
         }
       }
+      fetch(ahead.v, fetched, ahead.n, Dh);
     }
   }
 
-  // out[0 .. 8 * NV) = sum over t < n of p[t] * v[t * ld + ...], one FMA chain per lane.
+  // out[0 .. 8 * NV) = sum over t < n of p[t] * v[t * ld + ...], one FMA chain per lane; and
+  // positions [0, ahead_n) of the block `ahead` (rows of Dh floats) fetched, one a position.
   // Not inlined: inside drain() GCC keeps acc in memory and stores all NV sums at every
   // position.
   template <int NV>
   __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld,
-                                                    int64_t n, float* out) {
+                                                    int64_t n, float* out, const float* ahead,
+                                                    int64_t ahead_n, int64_t Dh) {
     v8 acc[NV];
     for (int i = 0; i < NV; ++i) acc[i] = v8{};
     for (int64_t t = 0; t < n; ++t) {
+      if (t < ahead_n) fetch(ahead, t, t + 1, Dh);
       const v8 w = v8{} + p[t];
       for (int i = 0; i < NV; ++i) acc[i] = fma8(w, load8(v + t * ld + 8 * i), acc[i]);
     }
