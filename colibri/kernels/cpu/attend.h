@@ -49,6 +49,9 @@ struct AttendCall : Gang {
     return {k + at, v + at, std::min<int64_t>(pos[b], C - 1) + 1};
   }
 
+  // The most bytes of keys (and as many of values) of the next item fetched ahead.
+  static constexpr int64_t kAhead = 64 << 10;
+
   // Positions [from, to) of a block's keys or values (rows of Dh floats) on their way to L2.
   static void fetch(const float* rows, int64_t from, int64_t to, int64_t Dh) {
     const char* p = reinterpret_cast<const char*>(rows);
@@ -60,13 +63,17 @@ struct AttendCall : Gang {
     const int64_t G = H / Hkv, items = B * Hkv;
     std::vector<float> p;
     std::vector<const float*> qs(G);
-    // Items are claimed one ahead, and the next one's keys and values are fetched as this
-    // one's are read, a position for a position: a core otherwise computes an item and then
-    // waits on DRAM for the first rows of the next (its keys, then its values: short streams
-    // that the prefetchers start on late), its arithmetic and its reads one after the other.
+    // Items are claimed one ahead, and the next one's keys and values, where they are short
+    // (kAhead), are fetched as this one's are read, a position for a position: a core
+    // otherwise computes an item and then waits on DRAM for the first rows of the next (short
+    // streams, which the prefetchers start on late), its arithmetic and its reads one after
+    // the other. Longer streams the prefetchers keep up with; fetching them too made a
+    // long-context call slower.
     for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;) {
       const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
-      const Block here = block(item), ahead = block(following);
+      const Block here = block(item);
+      Block ahead = block(following);
+      if (ahead.n * Dh * static_cast<int64_t>(sizeof(float)) > kAhead) ahead = {};
       const int64_t b = item / Hkv, g = item % Hkv, n = here.n;
       item = following;
       float* o = out + (b * H + g * G) * Dh;
