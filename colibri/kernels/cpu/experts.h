@@ -299,12 +299,19 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       p.upp[i].clear_padding();
     }
   }
-  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower.
+  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower. Where
+  // no expert has more than four rows (one pass over its weights), kLongItems times that,
+  // while it leaves every thread four items or more.
   const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
-  p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, 512 << 10);
-  p.dchunk = chunk_rows(value_bytes(kind, F), D, 256 << 10);
-  p.fitems = (F + p.fchunk - 1) / p.fchunk;
-  p.ditems = (D + p.dchunk - 1) / p.dchunk;
+  const auto slice = [&](int64_t scale) {
+    p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, scale * (512 << 10));
+    p.dchunk = chunk_rows(value_bytes(kind, F), D, scale * (256 << 10));
+    p.fitems = (F + p.fchunk - 1) / p.fchunk;
+    p.ditems = (D + p.dchunk - 1) / p.dchunk;
+  };
+  const bool one_pass = experts > 0 && p.first[1] - p.first[0] <= 4;  // most rows first
+  slice(one_pass ? kLongItems : 1);
+  if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(1);
 
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each

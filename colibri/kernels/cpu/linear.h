@@ -22,7 +22,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 // y [M, O] = x [M, I] . w [O, I]^T, in slices of w shared out among the threads (~256 KiB of
-// float32 or bfloat16 rows, whose streams gain from running longer; ~128 KiB of scaled rows);
+// float32 or bfloat16 rows, whose streams gain from running longer; ~128 KiB of scaled rows;
+// longer ones for a single pass, see gang.h's kLongItems);
 // each output is one dot product computed as in the expert kernel (batch-invariant bitwise).
 // w is float32, bfloat16 bits (T = uint16_t), FP8 rows (T = uint8_t: each row's I values,
 // then its I / blk float32 block scales, ld bytes in all), int4 rows (T = Int4: I / 2 bytes
@@ -85,7 +86,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   call->I = I;
   call->ld = ld;
   call->blk = blk;
-  call->chunk = chunk_rows(value_bytes(kind, I), O, kScaled<T> ? 128 << 10 : 256 << 10);
+  // Items of up to kLongItems times that where the rows meet the weights in one pass (at most
+  // four), while every thread still gets four or more.
+  const int64_t base = kScaled<T> ? 128 << 10 : 256 << 10;
+  const int64_t share = O * value_bytes(kind, I) / (4 * std::max<int64_t>(pool.num_threads(), 1));
+  call->chunk = chunk_rows(value_bytes(kind, I), O,
+                           M <= 4 ? std::clamp(share, base, kLongItems * base) : base);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
