@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256]
+    [--prompt 256] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -26,7 +26,8 @@ out). Reported: ms a step for each version (median of passes), GB/s of the weigh
 values) read (for the experts: the distinct ones) and GFLOP/s, and the median over passes of
 new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
-kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json.
+kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json;
+with --out NAME, NAME.md and NAME.json.
 """
 
 from __future__ import annotations
@@ -263,6 +264,11 @@ def main() -> None:
         help="experts: the calls of a prefill of this many tokens (one step a pass) instead of "
         "--rows conversations decoding",
     )
+    ap.add_argument(
+        "--out",
+        help="results name (default kernel_revs[_linear|_attend][_prompt]): a run kept beside "
+        "the others",
+    )
     args = ap.parse_args()
     if args.prompt and args.kernel != "experts":
         ap.error("--prompt is for --kernel experts")
@@ -318,6 +324,7 @@ def main() -> None:
         + (f"--prompt {args.prompt}" if args.prompt else f"--rows {args.rows}")
         + (f" --held {args.held}" if args.held != "float32" else "")
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
+        + (f" --out {args.out}" if args.out else "")
     )
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True, text=True
@@ -341,6 +348,7 @@ def main() -> None:
     ]
     stem = "kernel_revs" if args.kernel == "experts" else f"kernel_revs_{args.kernel}"
     stem += "_prompt" if args.prompt else ""
+    stem = args.out or stem
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{stem}.md").write_text("\n".join(md))
     (RESULTS / f"{stem}.json").write_text(json.dumps({"command": cmd, "runs": raw}, indent=1))

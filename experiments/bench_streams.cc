@@ -3,7 +3,7 @@
 // colibri/kernels/cpu/tiles.h; only the order in which rows are visited changes.
 //
 // usage: bench_streams ROW_FLOATS CHUNK_ROWS MIB REPEATS
-// prints "layout rows_side_by_side gap_rows GB/s" per layout, best of REPEATS.
+// prints "layout rows_side_by_side gap_rows item_rows GB/s" per layout, best of REPEATS.
 
 #include <immintrin.h>
 
@@ -86,42 +86,45 @@ int main(int argc, char** argv) {
   }
   const int64_t L = std::atoll(argv[1]), R = std::atoll(argv[2]);
   const int64_t bytes = std::atoll(argv[3]) << 20, reps = std::atoll(argv[4]);
-  const int64_t items = bytes / (R * L * 4);
-  std::vector<float> W(items * R * L), x(L, 0.5f);
+  const int64_t most = bytes / (R * L * 4) / 4 * 4;  // items of R rows (of 4 R: a quarter)
+  std::vector<float> W(most * R * L), x(L, 0.5f);
   for (size_t i = 0; i < W.size(); ++i) W[i] = float(i % 97) * 1e-3f;
   struct Layout {
     const char* name;
     int tw;
-    int64_t gap;
-  } layouts[] = {{"read", 0, 0},
-                 {"1 row at a time", 1, 1},
-                 {"4 adjacent rows", 4, 1},
-                 {"8 adjacent rows", 8, 1},
-                 {"4 rows a quarter apart", 4, R / 4},
-                 {"8 rows an eighth apart", 8, R / 8},
-                 {"4 rows interleaved by 8", -4, 8},
-                 {"4 rows interleaved by 16", -4, 16},
-                 {"8 rows interleaved by 8", -8, 8}};
+    int64_t gap, rows;  // rows an item
+  } layouts[] = {{"read", 0, 0, R},
+                 {"1 row at a time", 1, 1, R},
+                 {"4 adjacent rows", 4, 1, R},
+                 {"8 adjacent rows", 8, 1, R},
+                 {"4 rows a quarter apart", 4, R / 4, R},
+                 {"8 rows an eighth apart", 8, R / 8, R},
+                 {"4 rows interleaved by 8", -4, 8, R},
+                 {"4 rows interleaved by 16", -4, 16, R},
+                 {"8 rows interleaved by 8", -8, 8, R},
+                 {"read, items 4x as long", 0, 0, 4 * R},
+                 {"4 rows a quarter apart, items 4x as long", 4, R, 4 * R}};
   const int n = sizeof layouts / sizeof layouts[0];
   std::vector<double> best(n, 0.0);
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   for (int64_t rep = 0; rep < reps; ++rep)
     for (int v = 0; v < n; ++v) {  // layouts interleaved: load from elsewhere hits all alike
+      const int64_t rows = layouts[v].rows, items = most * R / rows;
       std::atomic<int64_t> next{0};
       auto work = [&](unsigned t) {
-        std::vector<float> y(R);
+        std::vector<float> y(rows);
         for (int64_t k; (k = next.fetch_add(1)) < items;) {
-          const float* w = W.data() + k * R * L;
+          const float* w = W.data() + k * rows * L;
           switch (layouts[v].tw) {
-            case 0: read_only(w, R * L, y.data()); break;
-            case 1: chunk<1>(w, R, L, 1, x.data(), y.data()); break;
-            case 4: chunk<4>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
-            case 8: chunk<8>(w, R, L, layouts[v].gap, x.data(), y.data()); break;
+            case 0: read_only(w, rows * L, y.data()); break;
+            case 1: chunk<1>(w, rows, L, 1, x.data(), y.data()); break;
+            case 4: chunk<4>(w, rows, L, layouts[v].gap, x.data(), y.data()); break;
+            case 8: chunk<8>(w, rows, L, layouts[v].gap, x.data(), y.data()); break;
             case -4:
-              if (layouts[v].gap == 8) interleaved<4, 8>(w, R, L, x.data(), y.data());
-              else interleaved<4, 16>(w, R, L, x.data(), y.data());
+              if (layouts[v].gap == 8) interleaved<4, 8>(w, rows, L, x.data(), y.data());
+              else interleaved<4, 16>(w, rows, L, x.data(), y.data());
               break;
-            case -8: interleaved<8, 8>(w, R, L, x.data(), y.data()); break;
+            case -8: interleaved<8, 8>(w, rows, L, x.data(), y.data()); break;
           }
         }
       };
@@ -131,10 +134,10 @@ int main(int argc, char** argv) {
       work(0);
       for (auto& th : pool) th.join();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      best[v] = std::max(best[v], double(items * R * L * 4) / s / 1e9);
+      best[v] = std::max(best[v], double(items * rows * L * 4) / s / 1e9);
     }
   for (int v = 0; v < n; ++v)
-    std::printf("%s\t%d\t%lld\t%.2f\n", layouts[v].name, layouts[v].tw,
-                (long long)layouts[v].gap, best[v]);
+    std::printf("%s\t%d\t%lld\t%lld\t%.2f\n", layouts[v].name, layouts[v].tw,
+                (long long)layouts[v].gap, (long long)layouts[v].rows, best[v]);
   return 0;
 }

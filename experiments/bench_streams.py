@@ -6,8 +6,9 @@ small C++ program (bench_streams.cc, built here with the same flags as the kerne
 y = W x over --mib MiB of float32 weights on every core, in work items of 64 rows, visiting the
 rows of an item one at a time, 4 or 8 neighbours side by side, 4 (8) side by side a quarter
 (an eighth) of the item apart, or 4 (8) stored interleaved (8 or 16 floats of each row in turn,
-one sequential stream); a plain read of the same bytes is the reference. Best of --repeats,
-layouts interleaved. Rows of 512 and 768 floats are the expert rows of the peers shapes.
+one sequential stream); a plain read of the same bytes is the reference; and the read and the
+quarter-apart rows again over items four times as long (the kernels' items where a call passes
+over its weights once: gang.h's kLongItems). Best of --repeats, layouts interleaved. Rows of 512 and 768 floats are the expert rows of the peers shapes.
 Writes experiments/results/streams.md and streams.json.
 """
 
@@ -46,13 +47,14 @@ def run(exe: Path, row_floats: int, mib: int, repeats: int) -> list[dict]:
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     rows = []
     for line in out.splitlines():
-        name, side, gap, gb_s = line.split("\t")
+        name, side, gap, item, gb_s = line.split("\t")
         rows.append(
             {
                 "row KiB": row_floats * 4 / 1024,
                 "layout": name,
                 "streams per thread": max(int(side), 1),  # interleaved rows: one stream
                 "gap KiB": int(gap) * row_floats * 4 / 1024 if int(side) > 0 else 0.0,
+                "item KiB": int(item) * row_floats * 4 / 1024,
                 "GB/s": float(gb_s),
             }
         )
