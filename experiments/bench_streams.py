@@ -8,7 +8,8 @@ rows of an item one at a time, 4 or 8 neighbours side by side, 4 (8) side by sid
 (an eighth) of the item apart, or 4 (8) stored interleaved (8 or 16 floats of each row in turn,
 one sequential stream); a plain read of the same bytes is the reference; and the read and the
 quarter-apart rows again over items four times as long (the kernels' items where a call passes
-over its weights once: gang.h's kLongItems). Best of --repeats, layouts interleaved. Rows of 512 and 768 floats are the expert rows of the peers shapes.
+over its weights once: gang.h's kLongItems). Best of --repeats, layouts interleaved. Rows of
+512 and 768 floats are the expert rows of the peers shapes.
 Writes experiments/results/streams.md and streams.json.
 """
 
