@@ -144,7 +144,7 @@ def main() -> None:
             return
     out, raw = [], {}
     for name in args.shapes.split(","):
-        cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
+        cfg = load_config(ensure_inputs(name)["colibri"])
         layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
         for level in levels:
             passes = args.passes or {"kernel": 14, "engine": 2}[level]
@@ -153,7 +153,7 @@ def main() -> None:
                 engines = {h: engine(ckpt, h) for h in HELD}
                 mb = {h: engines[h][0].model.store.expert_bytes / 2**20 for h in HELD}
             else:
-                ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+                ckpt = ensure_inputs(name)["colibri"]
                 eb = 3 * cfg.moe.moe_ff * cfg.hidden
                 mb = {h: (4 if h == "float32" else 2) * eb / 2**20 for h in HELD}
             for rows in (1, 16):

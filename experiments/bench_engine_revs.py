@@ -56,7 +56,7 @@ def git(*args: str) -> str:
 def checkpoint(name: str, dtype: str) -> Path:
     """The peers shape `name` as `dtype`, made if missing."""
     if dtype == "f32":
-        return ensure_inputs(name, ALL_SHAPES[name], with_llama=False)["colibri"]
+        return ensure_inputs(name)["colibri"]
     return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 

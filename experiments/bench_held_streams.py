@@ -36,7 +36,7 @@ from tqdm import tqdm
 from colibri import kernels
 from colibri.bench.bandwidth import call_rate, fma_ceiling, probe_array, read_rate
 from colibri.bench.formats import FORMATS
-from colibri.bench.shapes import ALL_SHAPES, ensure_inputs, shape_checkpoint
+from colibri.bench.shapes import ensure_inputs, shape_checkpoint
 from colibri.bench.workers import every_expert_call
 from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
@@ -84,7 +84,7 @@ def bound_name(reads: pd.Series, computing: float) -> str:
 
 def checkpoint(name: str, fmt: str) -> Path:
     if fmt == "float32":
-        return ensure_inputs(name, ALL_SHAPES[name], with_llama=False)["colibri"]
+        return ensure_inputs(name)["colibri"]
     return shape_checkpoint(name, fmt, **FORMATS[fmt]["synth"])
 
 

@@ -97,7 +97,7 @@ def main() -> None:
         sys.exit("no huge pages here (Linux only; COLIBRI_HUGE_PAGES=0 turns them off)")
     out, raw = [], {}
     for name in args.shapes.split(","):
-        ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+        ckpt = ensure_inputs(name)["colibri"]
         for level in args.level.split(","):
             passes = args.passes or {"kernel": 14, "engine": 2, "load": 4}[level]
             engines = {k: engine(ckpt, k == PAGES[1]) for k in PAGES} if level == "engine" else {}

@@ -58,7 +58,7 @@ from colibri.bench.replay import (
     same_bits,
     weights,
 )
-from colibri.bench.shapes import ALL_SHAPES, SHAPES, ensure_inputs
+from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.config import load_config
 from colibri.formats import BF16P
 from colibri.report import markdown_table
@@ -190,9 +190,8 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
     steps = {v: program(f) for v, f in calls.items()}
     at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
     same_bits({v: run(q, sets[0], at[-1]) for v, run in steps.items()})
-    turn = (
-        itertools.count()
-    )  # every call the next set: neither version reads what the other just did
+    # Every call the next set: neither version reads what the other has just read.
+    turn = itertools.count()
     ms = alternate(steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes)
     positions = prompt_len + (STEPS + 1) / 2  # mean keys a row reads
     gb = L * rows * Hkv * positions * Dh * 2 * 4 / 1e9
@@ -285,7 +284,7 @@ def main() -> None:
     }
     rows_out, raw = [], {}
     for name in args.shapes.split(","):
-        ckpt = ensure_inputs(name, ALL_SHAPES[name], with_llama=False)["colibri"]
+        ckpt = ensure_inputs(name)["colibri"]
         cfg = load_config(ckpt)
         sizes = [args.prompt] if args.prompt else [int(r) for r in args.rows.split(",")]
         for rows in sizes:

@@ -98,7 +98,7 @@ def main() -> None:
     peers = [p for p in PEERS if with_llama or not p.startswith("llama")]
     CACHE.mkdir(parents=True, exist_ok=True)
     names = args.shapes.split(",")
-    inputs = {name: ensure_inputs(name, SHAPES[name], with_llama) for name in names}
+    inputs = {name: ensure_inputs(name, with_llama) for name in names}
     bw = memory_bandwidth()
     print(f"memory bandwidth: {bw['gb_s']:.1f} GB/s", flush=True)
     runs: dict[tuple[str, str], list[dict]] = {}

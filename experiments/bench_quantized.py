@@ -110,7 +110,7 @@ def peers_level(name: str, fmt: str, rounds: int) -> list[dict]:
     ckpt = shape_checkpoint(name, fmt, **f["synth"])
     gguf = CACHE / f"{name}-{kind}.gguf"  # as bench_peers names its exports
     if not gguf.exists():
-        export_gguf(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"], gguf, kind)
+        export_gguf(ensure_inputs(name)["colibri"], gguf, kind)
     return side_by_side(name, {f"colibri ({fmt} held)": ckpt, f"llama.cpp {kind}": gguf}, rounds)
 
 
@@ -172,7 +172,7 @@ def main() -> None:
             return
     out, raw = [], {}
     for name in args.shapes.split(","):
-        cfg = load_config(ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"])
+        cfg = load_config(ensure_inputs(name)["colibri"])
         layer_experts = cfg.moe.num_experts * len(cfg.moe_layer_ids)
         shapes = expert_shapes(cfg, f["held"], f["blocks"]).values()
         quantized = sum(r * c for r, c in shapes) * np.dtype(f["held"]).itemsize
@@ -189,7 +189,7 @@ def main() -> None:
                 engines = {h: engine(ckpt, fmt, v) for h, v in switches.items()}
                 assert engines[fmt][0].model.store.expert_bytes == held_bytes[fmt]
             else:
-                ckpt = ensure_inputs(name, SHAPES[name], with_llama=False)["colibri"]
+                ckpt = ensure_inputs(name)["colibri"]
             for rows in (1, 16):
                 if level == "kernel":
                     got = kernel_level(ckpt, fmt, rows, passes)["ms"]

@@ -37,7 +37,7 @@ from colibri.bench import anatomy
 from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
-from colibri.bench.shapes import ALL_SHAPES, SHAPES, ensure_inputs
+from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.formats import Holding
 from colibri.report import markdown_table, write_report
@@ -364,10 +364,7 @@ def main() -> None:
         if args.ckpt:
             ckpts = {c.name: c for c in args.ckpt}
         else:
-            ckpts = {
-                n: ensure_inputs(n, ALL_SHAPES[n], with_llama=False)["colibri"]
-                for n in args.shapes.split(",")
-            }
+            ckpts = {n: ensure_inputs(n)["colibri"] for n in args.shapes.split(",")}
         results = {}
         for name, ckpt in ckpts.items():
             results[name] = measure(ckpt, args.rows, args.tokens, args.prompt, args.rounds, dump)

@@ -52,10 +52,12 @@ ALL_SHAPES = {
 CACHE = Path(".cache/bench-peers")
 
 
-def ensure_inputs(name: str, spec: SynthSpec, with_llama: bool) -> dict[str, Path]:
+def ensure_inputs(name: str, with_llama: bool = False) -> dict[str, Path]:
+    """The shape `name` (ALL_SHAPES) as float32, synthesized if missing, for every peer that
+    reads it (with_llama: exported to GGUF f32 and q8_0 for llama.cpp too)."""
     ckpt = CACHE / name
     if not (ckpt / "config.json").exists():
-        synthesize(spec, ckpt)
+        synthesize(ALL_SHAPES[name], ckpt)
     paths = {"colibri": ckpt, "transformers": ckpt}
     if with_llama:
         from colibri.gguf import export_gguf
