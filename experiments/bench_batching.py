@@ -7,7 +7,7 @@ synthetic qwen3_moe checkpoint, driven over stdin/stdout exactly as a server wou
   the rate is DATA frames per second between the moment all N have their first token and the
   first DONE (every slot decoding the whole window). Best of --trials runs after a warm-up,
   the sizes interleaved so that load from other processes falls on each of them alike.
-  The engine runs twice: with its default bursts of greedy steps (BURST=6) and with one step
+  The engine runs twice: with its default bursts of greedy steps (BURST) and with one step
   a forward (BURST=1). Beside it, the same batch sizes through bare chained bursts of
   `Runner.decode_async`, in-process: the ceiling the engine's scheduling and protocol work is
   measured against. For those, the bytes a step reads (weights outside the routed experts,

@@ -13,7 +13,8 @@ ValueError, as a misused runner would, and is noted in `misuse` (the scheduler m
 Routes are a rule too: `experts(token, pos)` [n_moe, K], counted in `stats` (an
 ExpertStats of N_MOE x N_EXPERTS) as the real runner counts them: a prefill at once, a decode
 forward's kept rows when it lands. Forwards compute when they start (calls come in the order
-the device would run them); only a cuttable burst's length is decided when it lands.
+the device would run them); only a cuttable burst's length is decided when it lands. A burst
+ends after the step by which every row has chosen one of the `stops` it was given.
 
 Scripts: `chains` and `cuts` (what the runner allows), `faults` (failures to raise, see
 `Fault`), `frame(during=k)` (input comes in during step k of a cuttable burst: it ends after
@@ -71,20 +72,21 @@ class FakeInFlight:
     """A started decode forward, computed already: tokens [steps, B], logits [steps, B, V]
     and routes [steps, N_MOE, B, TOP_K] of every step it was started for."""
 
-    def __init__(self, runner, tokens, logits, routes, cuttable: bool, broken: bool):
+    def __init__(self, runner, tokens, logits, routes, cuttable: bool, broken: bool, limit: int):
         self._runner, self._tokens, self._logits, self._routes = runner, tokens, logits, routes
         self.steps = tokens.shape[0]
         self.cuttable = cuttable
         self.t_start = time.perf_counter()
         self._broken = broken
-        self._ran: int | None = None if cuttable else self.steps
+        self._limit = limit  # steps it runs uncut: fewer where every row chose a stop token
+        self._ran: int | None = None if cuttable else limit
         self._landed = False  # (ran() has slept for its steps)
         self._value = None
 
     def ran(self) -> int:
         if self._ran is None:  # a cuttable burst: cut where a frame came in
             during, self._runner.frame_during = self._runner.frame_during, None
-            self._ran = self.steps if during is None else max(1, min(during, self.steps))
+            self._ran = self._limit if during is None else max(1, min(during, self._limit))
         if not self._landed:
             self._landed = True
             time.sleep(self._runner.step_s * self._ran)
@@ -165,6 +167,8 @@ class FakeRunner:
         after: FakeInFlight | None = None,
         steps: int = 1,
         cuttable: bool = False,
+        most: int = 0,
+        stops: Sequence[int] = (),
     ) -> FakeInFlight:
         slots = [r.slot for r in rows]
         if not rows or len(set(slots)) != len(slots) or not all(0 <= s < self.slots for s in slots):
@@ -173,6 +177,8 @@ class FakeRunner:
             raise self.misused("bursts need a runner that chains")
         if cuttable and not (self.cuts and self.chains and steps > 1):
             raise self.misused("cuttable bursts need a runner that cuts")
+        if steps > most and steps > 1:
+            raise self.misused(f"a burst of {steps} steps in the program of {most}")
         chained = any(r.take >= 0 for r in rows)
         if chained and after is None:
             raise self.misused("rows take tokens from an earlier forward, but none was given")
@@ -201,7 +207,10 @@ class FakeRunner:
                 logits[s, i] = np.nan if nan[i] else logits_after(cache)
                 tokens[s, i] = next_token(cache)
             feed = [int(t) for t in tokens[s]]
-        return FakeInFlight(self, tokens, logits, routes, cuttable, broken)
+        # a burst ends after the step by which every row has chosen a stop token
+        stopped = np.logical_or.accumulate(np.isin(tokens, list(stops)), axis=0).all(axis=1)
+        limit = int(np.argmax(stopped)) + 1 if stopped.any() else steps
+        return FakeInFlight(self, tokens, logits, routes, cuttable, broken, limit)
 
     def end_turn(self) -> None:
         self.turns += 1

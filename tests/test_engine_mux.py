@@ -349,7 +349,7 @@ def test_kv_persistence_restart_sigterm_and_determinism(model_dir, engine, ref, 
 
 
 def test_bursts_cut_by_input_keep_every_token_and_tick(model_dir, ref):
-    """BURST_MS=0: every burst after the first is cuttable. Alone, a request's bursts run
+    """BURST_MS=0: every burst is cuttable. Alone, a request's bursts run
     whole and HITS comes every 6 tokens; requests sent while another decodes cut the burst
     running, and every request, a CANCELled one too, gives the tokens it gives alone."""
     e = Mux(model_dir, BURST_MS="0", KV_SLOTS="3", CTX=str(CTX))

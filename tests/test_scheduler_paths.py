@@ -30,7 +30,7 @@ A = (1, 2, 3)  # prompts
 B = (4, 5)
 C = (9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 WHOLE = {"burst_ms": 1e6, "full_burst_ms": 1e6}  # every burst runs whole, chained
-CUT = {"burst_ms": 0.0, "full_burst_ms": 0.0}  # every burst after the first is cuttable
+CUT = {"burst_ms": 0.0, "full_burst_ms": 0.0}  # every burst is cuttable
 
 
 def token_bytes(tok: int) -> bytes:
@@ -122,13 +122,9 @@ def test_a_request_alone_gets_the_model_tokens_and_its_report(mode):
     }[mode]
     sched = make(chains=mode != "steps", cuts=mode != "uncut", **config)
     events = run(sched, GenRequest(1, 0, A, 20))
+    # a tick with decode steps 6, 12, 18, before their tokens, also inside a burst
     tick = ["T1"] * 6 + ["H"]
-    if config["burst"] == 1:  # a tick lands with decode steps 6, 12, 18, before their tokens
-        assert kinds(events) == ["A1"] + tick * 3 + ["T1"] * 2 + ["F1"]
-    elif mode in ("bursts", "cut"):  # ... and with the bursts of steps 1 .. 6, 7 .. 12, 13 .. 18
-        assert kinds(events) == ["A1", "T1", "H"] + tick * 2 + ["T1"] * 7 + ["F1"]
-    else:  # two bursts, then steps
-        assert kinds(events) == ["A1", "T1", "H"] + tick + ["T1"] * 11 + ["H", "T1", "T1", "F1"]
+    assert kinds(events) == ["A1"] + tick * 3 + ["T1"] * 2 + ["F1"]
     assert events[0] == Accepted(1, prompt_tokens=3, reused_tokens=0)
     assert tokens(events, 1) == reference(A, 20)
     assert all(ev.text == token_bytes(ev.token) for ev in events if isinstance(ev, Token))
@@ -142,14 +138,24 @@ def test_a_request_alone_gets_the_model_tokens_and_its_report(mode):
     calls = sched.runner.calls
     if mode == "steps":
         assert calls == [(1, False, False)] * 19  # nothing chains
-    elif mode == "chained":
+    elif mode == "bursts":  # steps 1, 2 one a forward (no step time yet), then bursts, the
+        # last as long as the request has tokens left
+        assert calls == [(1, False, False), (1, False, True)] + [(6, False, True)] * 2 + [
+            (5, False, True)
+        ]
+    elif mode == "cut":  # cuttable: nothing chains behind them
+        assert calls == [(1, False, False), (1, False, True), (6, True, True)] + [
+            (6, True, False),
+            (5, True, False),
+        ]
+    else:  # chained steps, also where bursts could only be cut and the runner cannot
         assert calls == [(1, False, False)] + [(1, False, True)] * 18
-    elif mode == "bursts":  # bursts up to the ticks, then steps before the limit
-        assert calls == [(6, False, False), (6, False, True), (6, False, True), (1, False, True)]
-    elif mode == "cut":  # the first bursts run whole (no step time yet), later ones cuttable
-        assert calls == [(6, False, False), (6, False, True), (6, True, True), (1, False, False)]
-    else:  # ... or single steps, where the runner cannot cut them
-        assert calls == [(6, False, False), (6, False, True)] + [(1, False, True)] * 7
+    # each tick the experts of its own steps, wherever it falls in a burst (the prompt's too)
+    fed = list(A) + reference(A, 20)  # each position's token: the prompt's, then step 1 ..
+    ticks = [ev.hits for ev in events if isinstance(ev, HitsTick)]
+    for got, want in zip(ticks, (range(9), range(9, 15), range(15, 21)), strict=True):
+        np.testing.assert_array_equal(got, routed(fed, want))
+    np.testing.assert_array_equal(report.hits, routed(fed, [21]))  # decode step 19
 
 
 def test_topk_candidates_come_with_each_token_and_no_bursts():
@@ -190,8 +196,8 @@ def test_requests_batched_together_each_get_their_own_tokens():
 
 
 def _two_requests(burst: int, stop=(), **config):
-    """Request 1 (20 tokens) and 2 (13: its limit on the last step of the 2nd burst) side by
-    side; events, scheduler."""
+    """Request 1 (20 tokens) and 2 (13: its limit on the last step of the 2nd burst; steps 1
+    and 2 run alone, before any step has landed) side by side; events, scheduler."""
     sched = make(slots=3, burst=burst, stop_ids=stop, **config)
     events = run(sched, GenRequest(1, 0, A, 20), GenRequest(2, 1, B, 13))
     return events, sched
@@ -199,12 +205,13 @@ def _two_requests(burst: int, stop=(), **config):
 
 def test_bursts_give_the_tokens_counts_and_ticks_of_single_steps():
     ref_a, ref_b = reference(A, 20), reference(B, 13)
-    at = next(i for i in range(2, 6) if ref_a[i] not in ref_a[:i] + ref_b)
-    stop = (ref_a[at],)  # request 1 stops inside the first burst; request 2 goes on
+    at = next(i for i in range(4, 8) if ref_a[i] not in ref_a[:i] + ref_b)
+    stop = (ref_a[at],)  # request 1 stops inside the first burst (steps 3 .. 8); 2 goes on
     one, sched1 = _two_requests(1, stop)
-    for config in (WHOLE, CUT):
+    for config, cut in ((WHOLE, False), (CUT, True)):
         six, sched6 = _two_requests(6, stop, **config)
-        assert sched6.runner.calls == [(6, False, False), (6, False, True)]
+        steps = [(1, False, False), (1, False, True)]  # (cuttable: nothing chains behind)
+        assert sched6.runner.calls == steps + [(6, cut, True), (4, cut, not cut)]
         assert len(sched1.runner.calls) == 12
         assert tokens(six, 1) == tokens(one, 1) == ref_a[:at]
         assert tokens(six, 2) == tokens(one, 2) == ref_b
@@ -221,30 +228,30 @@ def test_bursts_give_the_tokens_counts_and_ticks_of_single_steps():
         # that ended it lands: a burst's steps after its stop token are in it
         assert finished(six, 2).report.forwards == finished(one, 2).report.forwards == 13
         assert finished(one, 1).report.forwards == 2 + at  # two prefills, its steps
-        assert finished(six, 1).report.forwards == 2 + 6  # ... and the rest of the burst
+        assert finished(six, 1).report.forwards == 2 + 8  # ... and the rest of the burst
         np.testing.assert_array_equal(sched6.runner.stats.counts, sched1.runner.stats.counts)
         assert sched6.steps == sched1.steps == 12
         assert sum(isinstance(ev, HitsTick) for ev in six) == 2
 
 
-def test_a_cut_burst_resumes_in_steps_up_to_the_tick_and_a_frame_joins_it():
+def test_a_cut_burst_lands_its_steps_and_a_frame_joins_the_next():
     """A cuttable burst cut after its 2nd step (a frame came in: here a new request): the
-    scheduler admits the request, goes on in single steps up to the next HITS tick, then in
-    bursts again; tokens, ticks and counts are those of single steps."""
+    scheduler admits the request and goes on in bursts at once, the new request in them, their
+    HITS ticks inside them; tokens, ticks and counts are those of single steps."""
     sched = make(slots=2, burst=6, **CUT)
     events = sched.submit(GenRequest(1, 0, A, 40))
-    for _ in range(3):  # 2 bursts landed (the first ran whole), a cuttable one in flight
+    for _ in range(3):  # 2 steps landed (one a forward: no step time yet), a burst in flight
         events += sched.step()
     runner = sched.runner
-    assert runner.calls == [(6, False, False), (6, False, True), (6, True, True)]
-    assert sched.steps == 12
+    assert runner.calls == [(1, False, False), (1, False, True), (6, True, True)]
+    assert sched.steps == 2
     runner.frame(during=2)
     events += sched.submit(GenRequest(2, 1, B, 12))
-    events += sched.step()  # the cut burst lands, 2 has its prefill, then single steps
-    assert sched.steps == 14 and [ev.id for ev in events if isinstance(ev, Accepted)] == [1, 2]
+    events += sched.step()  # the cut burst lands, 2 has its prefill, a burst of both starts
+    assert sched.steps == 4 and [ev.id for ev in events if isinstance(ev, Accepted)] == [1, 2]
     events += run(sched)
-    # steps 14 .. 17 one by one (chained behind each other), then bursts from the tick on
-    assert runner.calls[3:8] == [(1, False, False)] + [(1, False, True)] * 3 + [(6, True, True)]
+    # 2 has 11 decode steps (5 .. 15): its limit ends the second burst of both after 5
+    assert runner.calls[3:] == [(6, True, False), (5, True, False)] + [(6, True, False)] * 4
     assert tokens(events, 1) == reference(A, 40)
     assert tokens(events, 2) == reference(B, 12)
     assert sum(isinstance(ev, HitsTick) for ev in events) == sched.steps // 6
@@ -265,26 +272,50 @@ def test_bursts_run_whole_up_to_full_burst_ms_while_every_slot_is_taken():
     events += run(sched)
     calls = sched.runner.calls
     assert calls[3:6] == [(6, False, False), (6, False, True), (6, False, True)]  # both taken
-    assert (6, True, True) in calls[6:]  # once request 1 ended: cuttable again
+    assert any(cut for _, cut, _ in calls[6:])  # once request 1 ended: cuttable again
     assert tokens(events, 1) == reference(A, 40) and tokens(events, 2) == reference(B, 40)
 
 
-def test_steps_too_slow_to_stream_run_one_a_forward_chained():
-    """Bursts that would hold their tokens back longer than stream_ms are not run: once the
-    first forward (of unknown speed, so a whole burst, with the next chained behind it) has
-    landed, each step is its own forward, started when the last lands (so that a frame waits
-    for one step at most), and every token lands as it is chosen. The same steps with a
-    looser stream_ms burst."""
-    for stream_ms, bursts in ((60.0, False), (1e6, True)):
+def test_bursts_hold_their_tokens_back_no_longer_than_stream_ms():
+    """A burst is no longer than the recent steps (20 ms each here) say fits in stream_ms.
+    Where not even two fit, each step is its own forward, started when the last lands (so
+    that a frame waits for one step at most), and every token lands as it is chosen."""
+    for stream_ms in (30.0, 70.0, 1e6):
         sched = make(burst=6, stream_ms=stream_ms, **CUT)
-        sched.runner.step_s = 0.02  # 6 steps: 120 ms
+        sched.runner.step_s = 0.02
         events = run(sched, GenRequest(1, 0, A, 30))
         calls = sched.runner.calls
-        assert calls[:2] == [(6, False, False), (6, False, True)]
-        assert any(steps > 1 for steps, _, _ in calls[2:]) == bursts
-        if not bursts:
+        assert calls[:2] == [(1, False, False), (1, False, True)]  # no step time yet
+        longest = max(steps for steps, _, _ in calls[2:])
+        if stream_ms == 30.0:
             assert calls[2:] == [(1, False, False)] * (len(calls) - 2)
+        else:
+            assert 2 <= longest and longest * 0.02 <= stream_ms / 1e3
+        assert (longest == 6) == (stream_ms == 1e6)
         assert tokens(events, 1) == reference(A, 30)
+
+
+def test_a_burst_ends_with_the_stop_token_of_its_last_request():
+    """A request alone in a burst that chooses a stop token ends the burst there (the runner
+    runs no step after it); whole, with another chained behind it (which lands for nothing),
+    or cuttable: tokens, steps, counts and its report are those of single steps."""
+    ref = reference(A, 30)
+    at = next(i for i in range(4, 9) if ref[i] not in ref[:i])  # inside the first burst
+    one = make(burst=1, stop_ids=(ref[at],))
+    alone = finished(run(one, GenRequest(1, 0, A, 30)), 1).report
+    for config, cut in ((WHOLE, False), (CUT, True)):
+        sched = make(burst=6, stop_ids=(ref[at],), **config)
+        events = run(sched, GenRequest(1, 0, A, 30))
+        calls = sched.runner.calls
+        assert calls[2] == (6, cut, True) and len(calls) == 3 + (not cut)
+        assert tokens(events, 1) == ref[:at] and sched.steps == one.steps == at
+        report = finished(events, 1).report
+        assert (report.emitted, report.forwards, report.length_limited) == (
+            alone.emitted,
+            alone.forwards,
+            False,
+        )
+        np.testing.assert_array_equal(sched.runner.stats.counts, one.runner.stats.counts)
 
 
 def test_no_burst_chains_while_a_prompt_waits_or_a_request_samples():
@@ -292,8 +323,9 @@ def test_no_burst_chains_while_a_prompt_waits_or_a_request_samples():
     events = sched.submit(GenRequest(1, 0, A, 30)) + sched.step()
     events += sched.submit(GenRequest(2, 1, B, 5, temperature=1.0)) + sched.step()
     events += run(sched)
-    # 2 samples (its 4 decode steps): one step a forward, and nothing chains
-    assert sched.runner.calls[:5] == [(6, False, False)] + [(1, False, False)] * 4
+    # 1 alone (no step time yet), then 2 samples (its 4 decode steps): one step a forward,
+    # and nothing chains; then bursts
+    assert sched.runner.calls[:6] == [(1, False, False)] * 5 + [(6, False, False)]
     assert tokens(events, 1) == reference(A, 30)
 
 
@@ -456,17 +488,18 @@ def test_stop_and_cancel_between_steps():
     sched = make(burst=6, **WHOLE)
     sched.submit(GenRequest(1, 0, A, 30))
     sched.submit(GenRequest(2, 1, B, 30))
-    events = sched.step() + sched.step()  # a burst of 6 landed, another in flight
-    assert len(tokens(events, 1)) == 7
+    events = [ev for _ in range(4) for ev in sched.step()]  # steps 1, 2, a burst of 6 landed
+    assert sched.runner.calls[-1] == (6, False, True)  # ... and another in flight
+    assert len(tokens(events, 1)) == 9
     assert sched.cancel(1) == [Failed(1, "CANCELLED")]
     (done,) = sched.stop(2)
-    assert done.report.emitted == len(tokens(events, 2)) == 7 and not done.report.length_limited
+    assert done.report.emitted == len(tokens(events, 2)) == 9 and not done.report.length_limited
     assert sched.runner.turns == 2 and not sched.busy
     assert sched.step() == []  # the burst in flight lands for nothing: no step, no count
-    assert sched.steps == 6
-    assert sched.history(0) == list(A) + reference(A, 6)  # what was fed stays
-    events = run(sched, GenRequest(3, 0, A + tuple(reference(A, 6)) + (0,), 4))
-    assert events[0] == Accepted(3, 10, reused_tokens=9) and cache_agrees(sched)
+    assert sched.steps == 8
+    assert sched.history(0) == list(A) + reference(A, 8)  # what was fed stays
+    events = run(sched, GenRequest(3, 0, A + tuple(reference(A, 8)) + (0,), 4))
+    assert events[0] == Accepted(3, 12, reused_tokens=11) and cache_agrees(sched)
 
 
 def test_cancel_frees_the_slot_for_a_new_request():

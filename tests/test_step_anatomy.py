@@ -87,14 +87,14 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     out = tmp_path / "anatomy"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
-    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "12", "--prompt", "12"]
+    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "30", "--prompt", "12"]
     cmd += ["--rows", "3", "--rounds", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, env=env, timeout=300)
     res = json.loads(out.with_suffix(".json").read_text())["ckpt"]
     (rnd,) = res["rounds"]
     assert res["rows"] == 3
     assert res["top_k"] <= res["distinct_experts"] <= 3 * res["top_k"]
-    assert rnd["steps"] == 12  # two bursts of six
+    assert rnd["steps"] == 30  # a burst of 24, then one of 6 (the same program)
     parts = rnd["parts"]
     cfg = load_config(ckpt)
     layers = cfg.num_layers

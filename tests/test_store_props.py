@@ -164,13 +164,14 @@ def test_usage_write_is_atomic(tmp_path, monkeypatch):
 )
 def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked):
     """ExpertStats.record_steps (a burst's routes at once) counts every kept (step, layer, row,
-    choice), marks what was chosen and gives each step's distinct (layer, expert) pairs; and
-    record_all, step by step, agrees."""
+    choice), marks what each step chose and gives each step's distinct (layer, expert) pairs;
+    and record_all, step by step, agrees."""
     rng = np.random.default_rng(seed)
     steps, layers, rows, k = shape
     routes = rng.integers(0, experts, shape).astype(np.int32)
     keep = rng.random((steps, rows)) < 0.6 if masked else np.ones((steps, rows), bool)
     counts = np.zeros((layers, experts), np.int64)
+    marks = np.zeros((steps, layers, experts), bool)
     distinct = []
     for s in range(steps):  # the plain count, choice by choice
         seen = set()
@@ -178,6 +179,7 @@ def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked
             for n in np.flatnonzero(keep[s]):
                 for e in routes[s, layer, n]:
                     counts[layer, e] += 1
+                    marks[s, layer, e] = True
                     seen.add((layer, int(e)))
         distinct.append(len(seen))
     burst, one = ExpertStats(layers, experts), ExpertStats(layers, experts)
@@ -185,7 +187,14 @@ def test_a_burst_is_counted_as_its_steps_one_by_one(shape, experts, seed, masked
     assert [one.record_all(r[:, keep[s]]) for s, r in enumerate(routes)] == distinct
     for stats in (burst, one):
         np.testing.assert_array_equal(stats.counts, counts)
-        np.testing.assert_array_equal(stats.hits_since, counts > 0)
+    np.testing.assert_array_equal(one.take_hits(), counts > 0)
+    # the burst's marks step by step: the steps with a row kept, taken a few at a time (the
+    # HITS ticks inside it), the rest at the next take
+    ran = marks[keep.any(axis=1)]
+    cut = len(ran) // 2
+    np.testing.assert_array_equal(burst.take_hits(cut), ran[:cut].any(axis=0))
+    np.testing.assert_array_equal(burst.take_hits(), ran[cut:].any(axis=0))
+    assert not burst.take_hits().any()
 
 
 def test_experts_on_device_are_computed_while_the_misses_are_still_read(ckpt_dir, truth):

@@ -74,8 +74,9 @@ def test_chained_forwards_feed_the_greedy_tokens(checkpoints):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])
 def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
     """decode_async(steps=n): n greedy steps in one program give, step by step, the tokens,
-    routes and cached keys and values of n single chained forwards; a second burst chains
-    behind the first."""
+    routes and cached keys and values of n single chained forwards; a second burst, run by
+    the program of bursts of up to 8 steps, chains behind the first. A burst whose rows have
+    all chosen a stop token ends there."""
     model = load_model(checkpoints(family), progress=False)
     prompts = [model.tokenizer.encode(p) for p in PROMPTS]
     reference = batched_greedy(Runner(model, slots=4, capacity=64), prompts)
@@ -86,7 +87,10 @@ def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
     rows = [Row(s, first[s], len(p)) for s, p in enumerate(prompts)]
     a = burst.decode_async(rows, steps=4)
     b = burst.decode_async(
-        [Row(s, -1, len(p) + 4, take=s) for s, p in enumerate(prompts)], after=a, steps=5
+        [Row(s, -1, len(p) + 4, take=s) for s, p in enumerate(prompts)],
+        after=a,
+        steps=5,
+        most=8,
     )
     assert a.steps == 4 and b.steps == 5
     tokens = np.concatenate([a.tokens(), b.tokens()])  # [9, rows]
@@ -108,6 +112,16 @@ def test_a_burst_of_steps_is_those_steps_chained(checkpoints, family):
         assert got.keys() == want.keys()
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    # a burst ends once every row has chosen one of its stop tokens: the steps up to there
+    ended = Runner(model, slots=4, capacity=64)
+    for s, ids in enumerate(prompts):
+        ended.prefill(s, ids)
+    stops = sorted({r[3] for r in reference})  # each row's third step's token
+    last = max(next(i for i, t in enumerate(r[1:]) if t in stops) for r in reference)
+    c = ended.decode_async(rows, steps=8, stops=stops)
+    assert c.ran() == last + 1 < 8 and not c.cuttable
+    assert c.tokens().tolist() == tokens[: last + 1].tolist()
+    assert c.result()[1].shape[0] == last + 1
     split = Runner(model, slots=4, capacity=64, profile=True)
     with pytest.raises(ValueError, match="resident"):
         split.decode_async(rows, steps=2)
@@ -134,7 +148,7 @@ def test_a_cuttable_burst_is_its_steps_up_to_the_cut(checkpoints, family):
     for s, ids in enumerate(prompts):
         whole.prefill(s, ids)
     rows = [Row(s, first[s], len(p)) for s, p in enumerate(prompts)]
-    a = cut.decode_async(rows, steps=4, cuttable=True)
+    a = cut.decode_async(rows, steps=4, cuttable=True, most=6)  # (the program of 6 steps)
     assert a.cuttable and a.ran() == 4
     assert [[first[s], *a.tokens()[:, s]] for s in range(4)] == [r[:5] for r in reference]
     with pytest.raises(ValueError, match="cuttable"):
@@ -158,6 +172,7 @@ def test_a_cuttable_burst_is_its_steps_up_to_the_cut(checkpoints, family):
     # The flag is read in the loop's condition, before every step (not once, hoisted out).
     packed = np.zeros((4, 1), np.int32)
     args = (cut.cfg, cut._weights_def, cut._weights, cut.cache, packed, cut._no_tokens)
+    args += (np.asarray([5, 1], np.int32), np.full(8, -1, np.int32))  # 5 steps, 1 row, no stop
     hlo = _decode_burst.lower(*args, kv_len=64, steps=5, cuttable=True).compile().as_text()
     (cond,) = re.findall(r"while\(.*?condition=%?([\w.\-]+)", hlo)
     reads, where = [], None

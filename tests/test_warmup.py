@@ -85,11 +85,12 @@ def test_the_warm_up_compiles_what_traffic_reaches(model_dir, tmp_path):
             chained = runner.decode_async([Row(s, 0, pos + 1, take=s) for s in range(n)], first)
             chained.result()
             first.result()
-            burst = runner.decode_async(rows, steps=6)
+            most = SchedulerConfig().burst  # bursts of every length: its program
+            burst = runner.decode_async(rows, steps=6, most=most)
             after = [Row(s, 0, pos + 6, take=s) for s in range(n)]
-            runner.decode_async(after, burst, steps=6).result()  # a burst chained behind
+            runner.decode_async(after, burst, steps=5, most=most).result()  # chained behind
             if runner.cuts:
-                runner.decode_async(rows, steps=6, cuttable=True).result()
+                runner.decode_async(rows, steps=7, cuttable=True, most=most).result()
     # and a scheduler's traffic: sampled and greedy, short and long, arriving over time
     rng, rid, free, owner = random.Random(0), 0, list(range(SLOTS)), {}
     while rid < 120 or sched.busy:

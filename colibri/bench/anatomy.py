@@ -230,22 +230,33 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
 
 
 def decode_bursts(
-    runner, firsts: list[int], start: int, n: int, burst: int, routes: list | None = None
+    runner,
+    firsts: list[int],
+    start: int,
+    n: int,
+    burst: int,
+    routes: list | None = None,
+    tokens: list | None = None,
 ) -> float:
     """n greedy steps of slots 0..len(firsts)-1 from position `start` (their tokens there:
-    `firsts`), in cuttable bursts of `burst` steps, the next dispatched when one lands, as the
-    engine decodes greedy requests (Scheduler._burst); tok/s of all rows together. `routes`:
-    a list that gets each step's routes ([n_moe, B, K]; the wait for them is timed too)."""
+    `firsts`), in cuttable bursts of up to `burst` steps, the next dispatched when one lands,
+    as the engine decodes greedy requests (Scheduler._burst); tok/s of all rows together.
+    `routes`: a list that gets each step's routes ([n_moe, B, K]; the wait is timed too);
+    `tokens`: one that gets each step's greedy tokens [B]."""
     from colibri.engine.runner import Row
 
     toks, done = list(firsts), 0
     t = time.perf_counter()
     while done < n:
         at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
-        fwd = runner.decode_async(at, steps=burst, cuttable=True)
+        k = min(burst, n - done)  # (the last as long as the steps left: one program, `most`)
+        fwd = runner.decode_async(at, steps=k, cuttable=k > 1, most=burst)
         if routes is not None:
             routes += list(fwd.result()[1])
-        toks, done = fwd.tokens()[-1].tolist(), done + fwd.ran()
+        greedy = fwd.tokens()
+        if tokens is not None:
+            tokens += greedy.tolist()
+        toks, done = greedy[-1].tolist(), done + fwd.ran()
     return len(firsts) * done / (time.perf_counter() - t)
 
 

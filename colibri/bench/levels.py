@@ -15,7 +15,7 @@ from colibri.engine.runner import Row, Runner
 from colibri.formats import Holding
 
 PROMPT = 128
-BURSTS = 24  # per pass and rows, engine level
+BURSTS = max(2, 144 // BURST)  # per pass and rows, engine level: ~144 steps
 
 
 def engine_under(ckpt: Path, holding: Holding):

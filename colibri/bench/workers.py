@@ -62,7 +62,8 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
             toks, done = firsts[:rows], 0
             while done < n:
                 at = [Row(s, toks[s], len(prompt) + done) for s in range(rows)]
-                fwd = runner.decode_async(at, steps=burst, cuttable=True)
+                k = min(burst, n - done)  # (the last as long as the steps left)
+                fwd = runner.decode_async(at, steps=k, cuttable=k > 1, most=burst)
                 greedy = fwd.tokens()
                 seen += list(fwd.result()[1])
                 toks, done = greedy[-1].tolist(), done + fwd.ran()

@@ -109,15 +109,20 @@ def _decode_traced(cfg, weights_def, weights, cache, rows, fed, *, kv_len):
     static_argnames=("kv_len", "steps", "cuttable"),
     donate_argnums=(3,),
 )
-def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps, cuttable=False):
-    """`steps` greedy decode steps in one program: as `_decode_forward`, then each row feeds
-    its own greedy token one position further, `steps` times. Returns routes
-    [steps, n_moe, B, 1, K], the greedy tokens of every step [steps, B], those of the last
-    step padded to the length of `fed`, and the number of steps run.
+def _decode_burst(
+    cfg, weights_def, weights, cache, rows, fed, run, stops, *, kv_len, steps, cuttable=False
+):
+    """Up to `run[0]` greedy decode steps in one program (an operand: one program, compiled
+    for `steps`, runs any number up to it): as `_decode_forward`, then each row feeds its own
+    greedy token one position further. The burst ends early once each of the first `run[1]`
+    rows (the real ones) has chosen one of `stops` (token ids, -1 for none): the steps after
+    would be computed for nothing. Returns routes [steps, n_moe, B, 1, K], the greedy tokens
+    of every step [steps, B] (the rows after the steps run are zeros), those of the last step
+    padded to the length of `fed`, and the number of steps run.
 
     `cuttable`: before each step after the first the burst reads the host's cut flag
     (`kernels.request_cut`) and ends there if it is raised; the steps it ran are exactly those
-    of the full burst, and the rows of routes and tokens after them are zeros."""
+    of the full burst."""
     params, experts, toks, pos, slots = _feed(weights_def, weights, rows, fed)
     # Every step's cos and sin before the loop: inside it XLA would compute them again in
     # each layer's q and k fusions.
@@ -130,30 +135,26 @@ def _decode_burst(cfg, weights_def, weights, cache, rows, fed, *, kv_len, steps,
         )
         return cache, routes, greedy
 
-    if not cuttable:
-
-        def one(carry, rope):
-            cache, toks, pos = carry
-            cache, routes, greedy = step(cache, toks, pos, rope)
-            return (cache, greedy, pos + 1), (routes, greedy)
-
-        (cache, greedy, _), (routes, tokens) = jax.lax.scan(one, (cache, toks, pos), (cos, sin))
-        return cache, routes, tokens, _padded(fed, greedy), jnp.int32(steps)
-
     def more(carry):
-        i = carry[0]
-        return (i < steps) & ((i == 0) | ~kernels.cut_requested(i))
+        i, going = carry[0], carry[-1]
+        go = (i < run[0]) & going.any()
+        if not cuttable:
+            return go
+        return go & ((i == 0) | ~kernels.cut_requested(i))
 
     def body(carry):
-        i, cache, toks, pos, routes, tokens = carry
+        i, cache, toks, pos, routes, tokens, going = carry
         cache, r, greedy = step(cache, toks, pos, (cos[i], sin[i]))
-        return i + 1, cache, greedy, pos + 1, routes.at[i].set(r), tokens.at[i].set(greedy)
+        going &= ~(greedy[:, None] == stops[None]).any(axis=1)
+        routes, tokens = routes.at[i].set(r), tokens.at[i].set(greedy)
+        return i + 1, cache, greedy, pos + 1, routes, tokens, going
 
     shape = jax.eval_shape(step, cache, toks, pos, (cos[0], sin[0]))[1]  # one step's routes
     routes = jnp.zeros((steps, *shape.shape), shape.dtype)
     tokens = jnp.zeros((steps, toks.shape[0]), jnp.int32)
-    done, cache, greedy, _, routes, tokens = jax.lax.while_loop(
-        more, body, (jnp.int32(0), cache, toks, pos, routes, tokens)
+    going = jnp.arange(toks.shape[0]) < run[1]
+    done, cache, greedy, _, routes, tokens, _ = jax.lax.while_loop(
+        more, body, (jnp.int32(0), cache, toks, pos, routes, tokens, going)
     )
     return cache, routes, tokens, _padded(fed, greedy), done
 
@@ -164,8 +165,8 @@ class InFlight:
     [n_moe, B, K], as `Runner.decode` does, or for a burst None and routes
     [ran, n_moe, B, K]; `tokens()` its rows' greedy tokens at every step [ran, B] (the
     argmax of their logits, lowest id on ties). `ran()`: the steps it ran, `steps` unless a
-    cuttable burst was cut short. A traced step (`traced`: its `transformer.Routing`) also
-    has `routing()`."""
+    cuttable burst was cut short or every row of a burst chose a stop token before its end.
+    A traced step (`traced`: its `transformer.Routing`) also has `routing()`."""
 
     def __init__(
         self,
@@ -175,11 +176,12 @@ class InFlight:
         greedy: jax.Array,
         steps: int = 1,
         ran: jax.Array | None = None,
+        cuttable: bool = False,
         traced: transformer.Routing | None = None,
     ):
         self._runner, self._batch, self._out = runner, batch, out
         self.steps = steps
-        self.cuttable = ran is not None
+        self.cuttable = cuttable
         self._ran = steps if ran is None else ran  # (an int once known)
         self.t_start = time.perf_counter()  # when it was started (queued, if chained)
         self.greedy_dev = greedy  # [Bmax] on the device, the last step's: what chained rows feed
@@ -234,6 +236,14 @@ def _host_routing(ids: np.ndarray, traced: list, shape: tuple[int, int]) -> tran
         return transformer.Routing(ids, np.zeros(ids.shape, np.float32), empty, empty)
     wts, ent, margin = (np.stack([e[j] for e in traced]).astype(np.float32) for j in range(3))
     return transformer.Routing(ids, wts, ent[..., 0], margin[..., 0])
+
+
+def _stop_ids(stops: Sequence[int]) -> np.ndarray:
+    """A burst's stop tokens as its operand: int32, -1 (no token) after them, 8 wide (more in
+    multiples of 8), so that one program serves them all."""
+    out = np.full(-(-max(len(stops), 1) // 8) * 8, -1, np.int32)
+    out[: len(stops)] = stops
+    return out
 
 
 @dataclass(frozen=True)
@@ -387,6 +397,8 @@ class Runner:
         steps: int = 1,
         cuttable=False,
         trace: bool = False,
+        most: int = 0,
+        stops: Sequence[int] = (),
     ) -> InFlight:
         """Start the forward of `decode(rows)` and return at once; `result()` waits for it.
 
@@ -400,7 +412,10 @@ class Runner:
         the host dispatches once and its thread is free meanwhile. `cuttable` (where
         `cuts`): the burst ends after the step in which `kernels.request_cut(True)` is called
         (at least one step runs); nothing can be chained behind it, as its length is known
-        only when it lands.
+        only when it lands. `most`: the program runs bursts of up to that many steps (default
+        `steps`), so that bursts of every length up to it share one (`warmup(steps=most)`).
+        `stops`: token ids that end a request; a burst ends once every row has chosen one
+        (`ran()` then says how many steps it ran, whole or cuttable).
 
         `trace` (one step): the traced program (`forward(trace=True)`, or the traced router
         layer by layer), whose `InFlight.routing()` gives the gate weights and the router's
@@ -447,10 +462,11 @@ class Runner:
             logits, self.cache, routing, greedy = _decode_traced(*args, kv_len=batch.kv_len)
             return InFlight(self, batch, (logits, routing.ids), greedy, traced=routing)
         if steps > 1:
+            run = (np.asarray([steps, len(rows)], np.int32), _stop_ids(stops))
             self.cache, r, tokens, greedy, ran = _decode_burst(
-                *args, kv_len=batch.kv_len, steps=steps, cuttable=cuttable
+                *args, *run, kv_len=batch.kv_len, steps=max(steps, most), cuttable=cuttable
             )
-            return InFlight(self, batch, (r, tokens), greedy, steps, ran if cuttable else None)
+            return InFlight(self, batch, (r, tokens), greedy, steps, ran, cuttable)
         logits, self.cache, r, greedy = _decode_forward(*args, kv_len=batch.kv_len)
         return InFlight(self, batch, (logits, r), greedy)
 
@@ -490,8 +506,8 @@ class Runner:
     def warmup(self, steps: int = 1, export: bool = False) -> Iterator[str]:
         """Compile every program traffic can reach, one each `next()` (which yields its name):
         prefill chunks of every width bucket with every context bucket they can meet, decode
-        steps of every row bucket (and context bucket, where decode reads them), bursts of
-        `steps` (cuttable ones too, where `cuts`) and, with `export`, KVSAVE's export sizes.
+        steps of every row bucket (and context bucket, where decode reads them), bursts of up
+        to `steps` (cuttable ones too, where `cuts`) and, with `export`, KVSAVE's export sizes.
         Each runs once, as `prefill` and `decode_async` call it, on padding rows: their slot is
         out of range, so the cache is unchanged and no statistic counts them. Compiled as
         traffic first reaches them instead, each would add its few MB of resident memory then
@@ -522,6 +538,7 @@ class Runner:
                 yield f"prefill {T} x {kv}"
             T *= 2
         bursts = [False, True] if steps > 1 and self.cuts else [False] if steps > 1 else []
+        idle = (np.asarray([steps, 0], np.int32), _stop_ids(()))  # no real row: no step runs
         for B in sorted({bucket(n, lo=1) for n in range(1, S + 1)}):
             packed = np.zeros((4, B), np.int32)
             packed[2], packed[3] = S, -1
@@ -532,7 +549,14 @@ class Runner:
                 yield f"decode {B} x {kv}"
                 for cut in bursts:
                     self.cache, *_ = _decode_burst(
-                        *args, self.cache, packed, out[3], kv_len=kv, steps=steps, cuttable=cut
+                        *args,
+                        self.cache,
+                        packed,
+                        out[3],
+                        *idle,
+                        kv_len=kv,
+                        steps=steps,
+                        cuttable=cut,
                     )
                     yield f"burst {B} x {kv} x {steps}{' cuttable' if cut else ''}"
         for size in kvs if export else []:
@@ -650,7 +674,7 @@ class Runner:
         decoded = routes.shape[0] * b.rows if kept is None else int(np.count_nonzero(kept))
         if self._next_repin and self.decoded + decoded >= self._next_repin:
             for s, step in enumerate(routes):  # a repin falls inside: it sees the steps before
-                self._record(step if kept is None else step[:, kept[s]])
+                self._record(step if kept is None else step[:, kept[s]], more=s > 0)
                 self._count_decoded(b.rows if kept is None else int(np.count_nonzero(kept[s])))
         else:  # every step at once, as the loop above would count them
             distinct = int(self.stats.record_steps(routes, kept).sum())
@@ -659,9 +683,10 @@ class Runner:
         self.timers.total["t_edisk"] = self.store.disk.thread_seconds
         return routes
 
-    def _record(self, routes: np.ndarray) -> None:
-        """Selection counts of real tokens; in the fused path every lookup is a device hit."""
-        distinct = self.stats.record_all(routes)
+    def _record(self, routes: np.ndarray, more: bool = False) -> None:
+        """Selection counts of real tokens (`more`: a burst's step after its first); in the
+        fused path every lookup is a device hit."""
+        distinct = self.stats.record_all(routes, more)
         if not self.split:
             self.stats.record_lookups(distinct, distinct)
 

@@ -67,16 +67,11 @@ class SchedulerConfig:
     hits_every: int = 6  # decode steps between HitsTick events
     prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
-    burst: int = 6  # most decode steps per forward, up to hits_every (Scheduler.step)
+    burst: int = 24  # most decode steps per forward (Scheduler._burst)
     burst_ms: float = 5.0  # longest a chained burst may be expected to take (input waits it)
     full_burst_ms: float = 20.0  # the same while every KV slot is taken (no prompt can wait)
     cut_bursts: bool = True  # longer bursts too, cut short by input (Runner.cuts), unchained
     stream_ms: float = 200.0  # longest a burst may hold back its tokens (slower: one step each)
-
-    @property
-    def burst_steps(self) -> int:
-        """Steps of a burst: `burst`, up to the next HITS tick."""
-        return min(self.burst, self.hits_every)
 
     def __post_init__(self) -> None:
         for name in ("ngen", "seed", "topk", "prefill_budget"):
@@ -150,10 +145,18 @@ class RunnerLike(Protocol[F]):
         and each feed's host routing (`transformer.Routing`, [n_moe, T, ...]); with gates only."""
 
     def decode_async(
-        self, rows: list[Row], after: F | None = None, steps: int = 1, cuttable: bool = False
+        self,
+        rows: list[Row],
+        after: F | None = None,
+        steps: int = 1,
+        cuttable: bool = False,
+        most: int = 0,
+        stops: Sequence[int] = (),
     ) -> F:
-        """Start a forward of one token per row (a burst of greedy `steps`), behind `after`;
-        with gates the scheduler also passes `trace=True` (one step, routing() then works)."""
+        """Start a forward of one token per row (a burst of greedy `steps`, in the program of
+        bursts of up to `most`, ended early once every row chose one of `stops`), behind
+        `after`; with gates the scheduler also passes `trace=True` (one step, routing() then
+        works)."""
 
     def end_turn(self) -> None:
         """A turn ended: persist the expert usage (called where the runner has it)."""
@@ -408,7 +411,7 @@ class Scheduler:
         warm = getattr(self.runner, "warmup", None)
         if warm is None or self.config.gates:  # (gates: the traced programs run instead)
             return iter(())
-        n = self.config.burst_steps
+        n = self.config.burst
         bursts = n > 1 and self.runner.chains and not (self.config.topk or self.config.gates)
         return warm(steps=n if bursts else 1, export=self.kv_store is not None)
 
@@ -421,11 +424,12 @@ class Scheduler:
         started before the host waits for it, fed from its greedy tokens on the device; a row
         whose token turns out to be a stop token is then computed once for nothing.
 
-        When moreover no prompt waits, no TOPK or gates are asked for and every request has
-        tokens enough left, a forward is a burst of `config.burst` steps in one program
-        (experts resident): the host dispatches once for them all, where that costs as much as
-        the step itself on small models, and on larger ones takes cores from the kernels. Bursts
-        end on the HITS ticks. One that the recent steps say would last at most
+        When moreover no prompt waits and no TOPK or gates are asked for, a forward is a burst
+        of up to `config.burst` steps in one program (experts resident; `_burst` says how
+        many): the host dispatches once for them all, where that costs as much as the step
+        itself on small models, and on larger ones takes cores from the kernels and leaves
+        every cache cold. The HITS ticks that fall inside a burst come when it lands, each
+        with the experts of its own steps. One that the recent steps say would last at most
         `config.burst_ms` (`config.full_burst_ms` while every KV slot is taken: no new prompt
         can start until a request ends, and only CANCEL, STOP and refusals wait for the
         burst) runs whole, and the next forward is chained behind it; a longer one is
@@ -524,13 +528,20 @@ class Scheduler:
         """Start one decode forward in which every active request feeds its pending token."""
         runs = list(self.active.values())
         rows = [self._row(r) for r in runs]
-        steps, cut = self._burst(runs, [r.limit - r.chosen for r in runs], self.steps)
+        steps, cut = self._burst(runs, [r.limit - r.chosen for r in runs])
         try:
-            fwd = self.runner.decode_async(rows, steps=steps, cuttable=cut, **self._trace)
+            fwd = self.runner.decode_async(rows, steps=steps, cuttable=cut, **self._kw(steps))
             return (runs, fwd), []
         except Exception:
             log.exception("decode step failed; ending its %d requests", len(runs))
             return None, [ev for r in runs for ev in self._fail(r.req.id)]
+
+    def _kw(self, steps: int) -> dict:
+        """`decode_async`'s keywords beside rows and steps: the traced program with gates; a
+        burst's program, that of `burst` steps, and the stop tokens that end it early."""
+        if steps == 1:
+            return self._trace
+        return {**self._trace, "most": self.config.burst, "stops": self.config.stop_ids}
 
     def _row(self, run: _Run) -> Row:
         """The decode row of a run that feeds its pending token at the end of its slot."""
@@ -562,19 +573,21 @@ class Scheduler:
         if not rows:
             return None
         left = [r.limit - r.chosen - n for r in chained] + [r.limit - r.chosen for r in fresh]
-        steps, cut = self._burst(chained + fresh, left, self.steps + n)
+        steps, cut = self._burst(chained + fresh, left)
         try:
             fwd = self.runner.decode_async(
-                rows, after=fwd, steps=steps, cuttable=cut, **self._trace
+                rows, after=fwd, steps=steps, cuttable=cut, **self._kw(steps)
             )
             return chained + fresh, fwd
         except Exception:
             log.exception("starting a chained decode step failed; it starts after this one")
             return None
 
-    def _collect(self) -> tuple[list[Event], list[_Chosen]]:
+    def _collect(self) -> tuple[list[Event], list[_Chosen | HitsTick]]:
         """Wait for the forward in flight and choose each of its requests' next token; requests
-        that end are taken out of `active` (their reports are built later, by the caller)."""
+        that end are taken out of `active` (their reports are built later, by the caller). The
+        HITS ticks of its steps come among the tokens chosen, each before the tokens of the
+        step that made it, as single steps give them."""
         if self.inflight is None:
             return [], []
         runs, fwd = self.inflight
@@ -595,12 +608,14 @@ class Scheduler:
             routes = routes[None]  # [steps, n_moe, B, K]
         self._time(fwd)
         events = self._repins()
-        chosen = []
+        chosen: list[_Chosen | HitsTick] = []
         active, slots, greedy = self.active, self.slots, greedy.tolist()
+        taken = 0  # steps of this forward whose experts a HITS tick took
         for s, live in enumerate(masks):
             if not any(live):
                 break  # the rest of a burst whose requests all ended: no decode step
             self.steps += 1
+            first = len(chosen)
             self.forwards += 1
             for i, run in enumerate(runs):
                 if not live[i] or active.get(run.req.id) is not run:  # (failed meanwhile)
@@ -622,7 +637,8 @@ class Scheduler:
                 chosen.append((run, tok, None if logits is None else logits[i], gates))
                 self._choose(run, tok)
             if self.steps % self.config.hits_every == 0:
-                events.append(HitsTick(self.runner.stats.take_hits()))
+                chosen.insert(first, HitsTick(self.runner.stats.take_hits(s + 1 - taken)))
+                taken = s + 1
         return events, chosen
 
     @property
@@ -640,45 +656,43 @@ class Scheduler:
         self._periods.append((now - max(fwd.t_start, self._landed)) / fwd.ran())
         self._landed = now
 
-    def _burst(self, runs: list[_Run], left: list[int], at: int) -> tuple[int, bool]:
-        """(steps, cuttable) of the next forward over `runs`, which have `left` tokens to go
-        and start at decode step `at`: a burst when every request decodes greedily on
-        resident experts, no prompt waits and no TOPK or gates are asked for, by the next HITS
-        tick and before any request's limit. A burst due to end within `burst_ms`
-        (`full_burst_ms` while every slot is taken; the engine's first forward, of unknown
-        length, is given the chance) runs whole and can be chained behind; a longer one is
-        cuttable (with `cut_bursts`, where the runner `cuts`): the input thread cuts it after
-        the step in which a frame comes in, so that frame waits no longer than for single
-        steps. Never one that the recent steps say would hold its tokens back longer than
-        `stream_ms`: slower steps run one a forward, not chained (`_chain`), so that each
-        token is written as it is chosen and a frame waits for one step at most, as with
-        cuttable bursts (bursts and chaining save the host ~1 ms a forward, little beside
-        steps that slow).
-        Otherwise 1 (one length of burst only: each is a program compiled per batch and
-        context size)."""
+    def _burst(self, runs: list[_Run], left: list[int]) -> tuple[int, bool]:
+        """(steps, cuttable) of the next forward over `runs`, which have `left` tokens to go:
+        a burst when every request decodes greedily on resident experts, no prompt waits and no
+        TOPK or gates are asked for: up to `burst` steps, no more than any request has left,
+        nor than the recent steps say would hold its tokens back longer than `stream_ms`. A
+        burst due to end within `burst_ms` (`full_burst_ms` while every slot is taken) runs
+        whole and can be chained behind; a longer one is cuttable (with `cut_bursts`, where the
+        runner `cuts`): the input thread cuts it after the step in which a frame comes in, so
+        that frame waits no longer than for single steps; where it cannot be, the burst is as
+        long as fits in `burst_ms`. Steps slower than half `stream_ms` run one a forward, not
+        chained (`_chain`), so that each token is written as it is chosen and a frame waits for
+        one step at most (bursts and chaining save the host ~1 ms a forward, little beside
+        steps that slow). Otherwise, and before any step has landed, 1. Bursts of every length
+        share one program, of `burst` steps."""
         cfg = self.config
-        n = cfg.burst_steps
-        if n == 1 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
-            return 1, False
-        if at % cfg.hits_every + n > cfg.hits_every or min(left, default=0) < n:
+        n = min(cfg.burst, min(left, default=0))
+        if n < 2 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
             return 1, False
         if any(r.req.temperature > 0 for r in runs):
             return 1, False
-        if self._too_slow_to_burst():
+        step = self.step_s
+        if step is None:  # no step has landed yet: how long a burst would take is unknown
             return 1, False
+        n = min(n, int(cfg.stream_ms / 1e3 / step))  # tokens held back at most stream_ms
         full = all(slot.owner is not None for slot in self.slots)
-        limit_ms = cfg.full_burst_ms if full else cfg.burst_ms
-        if self.step_s is None or n * self.step_s <= limit_ms / 1e3:
+        whole = int((cfg.full_burst_ms if full else cfg.burst_ms) / 1e3 / step)
+        if n >= 2 and n <= whole:
             return n, False
-        if cfg.cut_bursts and self.runner.cuts:
+        if n >= 2 and cfg.cut_bursts and self.runner.cuts:
             return n, True
-        return 1, False
+        n = min(n, whole)
+        return (n, False) if n >= 2 else (1, False)
 
     def _too_slow_to_burst(self) -> bool:
-        """Whether the recent steps say a burst would hold its tokens back longer than
-        `stream_ms`."""
-        cfg = self.config
-        return self.step_s is not None and cfg.burst_steps * self.step_s > cfg.stream_ms / 1e3
+        """Whether the recent steps say even a burst of two would hold its tokens back longer
+        than `stream_ms`."""
+        return self.step_s is not None and 2 * self.step_s > self.config.stream_ms / 1e3
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and
@@ -692,8 +706,12 @@ class Scheduler:
                     live[i] = False
         return out
 
-    def _report_decoded(self, events: list[Event], chosen: list[_Chosen]) -> list[Event]:
-        for run, tok, logits, gates in chosen:
+    def _report_decoded(self, events: list[Event], chosen: list[_Chosen | HitsTick]) -> list[Event]:
+        for item in chosen:
+            if isinstance(item, HitsTick):
+                events.append(item)
+                continue
+            run, tok, logits, gates = item
             events += self._guarded(run.req.id, self._report, run, tok, logits, gates)
         return events
 

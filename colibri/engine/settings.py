@@ -35,9 +35,9 @@ class EngineSettings:
     serve_gates: int = 0  # SERVE_GATES: 1 a GATES line after every DATA, 2 also per prompt token
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
-    burst: int = 6  # BURST: most greedy decode steps per forward, 1..6 (1: one per forward)
+    burst: int = 24  # BURST: most greedy decode steps per forward, 1..64 (1: one per forward)
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
-    stream_ms: int = 200  # STREAM_MS: longest a burst may hold back tokens (slower: no bursts)
+    stream_ms: int = 200  # STREAM_MS: longest a burst may hold back tokens (shorter bursts)
     wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
     profile: bool = False  # PROFILE=1: layer by layer, so PERF phases are timed when resident
     warmup: bool = False  # WARMUP=1: after READY, compile every program traffic can reach
@@ -80,7 +80,7 @@ class EngineSettings:
             serve_gates=r.int("SERVE_GATES", d.serve_gates, lo=0, hi=2),
             kvsave=r.flag("KVSAVE", d.kvsave),
             seed=r.int("SEED", d.seed, lo=0),
-            burst=r.int("BURST", d.burst, lo=1, hi=6),
+            burst=r.int("BURST", d.burst, lo=1, hi=64),
             burst_ms=r.int("BURST_MS", d.burst_ms, lo=0, hi=10_000),
             stream_ms=r.int("STREAM_MS", d.stream_ms, lo=0, hi=10_000),
             wire=r.choice("WIRE", WIRES, d.wire),

@@ -26,7 +26,9 @@ class ExpertStats:
 
     `counts` are cumulative selections (one per token row and chosen expert); `tier` is where each
     expert is now; a lookup is one unique (layer, expert) per forward, a hit one found on device
-    or in RAM. `hits_since` marks experts routed since the last `take_hits`.
+    or in RAM. `hits_since` marks experts routed since the last `take_hits`, but for the decode
+    steps `record_steps` counted last, which `step_hits` keeps one by one (those not yet taken)
+    so that the HITS ticks that fall inside a burst can be told apart.
     """
 
     rows: int
@@ -35,6 +37,7 @@ class ExpertStats:
     counts: np.ndarray = field(init=False)
     tier: np.ndarray = field(init=False)
     hits_since: np.ndarray = field(init=False)
+    step_hits: list = field(default_factory=list)  # bool [rows, cols] a step, oldest first
     lookups: int = 0
     hits: int = 0
     misses: int = 0
@@ -51,17 +54,22 @@ class ExpertStats:
         np.add.at(self.counts[row], flat, 1)
         self.hits_since[row, flat] = True
 
-    def record_all(self, routes: np.ndarray) -> int:
+    def record_all(self, routes: np.ndarray, more: bool = False) -> int:
         """Count routes [rows, ...ids] of every MoE layer at once; returns the number of distinct
         (layer, expert) pairs among them (the lookups of one forward)."""
-        if routes.size == 0:
+        if routes.size == 0:  # (no rows kept: no decode step)
+            if not more:
+                self._settle()
             return 0
-        return int(self.record_steps(routes.reshape(1, self.rows, 1, -1))[0])
+        return int(self.record_steps(routes.reshape(1, self.rows, 1, -1), more=more)[0])
 
-    def record_steps(self, routes: np.ndarray, keep: np.ndarray | None = None) -> np.ndarray:
+    def record_steps(
+        self, routes: np.ndarray, keep: np.ndarray | None = None, more: bool = False
+    ) -> np.ndarray:
         """`record_all` of several forwards at once: routes [steps, layers, N, K], where only
         the token rows n with keep [steps, N] are counted. Returns each step's number of
-        distinct (layer, expert) pairs."""
+        distinct (layer, expert) pairs. `more`: the steps follow those of the call before in
+        one burst (its step by step count)."""
         steps, layers = routes.shape[:2]
         n = layers * self.cols
         flat = routes.astype(np.int64)
@@ -70,10 +78,18 @@ class ExpertStats:
         if keep is not None:
             flat = flat[np.broadcast_to(keep[:, None, :, None], flat.shape)]
         chosen = np.bincount(flat.ravel(), minlength=steps * n).reshape(steps, n)
-        total = chosen.sum(axis=0).reshape(layers, self.cols)
-        self.counts += total
-        self.hits_since |= total > 0
+        self.counts += chosen.sum(axis=0).reshape(layers, self.cols)
+        if not more:
+            self._settle()  # the steps of an earlier forward not taken: before these ones
+        # a step none of whose rows was kept is no decode step: nothing to tick
+        ran = range(steps) if keep is None else np.flatnonzero(keep.any(axis=1))
+        self.step_hits += [chosen[s].reshape(layers, self.cols) > 0 for s in ran]
         return np.count_nonzero(chosen, axis=1)
+
+    def _settle(self) -> None:
+        for step in self.step_hits:
+            self.hits_since |= step
+        self.step_hits = []
 
     def record_lookups(self, lookups: int, hits: int, misses: int = 0) -> None:
         self.lookups += lookups
@@ -85,10 +101,16 @@ class ExpertStats:
         lookups, hits = self.lookups - since[0], self.hits - since[1]
         return 100.0 * hits / lookups if lookups else 100.0
 
-    def take_hits(self) -> np.ndarray:
-        """bool [rows, cols] of experts routed since the previous call; resets the marks."""
+    def take_hits(self, steps: int | None = None) -> np.ndarray:
+        """bool [rows, cols] of experts routed since the previous call; resets the marks.
+        `steps`: of the decode steps `record_steps` counted last, only the first `steps` not yet
+        taken (a HITS tick inside a burst); the rest wait for the next call."""
         out = self.hits_since.copy()
         self.hits_since[:] = False
+        n = len(self.step_hits) if steps is None else steps
+        for step in self.step_hits[:n]:
+            out |= step
+        del self.step_hits[:n]
         return out
 
     def take_repins(self) -> list[RepinEvent]:
