@@ -338,7 +338,8 @@ def write(results: dict, args, out: str) -> None:
         "with each checkpoint), over its mean duration; "
         "/ read: against the faster read of the round. No op running: a burst's span less the "
         "time some op ran; between bursts: from one burst's last op to the next one's first "
-        "(the host reading tokens, dispatching the next burst)."
+        "(the host reading tokens, dispatching the next burst), the mean of those gaps once a "
+        "burst, over the steps."
     )
     print("\n".join(lines))
     write_report(RESULTS, out, lines, results)

@@ -80,6 +80,13 @@ def test_a_profile_splits_into_steps_and_parts():
     assert a.overlap_us == 0.0
     assert a.xla_ops == {"add.4": pytest.approx(2.0)}
     assert a.step_us == pytest.approx(1.5 + 10 + 2 + 100 + 3 + 15)
+    # Bursts of different lengths (the last as long as the steps left): a one-step burst 104 µs
+    # after the second; a gap before every burst, the mean of the two seen: 67 µs, 3 of them
+    # over 5 steps.
+    third = [op(e["ts"] + 600, e["dur"], e["name"], "c") for e in first[:5]]
+    a = anatomy.anatomy([*first, *second, *third], calls, "jit__decode_burst")
+    assert (a.steps, a.runs) == (5, 3)
+    assert a.between_bursts_us == pytest.approx(67 * 3 / 5)
 
 
 def test_the_experiment_profiles_a_tiny_model(tmp_path):
@@ -87,14 +94,14 @@ def test_the_experiment_profiles_a_tiny_model(tmp_path):
     out = tmp_path / "anatomy"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
-    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "30", "--prompt", "12"]
+    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "60", "--prompt", "12"]
     cmd += ["--rows", "3", "--rounds", "1", "--out", str(out)]
     subprocess.run(cmd, check=True, env=env, timeout=300)
     res = json.loads(out.with_suffix(".json").read_text())["ckpt"]
     (rnd,) = res["rounds"]
     assert res["rows"] == 3
     assert res["top_k"] <= res["distinct_experts"] <= 3 * res["top_k"]
-    assert rnd["steps"] == 30  # a burst of 24, then one of 6 (the same program)
+    assert rnd["steps"] == 60  # a burst of 48, then one of 12 (the same program)
     parts = rnd["parts"]
     cfg = load_config(ckpt)
     layers = cfg.num_layers

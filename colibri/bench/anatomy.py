@@ -142,6 +142,7 @@ class Anatomy:
     parts: dict[str, Part]  # per step: kernels by label, XLA's ops
     between_ops_us: float  # per step: no op running within a burst
     between_bursts_us: float  # per step: from one burst's last op to the next one's first
+    # (the mean of those gaps, once a burst)
     overlap_us: float  # per step: ops running at once (counted twice in the parts)
     xla_ops: dict[str, float]  # per step: µs of each of XLA's own ops, by HLO op name
 
@@ -170,7 +171,7 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
     totals: dict[str, Part] = {}
     xla_ops: Counter[str] = Counter()
     steps = between_ops = between_bursts = overlap = 0.0
-    burst_steps = 0
+    gaps = 0
     last_end = None
     for ops in ordered:
         ops.sort()
@@ -212,7 +213,7 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
         overlap += sum(d for _, d, _ in ops) - busy
         if last_end is not None:
             between_bursts += start - last_end
-            burst_steps += n
+            gaps += 1
         last_end = end
         steps += n
     for part in totals.values():
@@ -223,7 +224,8 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
         runs=len(ordered),
         parts=totals,
         between_ops_us=between_ops / steps,
-        between_bursts_us=between_bursts / burst_steps if burst_steps else 0.0,
+        # a gap before every burst (the mean of those between the runs), over its steps
+        between_bursts_us=between_bursts / gaps * len(ordered) / steps if gaps else 0.0,
         overlap_us=overlap / steps,
         xla_ops={op: us / steps for op, us in xla_ops.most_common()},
     )

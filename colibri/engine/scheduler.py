@@ -67,7 +67,7 @@ class SchedulerConfig:
     hits_every: int = 6  # decode steps between HitsTick events
     prefill_budget: int = 256  # prompt tokens prefilled per step before decoding resumes
     stop_ids: tuple[int, ...] = ()  # tokens that end a turn (never emitted)
-    burst: int = 24  # most decode steps per forward (Scheduler._burst)
+    burst: int = 48  # most decode steps per forward (Scheduler._burst)
     burst_ms: float = 5.0  # longest a chained burst may be expected to take (input waits it)
     full_burst_ms: float = 20.0  # the same while every KV slot is taken (no prompt can wait)
     cut_bursts: bool = True  # longer bursts too, cut short by input (Runner.cuts), unchained
@@ -676,9 +676,9 @@ class Scheduler:
             return 1, False
         if any(r.req.temperature > 0 for r in runs):
             return 1, False
-        step = self.step_s
-        if step is None:  # no step has landed yet: how long a burst would take is unknown
+        if self.step_s is None:  # no step has landed yet: how long a burst would take is unknown
             return 1, False
+        step = max(self.step_s, 1e-9)
         n = min(n, int(cfg.stream_ms / 1e3 / step))  # tokens held back at most stream_ms
         full = all(slot.owner is not None for slot in self.slots)
         whole = int((cfg.full_burst_ms if full else cfg.burst_ms) / 1e3 / step)

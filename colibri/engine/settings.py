@@ -35,7 +35,7 @@ class EngineSettings:
     serve_gates: int = 0  # SERVE_GATES: 1 a GATES line after every DATA, 2 also per prompt token
     kvsave: bool = False  # KVSAVE=1: persist each slot's KV, reload it at start
     seed: int = 0  # SEED: sampling seed, combined with each request id
-    burst: int = 24  # BURST: most greedy decode steps per forward, 1..64 (1: one per forward)
+    burst: int = 48  # BURST: most greedy decode steps per forward, 1..64 (1: one per forward)
     burst_ms: int = 5  # BURST_MS: longest a burst runs uncut, chained (longer: cut by input)
     stream_ms: int = 200  # STREAM_MS: longest a burst may hold back tokens (shorter bursts)
     wire: str = "full"  # WIRE: full (every line kind) or upstream (colibrì's gateway's ten)
