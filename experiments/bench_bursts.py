@@ -27,21 +27,13 @@ from tqdm import tqdm
 
 from colibri.bench import anatomy
 from colibri.bench.conversations import BURST, other_conversations, prompt_ids
-from colibri.bench.formats import FORMATS
-from colibri.bench.shapes import SHAPES, ensure_inputs, shape_checkpoint
+from colibri.bench.shapes import SHAPES, held_checkpoint
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 PROMPT = 128
-
-
-def checkpoint(name: str, dtype: str) -> Path:
-    """The peers shape `name` as `dtype`, made if missing."""
-    if dtype == "f32":
-        return ensure_inputs(name)["colibri"]
-    return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 
 def side_by_side(ckpt: Path, rows: list[int], bursts: list[int], rounds: int, tokens: int):
@@ -92,7 +84,8 @@ def main() -> None:
     table, raw = [], {}
     for name in args.shapes.split(","):
         for dtype in args.dtypes.split(","):
-            got = side_by_side(checkpoint(name, dtype), rows, bursts, args.rounds, args.tokens)
+            ckpt = held_checkpoint(name, dtype)
+            got = side_by_side(ckpt, rows, bursts, args.rounds, args.tokens)
             for n, rates in got.items():
                 raw[f"{name}/{dtype}/{n}"] = rates
                 base = np.asarray(rates[bursts[0]])

@@ -29,7 +29,7 @@ import pandas as pd
 
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
-from colibri.bench.shapes import ALL_SHAPES, CACHE, SHAPES, ensure_inputs, shape_checkpoint
+from colibri.bench.shapes import ALL_SHAPES, CACHE, SHAPES, held_checkpoint
 from colibri.bench.workers import run_worker
 from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
@@ -51,13 +51,6 @@ def git(*args: str) -> str:
     return subprocess.run(
         ["git", *args], cwd=REPO, check=True, capture_output=True, text=True
     ).stdout.strip()
-
-
-def checkpoint(name: str, dtype: str) -> Path:
-    """The peers shape `name` as `dtype`, made if missing."""
-    if dtype == "f32":
-        return ensure_inputs(name)["colibri"]
-    return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 
 def pairs_of_runs(
@@ -116,7 +109,7 @@ def main() -> None:
             trees = {"base": tree, "working tree": REPO.resolve()}
             for name in args.shapes.split(","):
                 spec = ALL_SHAPES[name]
-                ckpt = checkpoint(name, args.dtype)
+                ckpt = held_checkpoint(name, args.dtype)
                 print(f"{name}: {args.pairs} pairs, base {rev} against the working tree")
                 prompt = prompt_ids(spec.vocab, args.prompt)
                 runs = pairs_of_runs(trees, ckpt, prompt, args.tokens, args.pairs, env)

@@ -35,8 +35,7 @@ from tqdm import tqdm
 
 from colibri import kernels
 from colibri.bench.bandwidth import call_rate, fma_ceiling, probe_array, read_rate
-from colibri.bench.formats import FORMATS
-from colibri.bench.shapes import ensure_inputs, shape_checkpoint
+from colibri.bench.shapes import held_checkpoint
 from colibri.bench.workers import every_expert_call
 from colibri.engine.hwinfo import cpu_detail
 from colibri.report import markdown_table, write_report
@@ -82,12 +81,6 @@ def bound_name(reads: pd.Series, computing: float) -> str:
     return f"computing ({computing:.1f} GB/s)" if reads.min() >= computing else "both"
 
 
-def checkpoint(name: str, fmt: str) -> Path:
-    if fmt == "float32":
-        return ensure_inputs(name)["colibri"]
-    return shape_checkpoint(name, fmt, **FORMATS[fmt]["synth"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="olmoe")
@@ -111,7 +104,8 @@ def main() -> None:
     }
     for name in args.shapes.split(","):
         for fmt in args.formats.split(","):
-            at_rows = every_expert(checkpoint(name, fmt), [int(r) for r in args.rows.split(",")])
+            rows = [int(r) for r in args.rows.split(",")]
+            at_rows = every_expert(held_checkpoint(name, fmt), rows)
             for r, case in at_rows.items():
                 cases[f"{name} experts, {fmt}" + (f", {r} rows" if r > 1 else "")] = case
     samples = []

@@ -70,6 +70,17 @@ def ensure_inputs(name: str, with_llama: bool = False) -> dict[str, Path]:
     return paths
 
 
+def held_checkpoint(name: str, dtype: str) -> Path:
+    """The shape `name` as `dtype`: float32 ("f32" or "float32": `ensure_inputs`'), or "bf16"
+    or one of colibri.bench.formats' FORMATS, synthesized as that format asks; made if
+    missing."""
+    from colibri.bench.formats import FORMATS
+
+    if dtype in ("f32", "float32"):
+        return ensure_inputs(name)["colibri"]
+    return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
+
+
 def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
     """The shape `name` (ALL_SHAPES) synthesized in `dtype` (cached under .cache/bench-peers)."""
     out = CACHE / f"{name}-{dtype}"
