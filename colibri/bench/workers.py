@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri.bench.accounting import distinct_experts, held_step_bytes
+from colibri.bench.anatomy import decode_bursts
 from colibri.bench.bandwidth import call_rate, memory_bandwidth, widen_rate
 from colibri.bench.conversations import BURST, other_conversations
 from colibri.bench.shapes import CACHE
@@ -54,22 +55,15 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
         layer (mean over steps). burst 1: one step a forward, each forward fed the previous
         one's greedy tokens on the device; burst > 1: as the engine decodes greedy requests on
-        these models (cuttable bursts of `burst` steps, the next one dispatched when one
-        lands; Scheduler._burst)."""
+        these models (anatomy.decode_bursts: cuttable bursts of up to `burst` steps, the next
+        one dispatched when one lands)."""
         out, seen = [first], []  # (routes counted after the clock stops)
-        t = time.perf_counter()
         if burst > 1:
-            toks, done = firsts[:rows], 0
-            while done < n:
-                at = [Row(s, toks[s], len(prompt) + done) for s in range(rows)]
-                k = min(burst, n - done)  # (the last as long as the steps left)
-                fwd = runner.decode_async(at, steps=k, cuttable=k > 1, most=burst)
-                greedy = fwd.tokens()
-                seen += list(fwd.result()[1])
-                toks, done = greedy[-1].tolist(), done + fwd.ran()
-                out += greedy[:, 0].tolist()
-            rate = rows * done / (time.perf_counter() - t)
+            steps: list[list[int]] = []
+            rate = decode_bursts(runner, firsts[:rows], len(prompt), n, burst, seen, steps)
+            out += [toks[0] for toks in steps]
         else:
+            t = time.perf_counter()
             fwd = runner.decode_async([Row(s, firsts[s], len(prompt)) for s in range(rows)])
             for i in range(1, n + 1):
                 chained = [Row(s, -1, len(prompt) + i, take=s) for s in range(rows)]

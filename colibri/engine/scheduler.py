@@ -674,25 +674,27 @@ class Scheduler:
         n = min(cfg.burst, min(left, default=0))
         if n < 2 or not self.runner.chains or self.waiting or cfg.topk or cfg.gates:
             return 1, False
-        if any(r.req.temperature > 0 for r in runs):
-            return 1, False
-        if self.step_s is None:  # no step has landed yet: how long a burst would take is unknown
-            return 1, False
-        step = max(self.step_s, 1e-9)
-        n = min(n, int(cfg.stream_ms / 1e3 / step))  # tokens held back at most stream_ms
+        if any(r.req.temperature > 0 for r in runs) or self.step_s is None:
+            return 1, False  # (no step has landed yet: how long a burst takes is unknown)
+        n = min(n, self._steps_in(cfg.stream_ms))  # tokens held back at most stream_ms
         full = all(slot.owner is not None for slot in self.slots)
-        whole = int((cfg.full_burst_ms if full else cfg.burst_ms) / 1e3 / step)
-        if n >= 2 and n <= whole:
+        whole = self._steps_in(cfg.full_burst_ms if full else cfg.burst_ms)
+        if n < 2:
+            return 1, False
+        if n <= whole:
             return n, False
-        if n >= 2 and cfg.cut_bursts and self.runner.cuts:
+        if cfg.cut_bursts and self.runner.cuts:
             return n, True
-        n = min(n, whole)
-        return (n, False) if n >= 2 else (1, False)
+        return (whole, False) if whole >= 2 else (1, False)  # (whole < n here)
+
+    def _steps_in(self, ms: float) -> int:
+        """Steps the recent ones say fit in `ms` (`step_s` known)."""
+        return int(ms / 1e3 / max(self.step_s, 1e-9))
 
     def _too_slow_to_burst(self) -> bool:
         """Whether the recent steps say even a burst of two would hold its tokens back longer
         than `stream_ms`."""
-        return self.step_s is not None and 2 * self.step_s > self.config.stream_ms / 1e3
+        return self.step_s is not None and self._steps_in(self.config.stream_ms) < 2
 
     def _live_steps(self, runs: list[_Run], keep: list[bool], tokens: np.ndarray):
         """Which rows of a burst still matter at each of its steps: those kept, up to and
