@@ -300,7 +300,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     }
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower. Where
-  // no expert has more than four rows (one pass over its weights), kLongItems times that,
+  // every expert's rows stream once as pairs.h's long_items says, kLongItems times that,
   // while it leaves every thread four items or more.
   const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
   const auto slice = [&](int64_t scale) {
@@ -309,8 +309,9 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     p.fitems = (F + p.fchunk - 1) / p.fchunk;
     p.ditems = (D + p.dchunk - 1) / p.dchunk;
   };
-  const bool one_pass = experts > 0 && p.first[1] - p.first[0] <= 4;  // most rows first
-  slice(one_pass ? kLongItems : 1);
+  const int64_t most = experts ? p.first[1] - p.first[0] : 0;  // most rows first
+  const bool once = experts > 0 && long_items(kind, most, D) && long_items(kind, most, F);
+  slice(once ? kLongItems : 1);
   if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(1);
 
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());

@@ -97,10 +97,10 @@ float* scratch(int64_t n) {
   return buf.get();
 }
 
-// How many times their usual size the work items of a call that passes over its weights once
-// (at most four inputs: one tile) may be. A core streams an item's rows as a few streams (rows
-// a quarter of the item apart), which the prefetchers take up anew at each item: the longer
-// the item, the nearer a plain read it streams, most where the memory is fast (docs/kernels.md,
+// How many times their usual size the work items of a call whose rows stream from memory once
+// may be (where: pairs.h's long_items). A core streams an item's rows as a few streams (rows a
+// quarter of the item apart), which the prefetchers take up anew at each item: the longer the
+// item, the nearer a plain read it streams, most where the memory is fast (docs/kernels.md,
 // "Longer items at one pass"). Calls of several passes keep theirs, which their second pass
 // finds in L2.
 constexpr int64_t kLongItems = 4;

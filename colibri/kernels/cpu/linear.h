@@ -86,12 +86,13 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   call->I = I;
   call->ld = ld;
   call->blk = blk;
-  // Items of up to kLongItems times that where the rows meet the weights in one pass (at most
-  // four), while every thread still gets four or more.
+  // Items of up to kLongItems times that where the rows stream once (pairs.h's long_items),
+  // while every thread still gets four or more.
   const int64_t base = kScaled<T> ? 128 << 10 : 256 << 10;
   const int64_t share = O * value_bytes(kind, I) / (4 * std::max<int64_t>(pool.num_threads(), 1));
   call->chunk = chunk_rows(value_bytes(kind, I), O,
-                           M <= 4 ? std::clamp(share, base, kLongItems * base) : base);
+                           long_items(kind, M, I) ? std::clamp(share, base, kLongItems * base)
+                                                    : base);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;

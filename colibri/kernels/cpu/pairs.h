@@ -105,6 +105,27 @@ struct PackedOut {
   int64_t f0;
 };
 
+// Whether float32 and bfloat16 rows of L columns meet their inputs two groups a pass
+// (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would crowd L1.
+// At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
+// 0.92-0.95x, at 2048 0.66-0.78x (docs/kernels.md, "Two groups a pass").
+constexpr bool two_groups_a_pass(int64_t L) { return L > 512; }
+
+// Whether a call's items may be gang.h's kLongItems times their usual size where `inputs`
+// inputs meet rows of L columns held as T: where the rows stream from memory once, a tile at a
+// time, at most four inputs (one tile) or, in the paired tiles, float32 and bfloat16 rows met by
+// one group of eight inputs or by two a pass. Other groups of eight pass over the whole item
+// each, the next finding it in L2. Scaled rows met by more than four inputs, widened into L1
+// a tile at a time, took 1.02-1.08x the time in long items (int8, Zen 5; docs/kernels.md,
+// "Longer items at one pass").
+template <typename T>
+constexpr bool long_items(const T*, int64_t inputs, int64_t L) {
+  if (inputs <= 4) return true;
+  if constexpr (kPairs && !kScaled<T> && !kProducts<T>)
+    return inputs <= Packed::kGroup || (inputs <= 2 * Packed::kGroup && two_groups_a_pass(L));
+  return false;
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 
 // Eight weights from p, widened as loadw widens them, in both halves.
@@ -224,12 +245,6 @@ inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, 
     emit_group<TW>(rows, x, emit, g, out, 2 * x.pairs(g));
   }
 }
-
-// Whether float32 and bfloat16 rows of L columns meet their inputs two groups a pass
-// (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would crowd L1.
-// At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
-// 0.92-0.95x, at 2048 0.66-0.78x (docs/kernels.md, "Two groups a pass").
-constexpr bool two_groups_a_pass(int64_t L) { return L > 512; }
 
 // Two groups at once (float32 and bfloat16 rows): a full group g and the next, of TP1 pairs, in
 // tiles of TW rows against all 8 + 2 TP1 inputs (TW (4 + TP1) sums), column block by column
