@@ -299,20 +299,19 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       p.upp[i].clear_padding();
     }
   }
-  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower. Where
-  // every expert's rows stream once as pairs.h's long_items says, kLongItems times that,
+  // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower. Where a
+  // phase's rows stream once for every expert (pairs.h's long_items), kLongItems times that,
   // while it leaves every thread four items or more.
   const T* kind = nullptr;  // bytes of weights (their scales aside, for FP8 and int4):
-  const auto slice = [&](int64_t scale) {
-    p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, scale * (512 << 10));
-    p.dchunk = chunk_rows(value_bytes(kind, F), D, scale * (256 << 10));
+  const int64_t most = experts ? p.first[1] - p.first[0] : 0;  // most rows first
+  const auto slice = [&](bool long_f, bool long_d) {
+    p.fchunk = chunk_rows(2 * value_bytes(kind, D), F, (long_f ? kLongItems : 1) * (512 << 10));
+    p.dchunk = chunk_rows(value_bytes(kind, F), D, (long_d ? kLongItems : 1) * (256 << 10));
     p.fitems = (F + p.fchunk - 1) / p.fchunk;
     p.ditems = (D + p.dchunk - 1) / p.dchunk;
   };
-  const int64_t most = experts ? p.first[1] - p.first[0] : 0;  // most rows first
-  const bool once = experts > 0 && long_items(kind, most, D) && long_items(kind, most, F);
-  slice(once ? kLongItems : 1);
-  if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(1);
+  slice(long_items(kind, most, D), long_items(kind, most, F));
+  if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(false, false);
 
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
