@@ -36,7 +36,7 @@ from tqdm import tqdm
 from colibri.bench import anatomy
 from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate
-from colibri.bench.conversations import BURST, other_conversations, prompt_ids
+from colibri.bench.conversations import BURST, STREAM_MS, other_conversations, prompt_ids
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.formats import Holding
@@ -100,13 +100,13 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, du
     if rows > 1:
         firsts += other_conversations(runner, prompt, rows)
     routes = []  # the measured bursts' own steps (greedy decoding is deterministic)
-    anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, routes)  # compiles too
+    anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, routes, stream_ms=STREAM_MS)
     chosen = distinct_experts(routes, rows)
     weights = held_step_bytes(model.params, model.experts, chosen)
     step_bytes = weights + kv_bytes(cfg, rows, prompt_len, tokens)
 
     def decode() -> float:
-        return anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST)
+        return anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, stream_ms=STREAM_MS)
 
     decode()
     calls = program_calls(dump, earlier)
@@ -255,7 +255,9 @@ def write(results: dict, args, out: str) -> None:
         f"Command: `{switches()}python experiments/step_anatomy.py {' '.join(sys.argv[1:])}`  ",
         f"Machine: {hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM  ",
         f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
-        f"{args.prompt}-token prompt, in bursts of {BURST} steps. Each round: a plain read of "
+        f"{args.prompt}-token prompt, in bursts of up to {BURST} steps (no longer than the last "
+        f"one's steps say fit in {STREAM_MS} ms, as the engine's STREAM_MS). Each round: a plain "
+        "read of "
         "1 GiB on every core, the steps, the same steps under jax.profiler, the read again. "
         "Roofline: bytes a step (weights as held, the experts the rows chose counted once, the "
         "mean step's keys and values) over the faster read.",

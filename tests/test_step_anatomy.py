@@ -12,9 +12,29 @@ from pathlib import Path
 
 import pytest
 import tiny
+from fake_runner import FakeRunner
 
 from colibri.bench import anatomy
 from colibri.config import load_config
+
+def test_decode_bursts_are_as_long_as_stream_ms_allows():
+    """With stream_ms, the first forward is one step and each later one no longer than the last
+    one's steps say fit in it, as the engine's STREAM_MS; without, every burst `burst` steps
+    but the last; the tokens are the same either way."""
+    runs = {}
+    for stream_ms in (None, 45.0):
+        runner = FakeRunner(slots=1, capacity=64)
+        runner.step_s = 0.01
+        runner.prefill(0, [1, 2, 3])
+        tokens = []
+        anatomy.decode_bursts(runner, [4], 3, 30, 16, tokens=tokens, stream_ms=stream_ms)
+        runs[stream_ms] = [steps for steps, _, _ in runner.calls], tokens
+    assert runs[None][0] == [16, 14]
+    lengths = runs[45.0][0]
+    assert lengths[0] == 1 and sum(lengths) == 30
+    assert 2 <= max(lengths) <= 4  # (steps of 10 ms and a little more: 4 fit in 45 ms)
+    assert runs[None][1] == runs[45.0][1] and len(runs[None][1]) == 30
+
 
 HLO = """\
   %ffi_call.1 = f32[1,96]{1,0} custom-call(%a, %w), custom_call_target="colibri_linear", \

@@ -239,25 +239,33 @@ def decode_bursts(
     burst: int,
     routes: list | None = None,
     tokens: list | None = None,
+    stream_ms: float | None = None,
 ) -> float:
     """n greedy steps of slots 0..len(firsts)-1 from position `start` (their tokens there:
     `firsts`), in cuttable bursts of up to `burst` steps, the next dispatched when one lands,
     as the engine decodes greedy requests (Scheduler._burst); tok/s of all rows together.
     `routes`: a list that gets each step's routes ([n_moe, B, K]; the wait is timed too);
-    `tokens`: one that gets each step's greedy tokens [B]."""
+    `tokens`: one that gets each step's greedy tokens [B]. `stream_ms`: as the engine's
+    STREAM_MS, no burst longer than the last one's steps say fit in it (the first a single
+    step); None: every burst `burst` steps (but the last)."""
     from colibri.engine.runner import Row
 
-    toks, done = list(firsts), 0
-    t = time.perf_counter()
+    toks, done, step_s = list(firsts), 0, None
+    t = landed = time.perf_counter()
     while done < n:
         at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
         k = min(burst, n - done)  # (the last as long as the steps left: one program, `most`)
+        if stream_ms is not None:
+            k = min(k, max(1, int(stream_ms / 1e3 / step_s))) if step_s else 1
+        sent = time.perf_counter()
         fwd = runner.decode_async(at, steps=k, cuttable=k > 1, most=burst)
         if routes is not None:
             routes += list(fwd.result()[1])
         greedy = fwd.tokens()
         if tokens is not None:
             tokens += greedy.tolist()
+        now = time.perf_counter()
+        step_s, landed = (now - max(sent, landed)) / fwd.ran(), now
         toks, done = greedy[-1].tolist(), done + fwd.ran()
     return len(firsts) * done / (time.perf_counter() - t)
 

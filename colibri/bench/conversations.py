@@ -1,5 +1,6 @@
 """The conversations the benchmarks decode: a fixed prompt, other conversations that share all
-but its last 8 tokens, and BURST, the greedy steps the engine takes a forward."""
+but its last 8 tokens, and BURST and STREAM_MS, which bound the greedy steps the engine takes a
+forward."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import numpy as np
 
 from colibri.engine.settings import EngineSettings
 
-BURST = EngineSettings().burst  # greedy steps a forward, as the engine takes them
+BURST = EngineSettings().burst  # greedy steps a forward at most, as the engine takes them
+STREAM_MS = EngineSettings().stream_ms  # and no more than the recent steps say fit in this
 
 
 def prompt_ids(vocab: int, n: int) -> list[int]:

@@ -17,7 +17,7 @@ import numpy as np
 from colibri.bench.accounting import distinct_experts, held_step_bytes
 from colibri.bench.anatomy import decode_bursts
 from colibri.bench.bandwidth import call_rate, memory_bandwidth, widen_rate
-from colibri.bench.conversations import BURST, other_conversations
+from colibri.bench.conversations import BURST, STREAM_MS, other_conversations
 from colibri.bench.shapes import CACHE
 
 PASSES = 3  # colibri's passes over 1, 4 and 16 rows in each round (see work_colibri)
@@ -55,12 +55,14 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
         """n greedy steps of slots 0..rows-1: tok/s, slot 0's tokens, distinct experts per MoE
         layer (mean over steps). burst 1: one step a forward, each forward fed the previous
         one's greedy tokens on the device; burst > 1: as the engine decodes greedy requests on
-        these models (anatomy.decode_bursts: cuttable bursts of up to `burst` steps, the next
-        one dispatched when one lands)."""
+        these models (anatomy.decode_bursts: cuttable bursts of up to `burst` steps, as STREAM_MS
+        allows, the next one dispatched when one lands)."""
         out, seen = [first], []  # (routes counted after the clock stops)
         if burst > 1:
             steps: list[list[int]] = []
-            rate = decode_bursts(runner, firsts[:rows], len(prompt), n, burst, seen, steps)
+            rate = decode_bursts(
+                runner, firsts[:rows], len(prompt), n, burst, seen, steps, STREAM_MS
+            )
             out += [toks[0] for toks in steps]
         else:
             t = time.perf_counter()
