@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tiny
 from fake_runner import FakeRunner
@@ -17,23 +18,28 @@ from fake_runner import FakeRunner
 from colibri.bench import anatomy
 from colibri.config import load_config
 
+
 def test_decode_bursts_are_as_long_as_stream_ms_allows():
-    """With stream_ms, the first forward is one step and each later one no longer than the last
-    one's steps say fit in it, as the engine's STREAM_MS; without, every burst `burst` steps
-    but the last; the tokens are the same either way."""
+    """With stream_ms, the first forward is two steps and each later one no longer than the
+    last one's steps say fit in it, as the engine's STREAM_MS (one step a forward where not
+    two fit); without, every burst `burst` steps but the last; the tokens and routes are the
+    same either way."""
     runs = {}
-    for stream_ms in (None, 45.0):
+    for stream_ms in (None, 45.0, 15.0):
         runner = FakeRunner(slots=1, capacity=64)
         runner.step_s = 0.01
         runner.prefill(0, [1, 2, 3])
-        tokens = []
-        anatomy.decode_bursts(runner, [4], 3, 30, 16, tokens=tokens, stream_ms=stream_ms)
-        runs[stream_ms] = [steps for steps, _, _ in runner.calls], tokens
+        tokens, routes = [], []
+        anatomy.decode_bursts(runner, [4], 3, 30, 16, routes, tokens, stream_ms)
+        runs[stream_ms] = [steps for steps, _, _ in runner.calls], tokens, routes
     assert runs[None][0] == [16, 14]
     lengths = runs[45.0][0]
-    assert lengths[0] == 1 and sum(lengths) == 30
-    assert 2 <= max(lengths) <= 4  # (steps of 10 ms and a little more: 4 fit in 45 ms)
-    assert runs[None][1] == runs[45.0][1] and len(runs[None][1]) == 30
+    assert lengths[0] == 2 and sum(lengths) == 30
+    assert max(lengths) <= 4 and all(k >= 2 for k in lengths[:-1])  # (steps of 10 ms or more)
+    assert runs[15.0][0] == [2] + [1] * 28
+    for other in (45.0, 15.0):
+        assert runs[other][1] == runs[None][1] and len(runs[None][1]) == 30
+        np.testing.assert_array_equal(np.array(runs[other][2]), np.array(runs[None][2]))
 
 
 HLO = """\

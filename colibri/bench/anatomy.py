@@ -246,8 +246,9 @@ def decode_bursts(
     as the engine decodes greedy requests (Scheduler._burst); tok/s of all rows together.
     `routes`: a list that gets each step's routes ([n_moe, B, K]; the wait is timed too);
     `tokens`: one that gets each step's greedy tokens [B]. `stream_ms`: as the engine's
-    STREAM_MS, no burst longer than the last one's steps say fit in it (the first a single
-    step); None: every burst `burst` steps (but the last)."""
+    STREAM_MS, no burst longer than the last one's steps say fit in it (the first two steps,
+    which the engine runs one a forward with no step time yet, one burst: the profiled steps
+    all come from one program); None: every burst `burst` steps (but the last)."""
     from colibri.engine.runner import Row
 
     toks, done, step_s = list(firsts), 0, None
@@ -256,11 +257,12 @@ def decode_bursts(
         at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
         k = min(burst, n - done)  # (the last as long as the steps left: one program, `most`)
         if stream_ms is not None:
-            k = min(k, max(1, int(stream_ms / 1e3 / step_s))) if step_s else 1
+            k = min(k, max(1, int(stream_ms / 1e3 / step_s)) if step_s else 2)
         sent = time.perf_counter()
         fwd = runner.decode_async(at, steps=k, cuttable=k > 1, most=burst)
         if routes is not None:
-            routes += list(fwd.result()[1])
+            got = fwd.result()[1]
+            routes += [got] if fwd.steps == 1 else list(got)
         greedy = fwd.tokens()
         if tokens is not None:
             tokens += greedy.tolist()
