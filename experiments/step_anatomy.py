@@ -256,11 +256,10 @@ def write(results: dict, args, out: str) -> None:
         f"Machine: {hw.cores} cores, {cpu_detail()}, {hw.ram_total_gb:.0f} GB RAM  ",
         f"Greedy decode of {args.tokens} tokens of {args.rows} conversation(s) after a "
         f"{args.prompt}-token prompt, in bursts of up to {BURST} steps (no longer than the last "
-        f"one's steps say fit in {STREAM_MS} ms, as the engine's STREAM_MS). Each round: a plain "
-        "read of "
-        "1 GiB on every core, the steps, the same steps under jax.profiler, the read again. "
-        "Roofline: bytes a step (weights as held, the experts the rows chose counted once, the "
-        "mean step's keys and values) over the faster read.",
+        f"one's steps say fit in {STREAM_MS} ms, as the engine's STREAM_MS). Each round: a "
+        "plain read of 1 GiB on every core, the steps, the same steps under jax.profiler, the "
+        "read again. Roofline: bytes a step (weights as held, the experts the rows chose counted "
+        "once, the mean step's keys and values) over the faster read.",
         "",
     ]
     for name, res in results.items():

@@ -252,7 +252,7 @@ def decode_bursts(
     from colibri.engine.runner import Row
 
     toks, done, step_s = list(firsts), 0, None
-    t = landed = time.perf_counter()
+    t = time.perf_counter()
     while done < n:
         at = [Row(s, tok, start + done) for s, tok in enumerate(toks)]
         k = min(burst, n - done)  # (the last as long as the steps left: one program, `most`)
@@ -266,8 +266,7 @@ def decode_bursts(
         greedy = fwd.tokens()
         if tokens is not None:
             tokens += greedy.tolist()
-        now = time.perf_counter()
-        step_s, landed = (now - max(sent, landed)) / fwd.ran(), now
+        step_s = (time.perf_counter() - sent) / fwd.ran()
         toks, done = greedy[-1].tolist(), done + fwd.ran()
     return len(firsts) * done / (time.perf_counter() - t)
 
