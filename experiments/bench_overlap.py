@@ -1,5 +1,5 @@
 """python experiments/bench_overlap.py [--inputs 16] [--rows 768] [--mib 256] [--repeats 5]
-    [--isa native|avx2] [--held f32|int8|int4]
+    [--isa native|avx2] [--held f32|int8|int4] [--out NAME]
 
 Whether a core hides streaming weights from DRAM behind the arithmetic on them, measured with
 colibri's own matrix-vector tiles (colibri/kernels/cpu/, compiled into a small driver,
@@ -8,7 +8,8 @@ weights met by 16 inputs costs 8 FLOP a byte, so a core computing it from DRAM n
 streaming and its arithmetic at once. Cases, each thread pinned to a core, each core over
 --mib MiB of weights of its own (huge pages) in items of 64 rows of --rows floats:
 
-- one core multiply-adds: twelve independent chains, nothing loaded (the arithmetic ceiling);
+- one core multiply-adds: twelve independent chains of 8 lanes, nothing loaded (the arithmetic
+  ceiling; where the build has 512-bit vectors and they are faster, kernels.fma_peak's on them);
 - one core streams: one input, the weights in L2 (what the tiles do at one row when memory
   keeps up), then from DRAM;
 - one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
@@ -29,7 +30,7 @@ widened as they are loaded, in items of ~256 KiB as the expert kernel shares its
 input then says how close one-row calls over such rows can come to the bandwidth (held rows'
 batch-1 roofline, experiments/bench_quantized.py --level peers).
 Writes experiments/results/overlap.md and overlap.json (--isa avx2: overlap_avx2.md and .json;
---held int8: overlap_int8.md and .json).
+--held int8: overlap_int8.md and .json; --out NAME: NAME.md and NAME.json).
 """
 
 from __future__ import annotations
@@ -96,14 +97,16 @@ def measure(
     return pd.DataFrame(rows)
 
 
-def overlap(df: pd.DataFrame, inputs: int) -> dict:
+def overlap(df: pd.DataFrame, inputs: int, wide: float = 0.0) -> dict:
     """One core's DRAM computing against its parts: seconds per GB of weights streaming alone
-    (one input), computing alone (weights in L2) and both as measured."""
+    (one input), computing alone (weights in L2) and both as measured. `wide`: one core's
+    multiply-adds on 512-bit vectors (kernels.fma_peak), the ceiling where it is the higher
+    (the driver's chains are 8 lanes)."""
 
     def one(case: str, where: str) -> pd.Series:
         return df[(df["case"] == case) & (df["weights from"] == where)].iloc[0]
 
-    ceiling = one("one core multiply-adds", "registers")["GFLOP/s"]
+    ceiling = max(one("one core multiply-adds", "registers")["GFLOP/s"], wide)
     stream = 1 / one("one core streams", "DRAM")["GB/s"]
     compute = 1 / one("one core computes", "L2")["GB/s"]
     both = 1 / one("one core computes", "DRAM")["GB/s"]
@@ -148,11 +151,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--isa", choices=list(kernels.ISA_LEVELS), default="native")
     ap.add_argument("--held", choices=("f32", "int8", "int4"), default="f32")
+    ap.add_argument("--out", help="results name (default overlap[_ISA][_HELD]): a run kept beside")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp), args.isa)
         df = measure(exe, args.rows, args.inputs, args.mib, args.repeats, args.held)
-    summary = overlap(df, args.inputs)
+    wide = kernels.fma_peak(16, threads=1) if args.isa == "native" else 0.0
+    summary = overlap(df, args.inputs, wide)
     one = one_input(df)
     rows = "float32 rows" if args.held == "f32" else f"{args.held} rows"
     one_line = (
@@ -181,6 +186,7 @@ def main() -> None:
         f"--mib {args.mib} --repeats {args.repeats}"
         + (f" --isa {args.isa}" if args.isa != "native" else "")
         + (f" --held {args.held}" if args.held != "f32" else "")
+        + (f" --out {args.out}" if args.out else "")
         + f"`; {os.cpu_count()} cores of {cpu_detail()}, best of "
         f"{args.repeats} runs of {SECONDS:g} s per case.\n\n"
         f"{table}\n\n"
@@ -193,7 +199,7 @@ def main() -> None:
         f"multiply-add ceiling ({summary['multiply-add ceiling GFLOP/s']:.1f} GFLOP/s).\n\n"
         f"{one_line}.\n"
     )
-    name = "_".join(
+    name = args.out or "_".join(
         ["overlap"]
         + ([args.isa] if args.isa != "native" else [])
         + ([args.held] if args.held != "f32" else [])
