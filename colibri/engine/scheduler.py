@@ -677,10 +677,10 @@ class Scheduler:
         if any(r.req.temperature > 0 for r in runs) or self.step_s is None:
             return 1, False  # (no step has landed yet: how long a burst takes is unknown)
         n = min(n, self._steps_in(cfg.stream_ms))  # tokens held back at most stream_ms
-        full = all(slot.owner is not None for slot in self.slots)
-        whole = self._steps_in(cfg.full_burst_ms if full else cfg.burst_ms)
         if n < 2:
             return 1, False
+        full = all(slot.owner is not None for slot in self.slots)
+        whole = self._steps_in(cfg.full_burst_ms if full else cfg.burst_ms)
         if n <= whole:
             return n, False
         if cfg.cut_bursts and self.runner.cuts:
