@@ -191,6 +191,11 @@ def of(events: list[codec.Event], rid: int) -> list[codec.Event]:
     return [ev for ev in events if getattr(ev, "id", None) == rid]
 
 
+def ended(events: list[codec.Event], rid: int) -> bool:
+    """Whether request rid's DONE or ERROR is among events."""
+    return any(isinstance(ev, Done | Error) and ev.id == rid for ev in events)
+
+
 def text(events: list[codec.Event], rid: int) -> bytes:
     """The concatenated DATA payloads of request rid."""
     return b"".join(ev.payload for ev in events if isinstance(ev, Data) and ev.id == rid)
