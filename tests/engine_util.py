@@ -132,7 +132,14 @@ class Mux(_Proc):
         open_ids, out = set(ids), []
         deadline = time.monotonic() + timeout
         while open_ids:
-            ev = self.next(max(0.1, deadline - time.monotonic()))
+            try:
+                ev = self.next(max(0.1, deadline - time.monotonic()))
+            except TimeoutError as e:
+                gone = sorted(i for i in open_ids if ended(self.seen[: -len(out) or None], i))
+                raise TimeoutError(
+                    f"{e}; waiting for {sorted(open_ids)}, of which {gone} ended "
+                    f"before collect() was called:\n{self.stderr()}"
+                ) from None
             if ev is None:
                 raise EOFError(f"engine exited with {sorted(open_ids)} open:\n{self.stderr()}")
             out.append(ev)
