@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--out NAME]
+    [--prompt 256] [--context 4096] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -20,11 +20,11 @@ quantized and held as those rows, as experiments/bench_quantized.py holds them
 routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
 of every layer) and lm_head on --rows rows, 24 steps per pass (with --held, every matrix held
 so). --kernel attend: decode attention of every layer for --rows conversations, 24 steps
-after a 128-token prompt, the keys and values read from DRAM as in the engine. The two
-versions' outputs must agree bitwise (the kernels' results never depend on how work is shared
-out). Reported: ms a step for each version (median of passes), GB/s of the weights (keys and
-values) read (for the experts: the distinct ones) and GFLOP/s, and the median over passes of
-new / base time.
+after a prompt of --context tokens (128), the keys and values read from DRAM as in the
+engine. The two versions' outputs must agree bitwise (the kernels' results never depend on how
+work is shared out). Reported: ms a step for each version (median of passes), GB/s of the
+weights (keys and values) read (for the experts: the distinct ones) and GFLOP/s, and the
+median over passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
 kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json;
 with --out NAME, NAME.md and NAME.json.
@@ -264,6 +264,12 @@ def main() -> None:
         "--rows conversations decoding",
     )
     ap.add_argument(
+        "--context",
+        type=int,
+        default=128,
+        help="attend: the positions each conversation holds before the steps",
+    )
+    ap.add_argument(
         "--out",
         help="results name (default kernel_revs[_linear|_attend][_prompt]): a run kept beside "
         "the others",
@@ -273,6 +279,8 @@ def main() -> None:
         ap.error("--prompt is for --kernel experts")
     if args.kernel == "attend" and args.held != "float32":
         ap.error("--held is for --kernel experts and linear")
+    if args.context != 128 and args.kernel != "attend":
+        ap.error("--context is for --kernel attend")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +306,7 @@ def main() -> None:
             elif args.kernel == "linear":
                 res = compare_linear(calls, cfg, rows, args.passes, args.held)
             else:
-                res = compare_attend(calls, cfg, rows, args.passes)
+                res = compare_attend(calls, cfg, rows, args.passes, args.context)
             raw[f"{name}/{rows}"] = res
             base, new = (np.asarray(res["ms"][v]) for v in calls)
             for v, t in zip(calls, (base, new), strict=True):
@@ -323,6 +331,7 @@ def main() -> None:
         + (f"--prompt {args.prompt}" if args.prompt else f"--rows {args.rows}")
         + (f" --held {args.held}" if args.held != "float32" else "")
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
+        + (f" --context {args.context}" if args.context != 128 else "")
         + (f" --out {args.out}" if args.out else "")
     )
     head = subprocess.run(
@@ -333,7 +342,8 @@ def main() -> None:
         if args.prompt
         else f"Expert calls of {STEPS} greedy steps",
         "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps",
-        "attend": f"Decode attention of every layer, {STEPS} steps after a 128-token prompt,",
+        "attend": f"Decode attention of every layer, {STEPS} steps after a {args.context}-token "
+        "prompt,",
     }[args.kernel]
     md = [
         f"# The {args.kernel} kernel of two revisions, side by side",

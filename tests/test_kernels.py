@@ -365,18 +365,20 @@ def test_the_registered_targets_are_those_the_formats_make():
     assert {s for s in exported if s.startswith("Colibri")} == set(kernels._TARGETS.values())
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     rows=st.integers(1, 6),
     kv_heads=st.integers(1, 3),
-    group=st.integers(1, 4),
+    group=st.integers(1, 10),
     head_dim=st.one_of(st.integers(1, 20), st.sampled_from([64, 72, 100, 128])),
-    capacity=st.integers(1, 40),
+    capacity=st.integers(1, 80),
     seed=st.integers(0, 2**16),
 )
 def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity, seed):
     """Decode attention from the cache in place: positions 0..pos of each row's slot, GQA
-    groups, padding rows (slot out of range) give zeros; each row alone is bitwise the same."""
+    groups (of more than four heads: the paired tiles, in AVX-512 builds; of more than eight:
+    two groups of them), padding rows (slot out of range) give zeros; positions over several
+    of the values' blocks; each row alone is bitwise the same."""
     rng = np.random.default_rng(seed)
     S, C, H = 4, capacity, kv_heads * group
     k = rng.standard_normal((S, kv_heads, C, head_dim)).astype(np.float32)
@@ -637,21 +639,24 @@ def _the_small_kernels_agree(lib, isa: str, rng) -> None:
     theirs = call("ColibriRouteSoftmax", out, logits, norm=np.int32(1))
     for a, b in zip(theirs, kernels.route_softmax(logits, 8, True), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    k, v = (jnp.asarray(rng.standard_normal((3, 2, 40, 72)), f32) for _ in "kv")
-    q = jnp.asarray(rng.standard_normal((4, 6, 72)), f32)
-    slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([39, 5, 17, 0], jnp.int32)
-    theirs = call(
-        "ColibriAttend",
-        jax.ShapeDtypeStruct(q.shape, f32),
-        q,
-        k,
-        v,
-        slots,
-        pos,
-        scale=np.float32(0.125),
-    )
-    want = kernels.attend(q, k, v, slots, pos, 0.125)
-    np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
+    # Groups of 3, 8 and 9 query heads a KV head (the paired tiles from 5 on, AVX-512 builds),
+    # positions over several blocks of values, a head dimension with a tail past the tiles.
+    for heads, dim in ((6, 72), (16, 128), (18, 72)):
+        k, v = (jnp.asarray(rng.standard_normal((3, 2, 90, dim)), f32) for _ in "kv")
+        q = jnp.asarray(rng.standard_normal((4, heads, dim)), f32)
+        slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([89, 5, 40, 0], jnp.int32)
+        theirs = call(
+            "ColibriAttend",
+            jax.ShapeDtypeStruct(q.shape, f32),
+            q,
+            k,
+            v,
+            slots,
+            pos,
+            scale=np.float32(0.125),
+        )
+        want = kernels.attend(q, k, v, slots, pos, 0.125)
+        np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
 
 
 def test_the_multiply_add_ceiling_is_probed():

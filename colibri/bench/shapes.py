@@ -42,11 +42,23 @@ SHAPES = {
 }
 # Beside them, for the kernels' benchmarks (not the peers' default): rows as long as the models
 # people run (Qwen3-30B-A3B: hidden 2048, moe_ff 768), with fewer layers and experts: 4 layers
-# x 32 experts of 3 x 2048 x 768, top-8.
+# x 32 experts of 3 x 2048 x 768, top-8; and their attention heads.
 ALL_SHAPES = {
     **SHAPES,
     "wide": dataclasses.replace(
         SHAPES["qwen3_moe"], layers=4, experts=32, hidden=2048, moe_ff=768, seed=2
+    ),
+    # Attention heads as the models people run have them (Qwen3-30B-A3B: 128 columns, eight
+    # query heads a KV head), with two KV heads and small experts: for the attention kernel.
+    "gqa128": dataclasses.replace(
+        SHAPES["qwen3_moe"],
+        layers=4,
+        experts=8,
+        hidden=2048,
+        moe_ff=64,
+        heads=16,
+        kv_heads=2,
+        seed=3,
     ),
 }
 CACHE = Path(".cache/bench-peers")

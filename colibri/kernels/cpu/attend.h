@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gang.h"
+#include "pairs.h"
 #include "simd.h"
 #include "tiles.h"
 #include "xla/ffi/api/ffi.h"
@@ -25,8 +26,9 @@ namespace {
 // over t = 0 .. pos[b] (the new token's own key is already in the cache). q [B, H, Dh],
 // k and v [S, Hkv, C, Dh], slots and pos [B] int32 -> [B, H, Dh]; G = H / Hkv query heads
 // share a KV head. Rows whose slot is outside [0, S) (batch padding) get zeros. One work item
-// is one row's KV head: its keys and values, each one contiguous block, are read once for its
-// G query heads.
+// is one row's KV head: its keys and values, each one contiguous block, are read from memory
+// once for its G query heads (the scores in `scores`' tiles, the weighted values in `values`',
+// which load each position's values once for several heads).
 struct AttendCall : Gang {
   const float *q, *k, *v;
   const int32_t *slot, *pos;
@@ -59,20 +61,34 @@ struct AttendCall : Gang {
     for (int64_t c = from * row / 64 * 64; c < to * row; c += 64) __builtin_prefetch(p + c, 0, 2);
   }
 
+  // Positions fetched ahead within an item (keys as the tiles go, the values' first ones before
+  // the softmax, a long next item's first keys): about 16 KiB of them. Long items are
+  // otherwise left to the prefetchers, which kept a core waiting on DRAM at each new stream
+  // and fell behind the score tiles (grouped-query heads of 64 columns at 2048 positions:
+  // 0.88x the time with them).
+  static int64_t lead_rows(int64_t Dh) { return std::max<int64_t>(16, (16 << 10) / (Dh * 4)); }
+
+  // Rows [.., n) of the next item's keys or values (of Dh floats), fetched as a tile goes.
+  struct Ahead {
+    const float* rows;
+    int64_t n, Dh;
+  };
+
   void drain() override {
     const int64_t G = H / Hkv, items = B * Hkv;
-    std::vector<float> p;
+    std::vector<float> p, packed;
     std::vector<const float*> qs(G);
     // Items are claimed one ahead, and the next one's keys and values, where they are short
     // (kAhead), are fetched as this one's are read, a position for a position: a core
     // otherwise computes an item and then waits on DRAM for the first rows of the next (short
     // streams, which the prefetchers start on late), its arithmetic and its reads one after
-    // the other. Longer streams the prefetchers keep up with; fetching them too made a
-    // long-context call slower.
+    // the other. Longer ones are fetched lead_rows ahead only (fetching them whole made a
+    // long-context call slower).
     for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;) {
       const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
       const Block here = block(item);
       Block ahead = block(following);
+      const Block after = ahead;
       if (ahead.n * Dh * static_cast<int64_t>(sizeof(float)) > kAhead) ahead = {};
       const int64_t b = item / Hkv, g = item % Hkv, n = here.n;
       item = following;
@@ -84,58 +100,158 @@ struct AttendCall : Gang {
         continue;
       }
       for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
-      const int64_t ld = Dh;  // floats from one position's key to the next
       const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
       p.resize(G * np);
-      matvecs(here.k, n, Dh, qs.data(), G,
-              [&](int64_t t, int64_t j, float d) {
-                p[j * np + t] = d;
-                if (j == 0 && t < ahead.n) fetch(ahead.k, t, t + 1, Dh);
-              },
-              ld);
+      scores(here.k, n, Dh, qs.data(), G, p.data(), np, {ahead.k, ahead.n, Dh}, packed);
       fetch(ahead.k, n, ahead.n, Dh);
+      const int64_t lead = lead_rows(Dh);
+      fetch(here.v, 0, std::min(n, lead), Dh);
+      if (ahead.n == 0) fetch(after.k, 0, std::min(after.n, lead), Dh);
       for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * np, n, np, scale);
-      // o[j] = sum over t of p[j, t] * v[t], in order of t: per head, Dh floats at a time in
-      // registers (the value rows are re-read from cache for each head of the group). The
-      // first pass over the values fetches the next item's.
-      int64_t fetching = std::min(n, ahead.n), fetched = 0;
-      for (int64_t j = 0; j < G; ++j) {
-        const float* pj = p.data() + j * np;
-        float* oj = o + j * Dh;
-        int64_t d0 = 0;
-        for (; d0 + 64 <= Dh; d0 += 64, fetched += fetching, fetching = 0)
-          accumulate<8>(pj, here.v + d0, ld, n, oj + d0, ahead.v, fetching, Dh);
-        for (; d0 + 8 <= Dh; d0 += 8, fetched += fetching, fetching = 0)
-          accumulate<1>(pj, here.v + d0, ld, n, oj + d0, ahead.v, fetching, Dh);
-        for (; d0 < Dh; ++d0) {
-          float acc = 0.0f;
-          for (int64_t t = 0; t < n; ++t) acc = std::fma(pj[t], here.v[t * ld + d0], acc);
-          oj[d0] = acc;
-        }
+      values(p.data(), np, here.v, n, Dh, G, o, ahead.v, ahead.n);
+    }
+  }
+
+  // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
+  // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs, or where
+  // the build has the paired tiles and more than four heads share the keys, those tiles over
+  // the heads packed once (into `packed`, kept from item to item), three keys a tile, every
+  // head a pass over them, the keys lead_rows ahead fetched as they go. The same sums either
+  // way (cpu.cc, "Exactness").
+  static void scores(const float* k, int64_t n, int64_t Dh, const float* const* qs, int64_t G,
+                     float* s, int64_t ns, const Ahead& next, std::vector<float>& packed) {
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // (kPairs: pairs.h's tiles are there)
+    if (G > 4) {
+      packed.resize(Packed::floats(G, Dh));
+      const Packed x(packed.data(), G, Dh);
+      x.pack(qs);
+      auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
+      const int64_t lead = lead_rows(Dh);
+      int64_t t = 0;
+      for (; t + 3 <= n; t += 3) {
+        if (t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
+        if (t + lead < n) fetch(k, t + lead, std::min(t + lead + 3, n), Dh);
+        const float* w[3] = {k + t * Dh, k + (t + 1) * Dh, k + (t + 2) * Dh};
+        const int64_t rows[3] = {t, t + 1, t + 2};
+        pair_tiles<3>(w, rows, x, emit, 0, x.groups());
       }
-      fetch(ahead.v, fetched, ahead.n, Dh);
+      for (; t < n; ++t) {
+        if (t < next.n) fetch(next.rows, t, t + 1, Dh);
+        const float* w[1] = {k + t * Dh};
+        pair_tiles<1>(w, &t, x, emit, 0, x.groups());
+      }
+      return;
+    }
+#else
+    (void)packed;
+#endif
+    auto emit = [&](int64_t t, int64_t j, float d) {
+      s[j * ns + t] = d;
+      if (j == 0 && t < next.n) fetch(next.rows, t, t + 1, Dh);
+    };
+    matvecs(k, n, Dh, qs, G, emit, Dh);
+  }
+
+#if defined(__AVX512F__)
+  using Vec = v16;  // the values' vectors: 512 bits where the build has them
+  static constexpr int kHeads = 4;  // query heads a tile of values keeps sums for
+#else
+  using Vec = v8;
+  static constexpr int kHeads = 2;
+#endif
+  static constexpr int kLanes = sizeof(Vec) / sizeof(float);
+  static constexpr int kVecs = 4;  // vectors of columns a tile keeps per head
+  // Positions a block of values: about 16 KiB of them, in L1 while every tile passes over it.
+  static int64_t block_rows(int64_t Dh) { return std::max<int64_t>(8, 4096 / Dh); }
+
+  // o[j, d] = sum over t < n of p[j, t] * v[t, d] for the G heads (p: rows of np floats) and
+  // the Dh columns of v (rows of Dh floats), every sum one multiply-add chain in order of t
+  // from o's zeros: block by block of positions (block_rows), tiles of kHeads heads by kVecs
+  // vectors of columns (the columns a tile loads serve its kHeads heads), the sums waiting in
+  // o between blocks; the columns past the last whole tile eight at a time, then one by one.
+  // Each block fetches the next block's values as it starts, and its first tile positions
+  // [0, ahead_n) of `ahead` (the next item's values), a position a position.
+  static void values(const float* p, int64_t np, const float* v, int64_t n, int64_t Dh,
+                     int64_t G, float* o, const float* ahead, int64_t ahead_n) {
+    const int64_t wide = Dh / (kLanes * kVecs) * (kLanes * kVecs), eights = Dh / 8 * 8;
+    const bool one_tile = G <= kHeads && Dh == wide && wide == kLanes * kVecs;
+    const int64_t rows = one_tile ? n : block_rows(Dh);  // (one tile reads the values once)
+    for (int64_t t0 = 0; t0 < n; t0 += rows) {
+      const int64_t t1 = std::min(n, t0 + rows);
+      if (t1 < n) fetch(v, t1, std::min(n, t1 + rows), Dh);
+      // The first tile of the block fetches the next item's values, a position a position.
+      Ahead next{ahead, std::min(t1, ahead_n), Dh};
+      for (int64_t d = 0; d < wide; d += kLanes * kVecs) {
+        int64_t j = 0;
+        for (; j + kHeads <= G; j += kHeads, next.n = 0)
+          tile<Vec, kHeads, kVecs>(p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, Dh, next);
+        if (j < G) last_heads(G - j, p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, next);
+        next.n = 0;
+      }
+      for (int64_t d = wide; d < eights; d += 8)
+        for (int64_t j = 0; j < G; ++j, next.n = 0)
+          tile<v8, 1, 1>(p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, Dh, next);
+      if (next.n > t0) fetch(ahead, t0, next.n, Dh);  // (no tile above: Dh < 8)
+      for (int64_t d = eights; d < Dh; ++d)
+        for (int64_t j = 0; j < G; ++j) {
+          float acc = o[j * Dh + d];
+          for (int64_t t = t0; t < t1; ++t) acc = std::fma(p[j * np + t], v[t * Dh + d], acc);
+          o[j * Dh + d] = acc;
+        }
+    }
+    if (n < ahead_n) fetch(ahead, n, ahead_n, Dh);
+  }
+
+  // `tile` for the last heads of a group, fewer than kHeads, in one tile.
+  static void last_heads(int64_t heads, const float* p, int64_t np, const float* v, int64_t Dh,
+                         int64_t t0, int64_t t1, float* o, const Ahead& next) {
+    switch (heads) {
+      case 1:
+        return tile<Vec, 1, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
+      case 2:
+        return tile<Vec, 2, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
+      default:
+        static_assert(kHeads <= 4, "last_heads tiles up to three heads");
+        return tile<Vec, 3, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
     }
   }
 
-  // out[0 .. 8 * NV) = sum over t < n of p[t] * v[t * ld + ...], one FMA chain per lane; and
-  // positions [0, ahead_n) of the block `ahead` (rows of Dh floats) fetched, one a position.
-  // Not inlined: inside drain() GCC keeps acc in memory and stores all NV sums at every
-  // position.
-  template <int NV>
-  __attribute__((noinline)) static void accumulate(const float* p, const float* v, int64_t ld,
-                                                    int64_t n, float* out, const float* ahead,
-                                                    int64_t ahead_n, int64_t Dh) {
-    v8 acc[NV];
-    for (int i = 0; i < NV; ++i) acc[i] = v8{};
-    for (int64_t t = 0; t < n; ++t) {
-      if (t < ahead_n) fetch(ahead, t, t + 1, Dh);
-      const v8 w = v8{} + p[t];
-      for (int i = 0; i < NV; ++i) acc[i] = fma8(w, load8(v + t * ld + 8 * i), acc[i]);
+  // The sums o[h * ldo + NV vectors] of HB heads advanced over positions [t0, t1): each
+  // position's NV vectors of values loaded once for the HB heads. Not inlined: inside drain()
+  // GCC kept such sums in memory.
+  template <typename V, int HB, int NV>
+  __attribute__((noinline)) static void tile(const float* p, int64_t np, const float* v,
+                                             int64_t ld, int64_t t0, int64_t t1, float* o,
+                                             int64_t ldo, const Ahead& next) {
+    constexpr int W = sizeof(V) / sizeof(float);
+    V acc[HB][NV];
+    for (int h = 0; h < HB; ++h)
+      for (int i = 0; i < NV; ++i) std::memcpy(&acc[h][i], o + h * ldo + W * i, sizeof(V));
+    for (int64_t t = t0; t < t1; ++t) {
+      if (t < next.n) fetch(next.rows, t, t + 1, next.Dh);
+      V x[NV];
+      for (int i = 0; i < NV; ++i) {
+        std::memcpy(&x[i], v + t * ld + W * i, sizeof(V));
+        in_register(x[i]);
+      }
+      for (int h = 0; h < HB; ++h) {
+        const V w = V{} + p[h * np + t];
+        for (int i = 0; i < NV; ++i) acc[h][i] = fma(w, x[i], acc[h][i]);
+      }
     }
-    std::memcpy(out, acc, sizeof acc);
+    for (int h = 0; h < HB; ++h)
+      for (int i = 0; i < NV; ++i) std::memcpy(o + h * ldo + W * i, &acc[h][i], sizeof(V));
   }
 
-  // s[0 .. n) <- softmax(scale * s) in place; s has room for np (a multiple of 8) floats.
+  static v8 fma(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
+#if defined(__AVX512F__)
+  static v16 fma(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
+#endif
+
+  // s[0 .. n) <- softmax(scale * s) in place; s has room for np (a multiple of 8) floats. The
+  // sum runs in eight lanes, in order of position, then the fixed horizontal sum; AVX-512
+  // builds take e^x sixteen lanes at a time, the same values (simd.h's exp_lanes), and add
+  // their two halves in turn.
   static void softmax(float* s, int64_t n, int64_t np, float scale) {
     std::fill(s + n, s + np, -INFINITY);
     const v8 sc = v8{} + scale;
@@ -145,14 +261,30 @@ struct AttendCall : Gang {
     for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
     const v8 mm = v8{} + m;
     v8 sum{};
-    for (int64_t t = 0; t < np; t += 8) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= np; t += 16) {
+      const v16 e = exp_lanes(load16(s + t) * (v16{} + scale) - (v16{} + m));
+      std::memcpy(s + t, &e, sizeof e);
+      sum += load8(s + t);
+      sum += load8(s + t + 8);
+    }
+#endif
+    for (; t < np; t += 8) {
       const v8 e = exp8(load8(s + t) * sc - mm);
       std::memcpy(s + t, &e, sizeof e);
       sum += e;
     }
-    const v8 inv = v8{} + 1.0f / hsum(sum);
-    for (int64_t t = 0; t < np; t += 8) {
-      const v8 e = load8(s + t) * inv;
+    const float inv = 1.0f / hsum(sum);
+    t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= np; t += 16) {
+      const v16 e = load16(s + t) * (v16{} + inv);
+      std::memcpy(s + t, &e, sizeof e);
+    }
+#endif
+    for (; t < np; t += 8) {
+      const v8 e = load8(s + t) * (v8{} + inv);
       std::memcpy(s + t, &e, sizeof e);
     }
   }

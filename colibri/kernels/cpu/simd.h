@@ -99,34 +99,55 @@ __attribute__((always_inline)) inline void hsums(const v8* acc, float* out) {
 #endif
 }
 
-// e^x, 8 lanes: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by a degree-6
-// polynomial (relative error ~1e-7), times 2^k put together in the exponent bits. Below -87,
-// where floats turn subnormal, the result is 0, as for -inf; above 88 it is e^88.
-inline v8 exp8(v8 x) {
-  typedef int32_t i8 __attribute__((vector_size(32)));
-  const v8 lo = v8{} - 87.0f, hi = v8{} + 88.0f;
-  const i8 keep = x >= lo;
-  x = max8(x, lo);
-  x = x < hi ? x : hi;
-  v8 k = x * 1.44269504088896341f;
+// k rounded to the nearest integer, ties to even, lane by lane.
+inline v8 round_lanes(v8 k) {
 #if defined(__AVX__)
-  k = reinterpret_cast<v8>(_mm256_round_ps(reinterpret_cast<__m256>(k),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return reinterpret_cast<v8>(_mm256_round_ps(reinterpret_cast<__m256>(k),
+                                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
   for (int i = 0; i < 8; ++i) k[i] = std::nearbyint(k[i]);
+  return k;
 #endif
-  v8 r = fma8(k, v8{} - 0.693359375f, x);
-  r = fma8(k, v8{} + 2.12194440e-4f, r);
-  v8 q = v8{} + 1.9875691500e-4f;
-  q = fma8(q, r, v8{} + 1.3981999507e-3f);
-  q = fma8(q, r, v8{} + 8.3334519073e-3f);
-  q = fma8(q, r, v8{} + 4.1665795894e-2f);
-  q = fma8(q, r, v8{} + 1.6666665459e-1f);
-  q = fma8(q, r, v8{} + 5.0000001201e-1f);
-  const v8 y = fma8(q, r * r, r) + 1.0f;
-  const i8 two_k = (__builtin_convertvector(k, i8) + 127) << 23;
-  return reinterpret_cast<v8>(reinterpret_cast<i8>(y * reinterpret_cast<v8>(two_k)) & keep);
 }
+
+inline v8 fma_lanes(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
+
+#if defined(__AVX512F__)
+inline v16 round_lanes(v16 k) {
+  return reinterpret_cast<v16>(_mm512_roundscale_ps(reinterpret_cast<__m512>(k),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline v16 fma_lanes(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
+#endif
+
+// e^x lane by lane (V: v8, or v16 in AVX-512 builds, the same operations on every lane, so
+// the same bits whatever the width): x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts),
+// e^r by a degree-6 polynomial (relative error ~1e-7), times 2^k put together in the exponent
+// bits. Below -87, where floats turn subnormal, the result is 0, as for -inf; above 88 it is
+// e^88.
+template <typename V>
+inline V exp_lanes(V x) {
+  typedef int32_t I __attribute__((vector_size(sizeof(V))));
+  const V lo = V{} - 87.0f, hi = V{} + 88.0f;
+  const I keep = x >= lo;
+  x = x > lo ? x : lo;
+  x = x < hi ? x : hi;
+  const V k = round_lanes(x * 1.44269504088896341f);
+  V r = fma_lanes(k, V{} - 0.693359375f, x);
+  r = fma_lanes(k, V{} + 2.12194440e-4f, r);
+  V q = V{} + 1.9875691500e-4f;
+  q = fma_lanes(q, r, V{} + 1.3981999507e-3f);
+  q = fma_lanes(q, r, V{} + 8.3334519073e-3f);
+  q = fma_lanes(q, r, V{} + 4.1665795894e-2f);
+  q = fma_lanes(q, r, V{} + 1.6666665459e-1f);
+  q = fma_lanes(q, r, V{} + 5.0000001201e-1f);
+  const V y = fma_lanes(q, r * r, r) + 1.0f;
+  const I two_k = (__builtin_convertvector(k, I) + 127) << 23;
+  return reinterpret_cast<V>(reinterpret_cast<I>(y * reinterpret_cast<V>(two_k)) & keep);
+}
+
+inline v8 exp8(v8 x) { return exp_lanes(x); }
 
 // silu(g) = g / (1 + e^-g), 8 lanes.
 inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
