@@ -102,7 +102,7 @@ struct AttendCall : Gang {
       for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
       const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
       p.resize(G * np);
-      scores(here.k, n, Dh, qs.data(), G, p.data(), np, {ahead.k, ahead.n, Dh}, packed);
+      scores(here.k, here.v, n, Dh, qs.data(), G, p.data(), np, {ahead.k, ahead.n, Dh}, packed);
       fetch(ahead.k, n, ahead.n, Dh);
       const int64_t lead = lead_rows(Dh);
       fetch(here.v, 0, std::min(n, lead), Dh);
@@ -116,10 +116,13 @@ struct AttendCall : Gang {
   // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs, or where
   // the build has the paired tiles and more than four heads share the keys, those tiles over
   // the heads packed once (into `packed`, kept from item to item), three keys a tile, every
-  // head a pass over them, the keys lead_rows ahead fetched as they go. The same sums either
-  // way (cpu.cc, "Exactness").
-  static void scores(const float* k, int64_t n, int64_t Dh, const float* const* qs, int64_t G,
-                     float* s, int64_t ns, const Ahead& next, std::vector<float>& packed) {
+  // head a pass over them, the keys lead_rows ahead fetched as they go, and the values (v) of
+  // a long item too, a position for a position (the arithmetic of those tiles leaves a core's
+  // reads idle: 0.88-0.94x the time at 512 and 2048 positions). The same sums either way
+  // (cpu.cc, "Exactness").
+  static void scores(const float* k, const float* v, int64_t n, int64_t Dh,
+                     const float* const* qs, int64_t G, float* s, int64_t ns, const Ahead& next,
+                     std::vector<float>& packed) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)  // (kPairs: pairs.h's tiles are there)
     if (G > 4) {
       packed.resize(Packed::floats(G, Dh));
@@ -127,10 +130,13 @@ struct AttendCall : Gang {
       x.pack(qs);
       auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
       const int64_t lead = lead_rows(Dh);
+      // The values too, as many as half an L2 takes, where no item before fetched them.
+      const int64_t vrows = n * Dh * 4 > kAhead ? (512 << 10) / (Dh * 4) : 0;
       int64_t t = 0;
       for (; t + 3 <= n; t += 3) {
         if (t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
         if (t + lead < n) fetch(k, t + lead, std::min(t + lead + 3, n), Dh);
+        if (t < vrows) fetch(v, t, std::min({t + 3, n, vrows}), Dh);
         const float* w[3] = {k + t * Dh, k + (t + 1) * Dh, k + (t + 2) * Dh};
         const int64_t rows[3] = {t, t + 1, t + 2};
         pair_tiles<3>(w, rows, x, emit, 0, x.groups());
@@ -144,6 +150,7 @@ struct AttendCall : Gang {
     }
 #else
     (void)packed;
+    (void)v;
 #endif
     auto emit = [&](int64_t t, int64_t j, float d) {
       s[j * ns + t] = d;
