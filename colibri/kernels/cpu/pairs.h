@@ -169,14 +169,7 @@ __attribute__((always_inline)) inline void pair_sums(const v16 (*acc)[TP], const
                                                      const Packed& x, int64_t j0, int64_t n,
                                                      float* out) {
   const int64_t L = x.L, L8 = L / 8 * 8;
-  v8 half[TW * 2 * TP];
-  for (int i = 0; i < TW; ++i)
-    for (int p = 0; p < TP; ++p) {
-      const __m512 a = reinterpret_cast<__m512>(acc[i][p]);
-      half[(i * TP + p) * 2] = reinterpret_cast<v8>(_mm512_castps512_ps256(a));
-      half[(i * TP + p) * 2 + 1] = reinterpret_cast<v8>(_mm512_extractf32x8_ps(a, 1));
-    }
-  hsums<TW * 2 * TP>(half, out);
+  pair_hsums<TW * TP>(&acc[0][0], out);
   if (L8 < L)
     for (int i = 0; i < TW; ++i)
       for (int64_t j = 0; j < n; ++j) {

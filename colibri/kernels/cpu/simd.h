@@ -99,6 +99,41 @@ __attribute__((always_inline)) inline void hsums(const v8* acc, float* out) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// out[2 k + h] = hsum(half h of acc[k]) for N vectors of two 8-lane sums each, bitwise as hsum
+// computes each: sixteen at a time in 512-bit registers (sums of 128-bit quarters, then two
+// rounds of pairwise adds within them, then one permute into order) instead of each half
+// taken out and summed eight at a time, which cost as much as the products of a short dot.
+template <int N>
+__attribute__((always_inline)) inline void pair_hsums(const v16* acc, float* out) {
+  static_assert(N > 0, "pair_hsums of no vectors");
+  // Sum d of a group ends up at 4 (d % 4) + d / 4 of the last round's vector.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int g = 0; g < N; g += 8) {
+    __m512 a[8];
+    for (int i = 0; i < 8; ++i)
+      a[i] = g + i < N ? reinterpret_cast<const __m512&>(acc[g + i]) : _mm512_setzero_ps();
+    __m512 z[4], w[2];
+    for (int m = 0; m < 4; ++m)  // quarter q of z[m]: lanes k + 4 of sum 4 m + q added to lanes k
+      z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int m = 0; m < 2; ++m)
+      w[m] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_ps(z[2 * m], z[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 r = _mm512_permutexvar_ps(
+        order, _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    if (g + 8 <= N) {
+      _mm512_storeu_ps(out + 2 * g, r);
+    } else {
+      alignas(64) float last[16];
+      _mm512_store_ps(last, r);
+      for (int i = 0; i < 2 * (N - g); ++i) out[2 * g + i] = last[i];
+    }
+  }
+}
+#endif
+
 // k rounded to the nearest integer, ties to even, lane by lane.
 inline v8 round_lanes(v8 k) {
 #if defined(__AVX__)
