@@ -1,7 +1,9 @@
 """The mux engine as a black box: the real `colibri engine` subprocess on a tiny checkpoint.
 
-Most tests share one engine (16 slots, CTX 128, TOPK on) and use their own ids and slots; the
-restart, fatal-frame and fuzz tests start their own processes.
+Most tests share one engine (16 slots, CTX 512, TOPK on) and use their own ids and slots; the
+restart, fatal-frame and fuzz tests start their own processes. Requests that a test CANCELs,
+STOPs or signals while they decode ask for hundreds of tokens: short ones can end before a
+loaded client sends its frame.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from colibri.protocol.codec import (
 from colibri.serve import mux
 from colibri.serve.stdio import Inbox
 
-CTX = 128
+CTX = 512
 SHARED = dict(KV_SLOTS="16", CTX=str(CTX), SERVE_TOPK="1")
 SMALL = dict(KV_SLOTS="2", CTX="64", NGEN="4")  # fatal-frame and fuzz processes
 PROMPTS = [
@@ -250,7 +252,7 @@ def test_a_huge_prompt_is_refused_without_being_tokenized(engine, ref):
 
 
 def test_every_error_code(engine, ref):
-    long_prompt = "x " * 200
+    long_prompt = "x " * (CTX + 72)
     n_long = len(ref.tokenizer.encode(long_prompt))
     engine.send(
         b"HELLO\n"
@@ -260,7 +262,7 @@ def test_every_error_code(engine, ref):
         + b"CANCEL 33\n"
         + b"STOP 34\n"
         + request(35, 1, long_prompt)
-        + request(36, 2, "The quick", max_tokens=100)
+        + request(36, 2, "The quick", max_tokens=400)
         + request(37, 2, "Other")
         + request(36, 4, "Other")
     )
@@ -282,11 +284,11 @@ def test_every_error_code(engine, ref):
     evs += engine.until(lambda ev: ev == Error(36, "CANCELLED"))
     assert not any(isinstance(ev, Done) and ev.id == 36 for ev in evs)
 
-    engine.submit(38, 2, "The quick", max_tokens=100)  # the slot is free again
+    engine.submit(38, 2, "The quick", max_tokens=400)  # the slot is free again
     engine.until(lambda ev: isinstance(ev, Data) and ev.id == 38)
     engine.send(b"STOP 38\n")
     done = engine.collect(38)[-1]
-    assert isinstance(done, Done) and done.emitted < 100 and not done.length_limited
+    assert isinstance(done, Done) and done.emitted < 400 and not done.length_limited
 
 
 def _errors(seen: list, ev) -> set:
@@ -305,7 +307,7 @@ def test_kv_persistence_restart_sigterm_and_determinism(model_dir, engine, ref, 
     a = Mux(model_dir, **env)
     try:
         a.submit(1, 0, p1, 10)
-        a.submit(2, 1, "The quick brown fox", 60)
+        a.submit(2, 1, "The quick brown fox", 400)
         a.until(lambda ev: isinstance(ev, Data) and ev.id == 2)
         a.send(b"CANCEL 2\n")
         a.until(lambda ev: ev == Error(2, "CANCELLED"))
@@ -326,14 +328,14 @@ def test_kv_persistence_restart_sigterm_and_determinism(model_dir, engine, ref, 
         after_restart = b.collect(4)
         b.submit(5, 5, PROMPTS[0], 12)
         other_process = b.collect(5)
-        b.submit(6, 6, "The quick", 100)
+        b.submit(6, 6, "The quick", 400)
         b.until(lambda ev: isinstance(ev, Data) and ev.id == 6)
         t0 = time.monotonic()
         b.proc.send_signal(signal.SIGTERM)
         tail = b.rest()
         assert b.proc.wait(timeout=30) == 0 and time.monotonic() - t0 < 10
         done = [ev for ev in tail if isinstance(ev, Done)]
-        assert [d.id for d in done] == [6] and done[0].emitted < 100
+        assert [d.id for d in done] == [6] and done[0].emitted < 400
     finally:
         b.kill()
     assert "cached positions restored" in b.stderr()
@@ -348,14 +350,12 @@ def test_kv_persistence_restart_sigterm_and_determinism(model_dir, engine, ref, 
     assert text(other_process, 5) == ref.text(PROMPTS[0], 12)  # greedy across processes
 
 
-def test_bursts_cut_by_input_keep_every_token_and_tick(model_dir):
+def test_bursts_cut_by_input_keep_every_token_and_tick(model_dir, ref):
     """BURST_MS=0: every burst is cuttable. Alone, a request's bursts run
     whole and HITS comes every 6 tokens; requests sent while another decodes cut the burst
     running, and every request, a CANCELled one too, gives the tokens it gives alone. (Requests
     of hundreds of tokens: bursts decode a short one faster than a loaded client answers.)"""
-    ctx = 512
-    ref = Reference(model_dir, ctx)
-    e = Mux(model_dir, BURST_MS="0", KV_SLOTS="3", CTX=str(ctx))
+    e = Mux(model_dir, BURST_MS="0", KV_SLOTS="3", CTX=str(CTX))
     try:
         e.submit(1, 0, "The quick brown fox", 40)
         alone = e.collect(1)
