@@ -19,7 +19,8 @@
 //
 // Exactness: every dot product is one 8-lane accumulator advanced over the vector in order,
 // a fixed horizontal sum and then the scalar tail, whatever tile it is computed in, and the
-// element-wise exp (softmax, SwiGLU) is one 8-lane routine whatever lane a value falls in.
+// element-wise exp (softmax, SwiGLU) is one routine, the same operations on every lane, eight
+// or sixteen at a time.
 // A row's output therefore depends only on its input and the expert's weights, never on how
 // many other rows chose the same expert or which slot holds it: batched, chunked and staged
 // results are bitwise those of the row alone. Nor on the CPU: the 8 lanes are the order of the

@@ -1,5 +1,6 @@
-// Eight-lane float32 vectors and the arithmetic every kernel shares: loads, spelled-out
-// multiply-adds, the fixed horizontal sums, and e^x and silu lane by lane.
+// Eight-lane float32 vectors (sixteen in AVX-512 builds) and the arithmetic every kernel
+// shares: loads, spelled-out multiply-adds, the fixed horizontal sums, and e^x and silu lane by
+// lane.
 
 #pragma once
 
