@@ -243,17 +243,12 @@ struct AttendCall : Gang {
       }
       for (int h = 0; h < HB; ++h) {
         const V w = V{} + p[h * np + t];
-        for (int i = 0; i < NV; ++i) acc[h][i] = fma(w, x[i], acc[h][i]);
+        for (int i = 0; i < NV; ++i) acc[h][i] = fma_lanes(w, x[i], acc[h][i]);
       }
     }
     for (int h = 0; h < HB; ++h)
       for (int i = 0; i < NV; ++i) std::memcpy(o + h * ldo + W * i, &acc[h][i], sizeof(V));
   }
-
-  static v8 fma(v8 a, v8 b, v8 c) { return fma8(a, b, c); }
-#if defined(__AVX512F__)
-  static v16 fma(v16 a, v16 b, v16 c) { return fma16(a, b, c); }
-#endif
 
   // s[0 .. n) <- softmax(scale * s) in place; s has room for np (a multiple of 8) floats. The
   // sum runs in eight lanes, in order of position, then the fixed horizontal sum; AVX-512
