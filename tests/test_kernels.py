@@ -572,7 +572,8 @@ def _held_rows(f, rng, rows: int, cols: int, block: int = 8) -> np.ndarray:
 )
 def test_every_isa_level_the_cpu_has_gives_the_same_bits():
     """The kernels built for each instruction-set level this CPU runs (AVX-512's 32 registers
-    and EVEX encodings with the paired tiles of cpu/pairs.h, and AVX2 alone) compute the same
+    and EVEX encodings with the paired tiles of cpu/pairs.h, AVX-512 without VBMI's int4
+    multishift, and AVX2 alone) compute the same
     bits, for every held format: the linear kernel on 1 to 5, 16 and 37 rows (each tile of up
     to four inputs; odd counts, more than one group; on rows of over 512 columns, 9, 11, 13, 16
     and 37, two groups a pass) and the expert kernel on 8, 16 and 40 rows of top-4 over 6
@@ -591,9 +592,14 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
             # Scaled rows come in blocks of 8; the others have a scalar tail past the vectors.
             # Rows longer than 512 columns take two groups of inputs a pass (pairs.h).
+            # Scaled rows in blocks of 8 and of 32 (int4 rows with AVX-512 VBMI take two
+            # steps at a time in blocks of a multiple of 16: tiles.h, nibble_pair_block).
             D, F = (96, 48) if f.scaled else (99, 45)
-            for cols, counts in ((D, (1, 2, 3, 4, 5, 16, 37)), (D + 520, (9, 11, 13, 16, 37))):
-                w = jnp.asarray(_held_rows(f, rng, 70, cols))
+            cases = [(D, (1, 2, 3, 4, 5, 16, 37), 8), (D + 520, (9, 11, 13, 16, 37), 8)]
+            if f.scaled:
+                cases.append((D, (1, 2, 3, 4, 16), 32))
+            for cols, counts, block in cases:
+                w = jnp.asarray(_held_rows(f, rng, 70, cols, block))
                 for rows in counts:
                     x = jnp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
                     out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
@@ -604,11 +610,12 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # Experts of F hidden rows, and of more than a work item's share of them (~680 at
             # this D: items from f0 > 0 on); and of rows over 512 columns (two groups a pass,
             # their results packed for the down projections).
-            for cols, ff in ((D, F), (D, 1400 if f.scaled else 1403), (D + 520, F)):
+            for cols, ff, block in ((D, F, 16), (D, 1400 if f.scaled else 1403, 8), (D + 520, F, 8)):
                 gate, up = (
-                    jnp.asarray(_held_rows(f, rng, 6 * ff, cols).reshape(6, ff, -1)) for _ in "gu"
+                    jnp.asarray(_held_rows(f, rng, 6 * ff, cols, block).reshape(6, ff, -1))
+                    for _ in "gu"
                 )
-                down = jnp.asarray(_held_rows(f, rng, 6 * cols, ff).reshape(6, cols, -1))
+                down = jnp.asarray(_held_rows(f, rng, 6 * cols, ff, block).reshape(6, cols, -1))
                 for rows in (8, 16, 40):
                     x = jnp.asarray(rng.standard_normal((rows, cols)).astype(np.float32))
                     ids = jnp.asarray(rng.integers(0, 6, (rows, 4)), jnp.int32)

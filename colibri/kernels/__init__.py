@@ -11,8 +11,8 @@ folder (`COLIBRI_KERNEL_CACHE`, default ~/.cache/colibri/kernels), written to a 
 and renamed, so concurrent processes never load a half-written file.
 `COLIBRI_CPU_KERNELS=0` turns the kernels off (XLA's own loops run instead); so does a
 machine without a compiler, with one warning on stderr. `COLIBRI_KERNEL_ISA=avx2` builds them
-for AVX2 on a CPU that has AVX-512 (`ISA_LEVELS`), to compare the two: their results are bitwise
-the same (cpu/cpu.cc, "Exactness").
+for AVX2 on a CPU that has AVX-512 (`ISA_LEVELS`; `avx512`: without VBMI), to compare: their
+results are bitwise the same (cpu/cpu.cc, "Exactness").
 """
 
 from __future__ import annotations
@@ -76,12 +76,16 @@ _LIBRARY_FLAGS = ["-shared", "-fPIC"]
 # Instruction-set levels a build can be narrowed to: name -> (the CPU flag it needs, the
 # compiler flags that keep the build to it). "native" is everything the CPU has; "avx2" turns
 # AVX-512 off (16 vector registers, VEX encodings), as on a CPU without it.
-ISA_LEVELS = {"native": ("", []), "avx2": ("avx2", ["-mno-avx512f"])}
+ISA_LEVELS = {
+    "native": ("", []),
+    "avx2": ("avx2", ["-mno-avx512f"]),
+    "avx512": ("avx512vbmi", ["-mno-avx512vbmi"]),  # AVX-512 as CPUs without VBMI have it
+}
 
 
 def isa_levels() -> list[str]:
     """The levels of ISA_LEVELS this CPU runs, "native" first; "avx2" only where it differs
-    from native (the CPU has AVX-512)."""
+    from native (the CPU has AVX-512), "avx512" only where the CPU has AVX-512 VBMI."""
     flags = set(_cpu_id().split())
     return ["native"] + [
         name
