@@ -449,6 +449,49 @@ def test_attend_write_is_the_scatter_then_attend(rows, kv_heads, group, head_dim
         np.testing.assert_array_equal(got_out, np.asarray(want))
 
 
+@settings(max_examples=10, deadline=None)
+@given(
+    rows=st.integers(1, 3),
+    tokens=st.integers(2, 9),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 6),
+    head_dim=st.sampled_from([8, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_prefill_attention_is_each_tokens_decode_attention(
+    rows, tokens, kv_heads, group, head_dim, seed
+):
+    """A prefill's attention on the CPU (attention._native_attend, T > 1 tokens a row): each
+    token's output bitwise the decode kernel's for that token alone, XLA's masked softmax
+    within float32 rounding (rows of a slot outside the cache: zeros), and XLA's gradient."""
+    from colibri.model import attention
+
+    rng = np.random.default_rng(seed)
+    S, C, H = 3, 24, kv_heads * group
+    k = jnp.asarray(rng.standard_normal((S, kv_heads, C, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((S, kv_heads, C, head_dim)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((rows, tokens, H, head_dim)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(S + 1)[:rows], jnp.int32)  # S: a padding row
+    start = rng.integers(0, C - tokens + 1, rows)
+    pos = jnp.asarray(start[:, None] + np.arange(tokens), jnp.int32)
+    scale = 1 / np.sqrt(head_dim)
+    got = np.asarray(jax.jit(attention._native_attend, static_argnums=5)(q, k, v, slots, pos, scale))
+    for b in range(rows):
+        for t in range(tokens):
+            one = kernels.attend(q[b, t][None], k, v, slots[b : b + 1], pos[b, t][None], scale)
+            np.testing.assert_array_equal(np.asarray(one)[0], got[b, t])
+    want = attention._xla_attend(q, k, v, slots, pos, scale)
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, slots, pos, scale)))
+
+    ours = jax.grad(loss(attention._native_attend), argnums=(0, 1, 2))(q, k, v)
+    xlas = jax.grad(loss(attention._xla_attend), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(ours, xlas, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 20), cols=st.integers(1, 80), seed=st.integers(0, 2**16))
 def test_rms_norm_is_xlas_within_rounding_and_row_by_row(rows, cols, seed):
