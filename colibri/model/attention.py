@@ -77,20 +77,14 @@ def _softmax_attend(
     return jnp.einsum("bkgts,bksd->btkgd", probs, v, precision=EXACT)
 
 
-# A prefill's attention on the CPU goes to the decode kernel, a token a row (`_native_attend`),
-# where a KV head has several query heads, or over more than this many cached positions: one
-# query head a KV head over short contexts reads keys and values in items too small to pay
-# (olmoe, 512-token prompts: 0.94x the prefill rate of XLA's batched products; 1024: 1.05x).
-NATIVE_PREFILL_KV = 512
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _native_attend(q, k, v, slots, pos, scale: float) -> jax.Array:
     """Attention of q [B, T, H, Dh] at positions pos [B, T] over the caches k, v [S, Hkv, C,
-    Dh] (the new keys and values written): the decode kernel's for each token, one row of
-    `kernels.attend` a token, so a prompt's attention is bitwise what decoding it token by
-    token computes (over positions 0..pos, not a bucket of them, and no [T, kv_len] scores
-    held). Training differentiates XLA's masked softmax of the same (`_xla_attend`)."""
+    Dh] (the new keys and values written): one row of `kernels.attend` a token, which takes a
+    row's consecutive tokens together (their keys and values read once for several) and
+    gives each bitwise what decoding it alone computes, over positions 0..pos (not a bucket
+    of them, and no [T, kv_len] scores held). Training differentiates XLA's masked softmax of
+    the same (`_xla_attend`)."""
     return _native_attend_fwd(q, k, v, slots, pos, scale)[0]
 
 
@@ -188,7 +182,7 @@ def gqa(
         "k": _write_heads(cache["k"], slots, pos, k),
         "v": _write_heads(cache["v"], slots, pos, v),
     }
-    if kernels.usable(q, cache["k"], cache["v"]) and (H > Hkv or kv_len > NATIVE_PREFILL_KV):
+    if kernels.usable(q, cache["k"], cache["v"]):  # CPU prefill: each token as decode attends
         out = _native_attend(q, cache["k"], cache["v"], slots, pos, cfg.attn_scale)
         return linear(out.reshape(B, T, H * Dh), w["o"], w.get("o_bias")), cache
     ks, vs = _read_heads(cache["k"], slots, kv_len), _read_heads(cache["v"], slots, kv_len)

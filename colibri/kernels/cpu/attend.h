@@ -28,27 +28,56 @@ namespace {
 // share a KV head. Rows whose slot is outside [0, S) (batch padding) get zeros. One work item
 // is one row's KV head: its keys and values, each one contiguous block, are read from memory
 // once for its G query heads (the scores in `scores`' tiles, the weighted values in `values`',
-// which load each position's values once for several heads).
+// which load each position's values once for several heads). Rows that follow one another in
+// a slot (a prefill's tokens, a row each: pos one more than the row before's) share items, up
+// to `group_rows` of them: their m G heads meet the keys and values once, each head's scores
+// and sums taken over its own row's positions only, so that every row's result is bitwise
+// what it gets alone.
 struct AttendCall : Gang {
   const float *q, *k, *v;
   const int32_t *slot, *pos;
   float* out;
   int64_t B, H, Hkv, Dh, S, C;
   float scale;
+  std::vector<int64_t> first;  // the rows of item group i: first[i] .. first[i + 1]
   std::atomic<int64_t> next{0};
 
-  // A work item's keys and values: n positions (0: a padding row, or no such item).
+  // Rows an item may hold: about sixteen query heads (two groups of the paired tiles).
+  static int64_t group_rows(int64_t G) { return std::max<int64_t>(1, 16 / G); }
+
+  // Rows b in groups: each row with the one before it where they share a slot in the cache
+  // and b's position is the next one (rows of no slot, padding, each alone: zeros in place).
+  void group() {
+    const int64_t most = group_rows(H / Hkv);
+    first.assign(1, 0);
+    for (int64_t b = 1; b < B; ++b) {
+      const bool follows = slot[b] == slot[b - 1] && slot[b] >= 0 && slot[b] < S &&
+                           pos[b] == pos[b - 1] + 1 && pos[b - 1] >= 0;
+      if (!follows || b - first.back() >= most) first.push_back(b);
+    }
+    first.push_back(B);
+  }
+  int64_t items() const { return (static_cast<int64_t>(first.size()) - 1) * Hkv; }
+
+  // Positions row b reads (0: a padding row).
+  int64_t positions(int64_t b) const {
+    if (slot[b] < 0 || slot[b] >= S || pos[b] < 0) return 0;
+    return std::min<int64_t>(pos[b], C - 1) + 1;
+  }
+
+  // A work item's keys and values: n positions, its last row's (0: padding rows, or no such
+  // item).
   struct Block {
     const float *k = nullptr, *v = nullptr;
     int64_t n = 0;
   };
 
   Block block(int64_t item) const {
-    if (item >= B * Hkv) return {};
-    const int64_t b = item / Hkv, s = slot[b];
-    if (s < 0 || s >= S || pos[b] < 0) return {};
-    const int64_t at = (s * Hkv + item % Hkv) * C * Dh;
-    return {k + at, v + at, std::min<int64_t>(pos[b], C - 1) + 1};
+    if (item >= items()) return {};
+    const int64_t last = first[item / Hkv + 1] - 1, n = positions(last);
+    if (n == 0) return {};
+    const int64_t at = (slot[last] * Hkv + item % Hkv) * C * Dh;
+    return {k + at, v + at, n};
   }
 
   // The most bytes of keys (and as many of values) of the next item fetched ahead.
@@ -75,9 +104,9 @@ struct AttendCall : Gang {
   };
 
   void drain() override {
-    const int64_t G = H / Hkv, items = B * Hkv;
-    std::vector<float> p, packed;
-    std::vector<const float*> qs(G);
+    const int64_t G = H / Hkv, items = this->items();
+    std::vector<float> p, packed, sums;
+    std::vector<const float*> qs;
     // Items are claimed one ahead, and the next one's keys and values, where they are short
     // (kAhead), are fetched as this one's are read, a position for a position: a core
     // otherwise computes an item and then waits on DRAM for the first rows of the next (short
@@ -90,25 +119,41 @@ struct AttendCall : Gang {
       Block ahead = block(following);
       const Block after = ahead;
       if (ahead.n * Dh * static_cast<int64_t>(sizeof(float)) > kAhead) ahead = {};
-      const int64_t b = item / Hkv, g = item % Hkv, n = here.n;
+      const int64_t b = first[item / Hkv], rows = first[item / Hkv + 1] - b, g = item % Hkv;
+      const int64_t n = here.n, heads = rows * G;
       item = following;
+      // One row's heads are written in place; several rows' are summed in `sums`, then copied.
       float* o = out + (b * H + g * G) * Dh;
-      std::fill(o, o + G * Dh, 0.0f);
+      if (rows > 1) {
+        sums.resize(heads * Dh);
+        o = sums.data();
+      }
+      std::fill(o, o + heads * Dh, 0.0f);
       if (n == 0) {
         fetch(ahead.k, 0, ahead.n, Dh);
         fetch(ahead.v, 0, ahead.n, Dh);
         continue;
       }
-      for (int64_t j = 0; j < G; ++j) qs[j] = q + (b * H + g * G + j) * Dh;
+      qs.resize(heads);
+      for (int64_t j = 0; j < heads; ++j) qs[j] = q + ((b + j / G) * H + g * G + j % G) * Dh;
       const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
-      p.resize(G * np);
-      scores(here.k, here.v, n, Dh, qs.data(), G, p.data(), np, {ahead.k, ahead.n, Dh}, packed);
+      p.resize(heads * np);
+      scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
+             packed);
       fetch(ahead.k, n, ahead.n, Dh);
       const int64_t lead = lead_rows(Dh);
       fetch(here.v, 0, std::min(n, lead), Dh);
       if (ahead.n == 0) fetch(after.k, 0, std::min(after.n, lead), Dh);
-      for (int64_t j = 0; j < G; ++j) softmax(p.data() + j * np, n, np, scale);
-      values(p.data(), np, here.v, n, Dh, G, o, ahead.v, ahead.n);
+      const int64_t n0 = positions(b);  // the first row's positions: every row reads them
+      for (int64_t j = 0; j < heads; ++j)
+        softmax(p.data() + j * np, positions(b + j / G), np, scale);
+      values(p.data(), np, here.v, 0, n0, Dh, heads, o, ahead.v, ahead.n);
+      if (rows == 1) continue;
+      for (int64_t r = 1; r < rows; ++r)  // each later row's own last positions, in order
+        values(p.data() + r * G * np, np, here.v, n0, positions(b + r), Dh, G, o + r * G * Dh,
+               nullptr, 0);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out + ((b + r) * H + g * G) * Dh, o + r * G * Dh, sizeof(float) * G * Dh);
     }
   }
 
@@ -171,19 +216,19 @@ struct AttendCall : Gang {
   // Positions a block of values: about 16 KiB of them, in L1 while every tile passes over it.
   static int64_t block_rows(int64_t Dh) { return std::max<int64_t>(8, 4096 / Dh); }
 
-  // o[j, d] = sum over t < n of p[j, t] * v[t, d] for the G heads (p: rows of np floats) and
-  // the Dh columns of v (rows of Dh floats), every sum one multiply-add chain in order of t
-  // from o's zeros: block by block of positions (block_rows), tiles of kHeads heads by kVecs
+  // o[j, d] += sum over from <= t < n of p[j, t] * v[t, d] for the G heads (p: rows of np
+  // floats) and the Dh columns of v (rows of Dh floats), every sum one multiply-add chain in
+  // order of t from o's values: block by block of positions (block_rows), tiles of kHeads heads by kVecs
   // vectors of columns (the columns a tile loads serve its kHeads heads), the sums waiting in
   // o between blocks; the columns past the last whole tile eight at a time, then one by one.
   // Each block fetches the next block's values as it starts, and its first tile positions
   // [0, ahead_n) of `ahead` (the next item's values), a position a position.
-  static void values(const float* p, int64_t np, const float* v, int64_t n, int64_t Dh,
-                     int64_t G, float* o, const float* ahead, int64_t ahead_n) {
+  static void values(const float* p, int64_t np, const float* v, int64_t from, int64_t n,
+                     int64_t Dh, int64_t G, float* o, const float* ahead, int64_t ahead_n) {
     const int64_t wide = Dh / (kLanes * kVecs) * (kLanes * kVecs), eights = Dh / 8 * 8;
     const bool one_tile = G <= kHeads && Dh == wide && wide == kLanes * kVecs;
     const int64_t rows = one_tile ? n : block_rows(Dh);  // (one tile reads the values once)
-    for (int64_t t0 = 0; t0 < n; t0 += rows) {
+    for (int64_t t0 = from; t0 < n; t0 += rows) {
       const int64_t t1 = std::min(n, t0 + rows);
       if (t1 < n) fetch(v, t1, std::min(n, t1 + rows), Dh);
       // The first tile of the block fetches the next item's values, a position a position.
@@ -319,6 +364,7 @@ ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const floa
   call->S = S;
   call->C = C;
   call->scale = scale;
+  call->group();
   int64_t bytes = 0;  // keys and values read
   for (int64_t b = 0; b < B; ++b)
     if (call->slot[b] >= 0 && call->slot[b] < S && call->pos[b] >= 0)
@@ -326,7 +372,7 @@ ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const floa
   // Work: the keys and values once for each query head that reads them, as the linear
   // kernel counts a pass over its weights for every four inputs (a call whose bytes alone are
   // under kSoloWork, one row of a grouped-query model, costs several times their streaming).
-  run(pool, call, B * Hkv, bytes * (H / Hkv));
+  run(pool, call, call->items(), bytes * (H / Hkv));
   return ffi::Error::Success();
 }
 
