@@ -262,7 +262,9 @@ def attend(
 ) -> jax.Array:
     """Attention of one new token per row, q [B, H, Dh], over positions 0..pos[b] of slot
     slots[b] of the caches k, v [S, Hkv, C, Dh] (the new key already written): [B, H, Dh].
-    Rows whose slot is outside [0, S) give zeros."""
+    Rows whose slot is outside [0, S) give zeros. Rows that follow one another in a slot (a
+    prefill's tokens: each position one past the row before's) share the keys' and values'
+    reads; every row's result is bitwise what it gets alone."""
     _require()
     call = jax.ffi.ffi_call(
         "colibri_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
