@@ -475,7 +475,8 @@ def test_prefill_attention_is_each_tokens_decode_attention(
     start = rng.integers(0, C - tokens + 1, rows)
     pos = jnp.asarray(start[:, None] + np.arange(tokens), jnp.int32)
     scale = 1 / np.sqrt(head_dim)
-    got = np.asarray(jax.jit(attention._native_attend, static_argnums=5)(q, k, v, slots, pos, scale))
+    native = jax.jit(attention._native_attend, static_argnums=5)
+    got = np.asarray(native(q, k, v, slots, pos, scale))
     for b in range(rows):
         for t in range(tokens):
             one = kernels.attend(q[b, t][None], k, v, slots[b : b + 1], pos[b, t][None], scale)
@@ -653,7 +654,8 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # Experts of F hidden rows, and of more than a work item's share of them (~680 at
             # this D: items from f0 > 0 on); and of rows over 512 columns (two groups a pass,
             # their results packed for the down projections).
-            for cols, ff, block in ((D, F, 16), (D, 1400 if f.scaled else 1403, 8), (D + 520, F, 8)):
+            big = 1400 if f.scaled else 1403
+            for cols, ff, block in ((D, F, 16), (D, big, 8), (D + 520, F, 8)):
                 gate, up = (
                     jnp.asarray(_held_rows(f, rng, 6 * ff, cols, block).reshape(6, ff, -1))
                     for _ in "gu"
