@@ -110,3 +110,34 @@ def test_every_product_asks_for_float32_precision(case):
     assert dots
     loose = [d for d in dots if "precision = [HIGHEST, HIGHEST]" not in d]
     assert not loose, loose[0]
+
+
+@pytest.mark.parametrize(("family", "dtype"), [("deepseek_v3", "float32"), ("deepseek_v3", "int4")])
+def test_mla_decode_in_the_latent_space_is_the_expanded_attention(family, dtype, checkpoints):
+    """A decode step's MLA attention scores and weights the cached latents themselves (the
+    queries taken through kv_b's key rows, the result through its value rows) instead of
+    expanding every cached latent through kv_b: the same attention within float32 rounding,
+    DSA's selection of positions (`keep`) and slots' own lengths included."""
+    if dtype == "int4":
+        pytest.importorskip("compressed_tensors")
+    from colibri.model import attention
+
+    model = load_model(checkpoints(family, dtype), progress=False)
+    cfg, w = model.cfg, model.params["layers"][0]["attn"]
+    m = cfg.mla
+    rng = np.random.default_rng(3)
+    S, C, B, kv_len = 3, 40, 2, 32
+    cache = {
+        "lat": jax.numpy.asarray(rng.standard_normal((S, C, m.kv_lora_rank)), "float32"),
+        "kr": jax.numpy.asarray(rng.standard_normal((S, C, m.qk_rope_head_dim)), "float32"),
+    }
+    q = jax.numpy.asarray(rng.standard_normal((B, 1, cfg.num_heads, m.qk_head_dim)), "float32")
+    slots = jax.numpy.asarray([2, 0], "int32")
+    pos = jax.numpy.asarray([[29], [7]], "int32")
+    keep = jax.numpy.asarray(rng.random((B, 1, kv_len)) < 0.7)
+    assert attention.mla_in_latents(w, 1) and not attention.mla_in_latents(w, 2)
+    for k in (None, keep):
+        k_nope, v = attention.mla_expand_cached(cfg, w, cache, slots, kv_len)
+        want = attention.mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len, k)
+        got = attention.mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len, k)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

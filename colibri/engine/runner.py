@@ -727,12 +727,17 @@ class Runner:
                     )
                 else:
                     q, self.cache[i] = steps.mla_project(cfg, lw, self.cache[i], x, pos, slots)
-                with t.phase("t_kvb"):
-                    k_nope, v = steps.mla_expand(cfg, lw, self.cache[i], slots, kv_len=kv_len)
-                    v.block_until_ready()
-                x = steps.mla_attend(
-                    cfg, lw, self.cache[i], x, q, k_nope, v, pos, slots, keep, kv_len=kv_len
-                )
+                if attention.mla_in_latents(lw["attn"], q.shape[1]):  # no expansion (t_kvb 0)
+                    x = steps.mla_attend_latent(
+                        cfg, lw, self.cache[i], x, q, pos, slots, keep, kv_len=kv_len
+                    )
+                else:
+                    with t.phase("t_kvb"):
+                        k_nope, v = steps.mla_expand(cfg, lw, self.cache[i], slots, kv_len=kv_len)
+                        v.block_until_ready()
+                    x = steps.mla_attend(
+                        cfg, lw, self.cache[i], x, q, k_nope, v, pos, slots, keep, kv_len=kv_len
+                    )
             x.block_until_ready()
         return x, keep
 

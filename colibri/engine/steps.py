@@ -54,6 +54,13 @@ def mla_attend(cfg, lw, cache, x, q, k_nope, v, pos, slots, keep=None, *, kv_len
     return x + out
 
 
+@partial(jax.jit, static_argnums=(0,), static_argnames=("kv_len",))
+def mla_attend_latent(cfg, lw, cache, x, q, pos, slots, keep=None, *, kv_len: int):
+    """MLA attention of a decode step in the latent space (no t_kvb expansion)."""
+    out = attention.mla_attend_latent(cfg, lw["attn"], cache, q, pos, slots, kv_len, keep)
+    return x + out
+
+
 @partial(jax.jit, static_argnums=(0,))
 def route(cfg, lw, x):
     return transformer.moe_route(cfg, lw, x)

@@ -8,9 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from colibri import kernels
+from colibri import formats, kernels
 from colibri.config import ModelConfig
-from colibri.model.layers import EXACT, Rope, apply_rope, linear, rms_norm, rope_cos_sin
+from colibri.model.layers import (
+    EXACT,
+    Rope,
+    apply_rope,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    widen_rows,
+)
 
 # Cache layout per layer: GQA {"k", "v": [S, Hkv, C, Dh]}; MLA {"lat": [S, C, r], "kr": [S, C, R]}
 # (and DSA's indexer keys "ik": [S, C, Di] where the layer runs an indexer, `indexer.select`)
@@ -246,6 +254,57 @@ def mla_expand_cached(
     return mla_expand(cfg, w, _read(cache["lat"], slots, kv_len))
 
 
+def mla_in_latents(w: dict, T: int) -> bool:
+    """Whether MLA attention of T new tokens a row runs in the latent space
+    (`mla_attend_latent`): a decode step's (T == 1) does, where kv_b is held in float32 or
+    widened to it (not for bfloat16 products, whose products are defined on the latents'
+    side). Expanding every cached latent through kv_b costs each step kv_len x r x H x (Dn +
+    Dv) multiply-adds a layer; the latent space, about kv_len x H x (2 r + R)."""
+    return T == 1 and not _bf16_products(w["kv_b"])
+
+
+def _bf16_products(wt: jax.Array) -> bool:
+    fmt = formats.held(wt.dtype)
+    return fmt is not None and fmt.bf16_inputs
+
+
+def mla_attend_latent(
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    q: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+    keep: jax.Array | None = None,
+) -> jax.Array:
+    """`mla_attend` without expanding the cached latents: each head's query taken into the
+    latent space through its rows of kv_b (q_nope . W_UK[h]), scored against the latents
+    (plus the roped part against the shared roped key), the latents weighted by the softmax,
+    then taken out through the head's value rows (W_UV[h]) and o_proj: the same attention to
+    float32 rounding, [B, T, D]."""
+    m = cfg.mla
+    assert m is not None
+    B, T, H = q.shape[0], q.shape[1], cfg.num_heads
+    Dn, Dv, r = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
+    kv_b = widen_rows(w["kv_b"], r).reshape(H, Dn + Dv, r)
+    lat = _read(cache["lat"], slots, kv_len)  # [B, S, r]
+    kr = _read(cache["kr"], slots, kv_len)  # [B, S, R]
+    q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
+    scores = (
+        jnp.einsum("bthr,bsr->bhts", q_lat, lat, precision=EXACT)
+        + jnp.einsum("bthd,bsd->bhts", q[..., Dn:], kr, precision=EXACT)
+    ) * cfg.attn_scale
+    visible = jnp.arange(kv_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    if keep is not None:
+        visible = visible & keep
+    scores = jnp.where(visible[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat, precision=EXACT)
+    out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
+    return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
+
+
 def mla_attend(
     cfg: ModelConfig,
     w: dict,
@@ -283,5 +342,7 @@ def mla(
 ) -> tuple[jax.Array, Cache]:
     """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
     q, cache = mla_project(cfg, w, cache, x, pos, slots, rope)
+    if mla_in_latents(w, x.shape[1]):
+        return mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len), cache
     k_nope, v = mla_expand_cached(cfg, w, cache, slots, kv_len)
     return mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len), cache
