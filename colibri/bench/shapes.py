@@ -62,17 +62,15 @@ ALL_SHAPES = {
     ),
     # Multi-head latent attention as DeepSeek-V3, GLM-5 and Kimi K2.5 have it (a 512-wide
     # latent, 32 heads here), with few small experts: for MLA's attention through the engine.
-    "mla": SynthSpec(
+    "mla": dataclasses.replace(
+        SHAPES["qwen3_moe"],
         family="deepseek_v3",
         layers=4,
         experts=8,
         top_k=2,
         hidden=2048,
         moe_ff=64,
-        vocab=8192,
-        dtype="f32",
         seed=5,
-        shard_mb=1024,
     ),
 }
 CACHE = Path(".cache/bench-peers")
