@@ -218,9 +218,10 @@ struct AttendCall : Gang {
 
   // o[j, d] += sum over from <= t < n of p[j, t] * v[t, d] for the G heads (p: rows of np
   // floats) and the Dh columns of v (rows of Dh floats), every sum one multiply-add chain in
-  // order of t from o's values: block by block of positions (block_rows), tiles of kHeads heads by kVecs
-  // vectors of columns (the columns a tile loads serve its kHeads heads), the sums waiting in
-  // o between blocks; the columns past the last whole tile eight at a time, then one by one.
+  // order of t from o's values: block by block of positions (block_rows), tiles of kHeads
+  // heads by kVecs vectors of columns (the columns a tile loads serve its kHeads heads), the
+  // sums waiting in o between blocks; the columns past the last whole tile eight at a time,
+  // then one by one.
   // Each block fetches the next block's values as it starts, and its first tile positions
   // [0, ahead_n) of `ahead` (the next item's values), a position a position.
   static void values(const float* p, int64_t np, const float* v, int64_t from, int64_t n,
