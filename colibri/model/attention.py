@@ -291,16 +291,19 @@ def mla_attend_latent(
     lat = _read(cache["lat"], slots, kv_len)  # [B, S, r]
     kr = _read(cache["kr"], slots, kv_len)  # [B, S, R]
     q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
+    # Scores position-major, [B, S, T, H]: the latents the left operand of both products as
+    # they lie in the cache (head-major scores had XLA transpose the latents twice a layer:
+    # 5x the time of the products at 4096 positions).
     scores = (
-        jnp.einsum("bthr,bsr->bhts", q_lat, lat, precision=EXACT)
-        + jnp.einsum("bthd,bsd->bhts", q[..., Dn:], kr, precision=EXACT)
+        jnp.einsum("bsr,bthr->bsth", lat, q_lat, precision=EXACT)
+        + jnp.einsum("bsd,bthd->bsth", kr, q[..., Dn:], precision=EXACT)
     ) * cfg.attn_scale
-    visible = jnp.arange(kv_len)[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    visible = jnp.arange(kv_len)[None, :, None] <= pos[:, None, :]  # [B, S, T]
     if keep is not None:
-        visible = visible & keep
-    scores = jnp.where(visible[:, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    o_lat = jnp.einsum("bhts,bsr->bthr", probs, lat, precision=EXACT)
+        visible = visible & keep.swapaxes(1, 2)
+    scores = jnp.where(visible[..., None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=1)
+    o_lat = jnp.einsum("bsth,bsr->bthr", probs, lat, precision=EXACT)
     out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
     return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
 
