@@ -367,9 +367,7 @@ ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const floa
   call->scale = scale;
   call->group();
   int64_t bytes = 0;  // keys and values read
-  for (int64_t b = 0; b < B; ++b)
-    if (call->slot[b] >= 0 && call->slot[b] < S && call->pos[b] >= 0)
-      bytes += (std::min<int64_t>(call->pos[b], C - 1) + 1) * Hkv * Dh * 8;
+  for (int64_t b = 0; b < B; ++b) bytes += call->positions(b) * Hkv * Dh * 8;
   // Work: the keys and values once for each query head that reads them, as the linear
   // kernel counts a pass over its weights for every four inputs (a call whose bytes alone are
   // under kSoloWork, one row of a grouped-query model, costs several times their streaming).
