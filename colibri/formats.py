@@ -120,12 +120,18 @@ def _widen_bf16(w: jax.Array, cols: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(w.astype(jnp.uint32) << 16, jnp.float32)
 
 
+def bf16_inputs(w_dtype) -> bool:
+    """Whether the products with weights held as `w_dtype` take their inputs rounded to
+    bfloat16 (BF16P)."""
+    fmt = held(w_dtype)
+    return fmt is not None and fmt.bf16_inputs
+
+
 def round_inputs(x: jax.Array, w_dtype) -> jax.Array:
     """x as the products with weights held as `w_dtype` take it: for bfloat16 products (BF16P),
     each value rounded to the nearest bfloat16 (ties to even, subnormals to a zero of their
     sign, as the CPU kernels round them), still float32; for every other format, x."""
-    fmt = held(w_dtype)
-    if fmt is None or not fmt.bf16_inputs:
+    if not bf16_inputs(w_dtype):
         return x
     import jax
     import jax.numpy as jnp

@@ -260,12 +260,7 @@ def mla_in_latents(w: dict, T: int) -> bool:
     widened to it (not for bfloat16 products, whose products are defined on the latents'
     side). Expanding every cached latent through kv_b costs each step kv_len x r x H x (Dn +
     Dv) multiply-adds a layer; the latent space, about kv_len x H x (2 r + R)."""
-    return T == 1 and not _bf16_products(w["kv_b"])
-
-
-def _bf16_products(wt: jax.Array) -> bool:
-    fmt = formats.held(wt.dtype)
-    return fmt is not None and fmt.bf16_inputs
+    return T == 1 and not formats.bf16_inputs(w["kv_b"].dtype)
 
 
 def mla_attend_latent(
@@ -308,6 +303,24 @@ def mla_attend_latent(
     return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
 
 
+def mla_attend_cached(
+    cfg: ModelConfig,
+    w: dict,
+    cache: Cache,
+    q: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+    keep: jax.Array | None = None,
+) -> jax.Array:
+    """MLA attention of q over the cached latents, then o_proj: in the latent space where
+    `mla_in_latents`, else through the latents expanded by kv_b."""
+    if mla_in_latents(w, q.shape[1]):
+        return mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len, keep)
+    k_nope, v = mla_expand_cached(cfg, w, cache, slots, kv_len)
+    return mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len, keep)
+
+
 def mla_attend(
     cfg: ModelConfig,
     w: dict,
@@ -345,7 +358,4 @@ def mla(
 ) -> tuple[jax.Array, Cache]:
     """DeepSeek multi-head latent attention; the cache holds the normed latent and roped key."""
     q, cache = mla_project(cfg, w, cache, x, pos, slots, rope)
-    if mla_in_latents(w, x.shape[1]):
-        return mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len), cache
-    k_nope, v = mla_expand_cached(cfg, w, cache, slots, kv_len)
-    return mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len), cache
+    return mla_attend_cached(cfg, w, cache, q, pos, slots, kv_len), cache

@@ -131,9 +131,5 @@ def dsa(
     """One DSA layer's attention of normed x: [B, T, D], the cache, and the selection (for the
     next layer to reuse where it has no indexer)."""
     q, keep, cache = dsa_project(cfg, w, cache, x, pos, slots, kv_len, rope, prev)
-    if attention.mla_in_latents(w, q.shape[1]):
-        out = attention.mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len, keep)
-    else:
-        k_nope, v = attention.mla_expand_cached(cfg, w, cache, slots, kv_len)
-        out = attention.mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len, keep)
+    out = attention.mla_attend_cached(cfg, w, cache, q, pos, slots, kv_len, keep)
     return out, cache, keep
