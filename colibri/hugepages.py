@@ -64,6 +64,37 @@ def empty(shape, dtype=np.float32) -> np.ndarray:
     return np.frombuffer(m, dtype, count, offset=skip).reshape(shape)
 
 
+def hold(tree):
+    """Move the numpy arrays of a tree of dicts and lists (the dense weights) into one mapping
+    advised for huge pages, each on a 4 KiB boundary, where together they span at least one:
+    the linear calls stream these at every step as the expert calls stream the experts. In
+    place: each entry is replaced by its copy as that is made, so that the original can be
+    freed then (the tree is not held twice). Returns `tree`."""
+    entries = []  # (container, key, bytes); the arrays themselves are read at the copy
+
+    def walk(node):
+        for key in node if isinstance(node, dict) else range(len(node)):
+            leaf = node[key]
+            if isinstance(leaf, dict | list):
+                walk(leaf)
+            elif isinstance(leaf, np.ndarray) and leaf.nbytes >= mmap.PAGESIZE:
+                entries.append((node, key, -(-leaf.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE))
+
+    walk(tree)
+    total = sum(size for _, _, size in entries)
+    if total < HUGE or not enabled():
+        return tree
+    m = mapping(total + HUGE)
+    at = -np.frombuffer(m, np.uint8, 1).ctypes.data % HUGE
+    for node, key, size in entries:
+        a = node[key]
+        copy = np.frombuffer(m, a.dtype, a.size, offset=at).reshape(a.shape)
+        copy[...] = a
+        node[key] = copy
+        at += size
+    return tree
+
+
 def populate(arrays) -> threading.Thread | None:
     """Fault in the memory of these arrays (those `empty` put on huge pages) from a thread of
     its own, as if each page were written, without writing: the caller may fill them at the

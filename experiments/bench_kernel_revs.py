@@ -18,13 +18,13 @@ as bfloat16 bits (bf16p: for bfloat16 products); with --held fp8 (int4, awq4, in
 quantized and held as those rows, as experiments/bench_quantized.py holds them
 (--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
 routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
-of every layer) and lm_head on --rows rows, 24 steps per pass (with --held, every matrix held
-so). --kernel attend: decode attention of every layer for --rows conversations, 24 steps
-after a prompt of --context tokens (128), the keys and values read from DRAM as in the
-engine. The two versions' outputs must agree bitwise (the kernels' results never depend on how
-work is shared out). Reported: ms a step for each version (median of passes), GB/s of the
-weights (keys and values) read (for the experts: the distinct ones) and GFLOP/s, and the
-median over passes of new / base time.
+of every layer) and lm_head on --rows rows, 24 steps per pass, on huge pages as the engine
+holds its dense weights (with --held, every matrix held so). --kernel attend: decode attention
+of every layer for --rows conversations, 24 steps after a prompt of --context tokens (128),
+the keys and values read from DRAM as in the engine. The two versions' outputs must agree
+bitwise (the kernels' results never depend on how work is shared out). Reported: ms a step
+for each version (median of passes), GB/s of the weights (keys and values) read (for the
+experts: the distinct ones) and GFLOP/s, and the median over passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
 kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json;
 with --out NAME, NAME.md and NAME.json.
@@ -48,11 +48,13 @@ import pandas as pd
 from colibri import kernels
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
-from colibri.bench.kernel_calls import expert_call, held_variants, registered
+from colibri.bench.kernel_calls import expert_call, linear_call, registered
 from colibri.bench.replay import (
     STEPS,
     alternate,
     compare,
+    compare_linear,
+    dense_on_huge_pages,
     on_huge_pages,
     record_routes,
     same_bits,
@@ -103,19 +105,6 @@ def attend_call(lib_path: Path, name: str):
     return call
 
 
-def linear_call(lib_path: Path, name: str):
-    """The library's linear kernel, registered with XLA as `name` (+ the held format's suffix,
-    chosen by the weights' dtype: kernel_calls.held_variants): f(x, w) = x @ w.T (not jitted:
-    called inside a jitted step)."""
-    variants = held_variants(lib_path, "ColibriLinear", name)
-
-    def call(x, w):
-        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-        return jax.ffi.ffi_call(variants[jnp.dtype(w.dtype)], out, vmap_method="sequential")(x, w)
-
-    return call
-
-
 def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     """[1, layers, tokens, top_k]: the routes of one prefill of `tokens` (at most one prefill
     chunk) as one step: what the expert calls of a prompt meet."""
@@ -128,37 +117,6 @@ def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     runner = Runner(model, slots=1, capacity=tokens + 8)
     _, routes = runner.prefill(0, prompt_ids(model.cfg.vocab_size, tokens))
     return np.asarray(routes)[None]
-
-
-def compare_linear(calls: dict, cfg, rows: int, passes: int, fmt: str = "float32") -> dict:
-    """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating; every
-    matrix held as `fmt` (held_rows)."""
-    D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
-    kv = 2 * cfg.num_kv_heads * cfg.head_dim
-    rng = np.random.default_rng(0)
-
-    def hold(a):  # held_rows takes stacks [S, R, C]: this matrix as a stack of one
-        return a if fmt == "float32" else jnp.asarray(held_rows(fmt)(np.asarray(a)[None])[0])
-
-    layers = [
-        (hold(weights(rng, q + kv, D)), hold(weights(rng, D, q))) for _ in range(cfg.num_layers)
-    ]
-    head = hold(weights(rng, cfg.vocab_size, D))
-    x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
-    xq = jnp.asarray(rng.standard_normal((rows, q), np.float32))
-
-    def program(f):  # one jitted step a version, as the engine's forward holds its calls
-        def run(x, xq, layers, head):
-            return [f(x, qkv) for qkv, _ in layers] + [f(xq, o) for _, o in layers] + [f(x, head)]
-
-        return jax.jit(run)
-
-    steps = {v: program(f) for v, f in calls.items()}
-    same_bits({v: run(x, xq, layers, head)[-1] for v, run in steps.items()})
-    ms = alternate(steps, lambda run, i: run(x, xq, layers, head)[-1], STEPS, passes)
-    params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
-    held = sum(a.nbytes for a in jax.tree_util.tree_leaves((layers, head)))
-    return {"ms": ms, "gb_per_step": held / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
 
 
 def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128) -> dict:
@@ -242,6 +200,19 @@ def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
     return dict.fromkeys(calls, hold), value + (4 * floats / f["blocks"][0] if f else 0)
 
 
+def linear_holds(calls: dict, fmt: str) -> dict:
+    """For `compare_linear`: every version holds each random matrix as held_rows does (float32:
+    as it is), all of them on huge pages as the engine holds its dense weights."""
+    held = held_rows(fmt)
+
+    def hold(mats):  # held_rows takes stacks [S, R, C]: each matrix as a stack of one
+        return dense_on_huge_pages(
+            mats if fmt == "float32" else [held(np.asarray(a)[None])[0] for a in mats]
+        )
+
+    return dict.fromkeys(calls, hold)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
@@ -304,7 +275,7 @@ def main() -> None:
                 else:
                     res = compare(calls, cfg, routes, args.passes)
             elif args.kernel == "linear":
-                res = compare_linear(calls, cfg, rows, args.passes, args.held)
+                res = compare_linear(calls, cfg, rows, args.passes, linear_holds(calls, args.held))
             else:
                 res = compare_attend(calls, cfg, rows, args.passes, args.context)
             raw[f"{name}/{rows}"] = res

@@ -89,3 +89,49 @@ def test_loaded_expert_stacks_are_on_huge_pages_with_the_checkpoint_values(tmp_p
         for e in (0, 7):
             want = read_expert(ckpt, cfg, expert_slab(ckpt, cfg, cfg.moe_layer_ids[0], e))[i]
             np.testing.assert_array_equal(a[e], want)
+
+
+@huge_pages_given
+def test_hold_moves_a_trees_arrays_onto_huge_pages_in_place():
+    rng = np.random.default_rng(0)
+    tree = {
+        "embed": rng.standard_normal((1024, 384), np.float32),  # 1.5 MiB
+        "layers": [{"o": rng.standard_normal((384, 384), np.float32), "norm": np.ones(384)}],
+        "bits": rng.integers(0, 1 << 16, (700, 512), np.uint16),  # not a multiple of 4 KiB
+    }
+    want = {
+        "embed": tree["embed"].copy(),
+        "o": tree["layers"][0]["o"].copy(),
+        "bits": tree["bits"].copy(),
+    }
+    norm = tree["layers"][0]["norm"]
+    assert hugepages.hold(tree) is tree
+    moved = [tree["embed"], tree["layers"][0]["o"], tree["bits"]]
+    for a, w in zip(moved, want.values(), strict=True):
+        np.testing.assert_array_equal(a, w)
+        assert a.dtype == w.dtype and a.ctypes.data % 4096 == 0
+    assert tree["layers"][0]["norm"] is norm  # 3 KiB, under a page: left where it is
+    assert sum(hugepages.huge_bytes([(a.ctypes.data, a.nbytes)]) for a in moved) >= HUGE
+    x = jax.device_put(tree["embed"])  # JAX takes the memory as it is
+    assert x.unsafe_buffer_pointer() == tree["embed"].ctypes.data
+
+
+def test_hold_leaves_trees_under_a_huge_page_alone():
+    tree = {"w": np.ones((256, 256), np.float32)}  # 256 KiB
+    w = tree["w"]
+    assert hugepages.hold(tree)["w"] is w
+
+
+@huge_pages_given
+def test_a_loaded_models_dense_weights_are_on_huge_pages(tmp_path):
+    from colibri.engine.model import load_model
+
+    ckpt_dir = synthesize(
+        SynthSpec(layers=1, experts=4, top_k=2, hidden=256, moe_ff=128, vocab=4096),
+        tmp_path / "m",
+        progress=False,
+    )
+    model = load_model(ckpt_dir, progress=False)
+    for name in ("embed", "lm_head"):
+        b = model.params[name].addressable_shards[0].data
+        assert hugepages.huge_bytes([(b.unsafe_buffer_pointer(), b.nbytes)]) > 0, name

@@ -45,3 +45,16 @@ def expert_call(lib_path: Path, name: str):
         return jax.ffi.ffi_call(target, out, vmap_method="sequential")(gate, up, down, x, ids)
 
     return jax.jit(call)
+
+
+def linear_call(lib_path: Path, name: str):
+    """The library's linear kernel, registered with XLA as `name` (+ the held format's suffix,
+    chosen by the weights' dtype: held_variants): f(x, w) = x @ w.T (not jitted: called inside
+    a jitted step)."""
+    variants = held_variants(lib_path, "ColibriLinear", name)
+
+    def call(x, w):
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        return jax.ffi.ffi_call(variants[jnp.dtype(w.dtype)], out, vmap_method="sequential")(x, w)
+
+    return call

@@ -115,3 +115,42 @@ def compare(
     gb = sum(distinct) * 3 * D * F * weight_bytes / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
     return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop, "distinct": distinct}
+
+
+def dense_on_huge_pages(mats: list) -> list:
+    """Copies of the matrices as the engine holds its dense weights: together in one mapping
+    on huge pages (hugepages.hold), which JAX then uses without a copy."""
+    return [jax.device_put(m) for m in hugepages.hold([np.array(m) for m in mats])]
+
+
+def compare_linear(calls: dict, cfg, rows: int, passes: int, hold: dict | None = None) -> dict:
+    """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating; ms a
+    step per pass for each version. `hold`: for each version, what it does to the list of
+    random float32 matrices to hold them (quantize them, put them somewhere); by default
+    every version's as the engine holds its dense weights (dense_on_huge_pages). Versions
+    with the same `hold` share the held matrices."""
+    D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
+    kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    rng = np.random.default_rng(0)
+    mats = [w for _ in range(cfg.num_layers) for w in (weights(rng, q + kv, D), weights(rng, D, q))]
+    mats.append(weights(rng, cfg.vocab_size, D))
+    hold = hold or dict.fromkeys(calls, dense_on_huge_pages)
+    by_hold = {f: f(mats) for f in set(hold.values())}
+    held = {v: by_hold[hold[v]] for v in calls}
+    x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
+    xq = jnp.asarray(rng.standard_normal((rows, q), np.float32))
+
+    def program(f):  # one jitted step a version, as the engine's forward holds its calls
+        def run(x, xq, mats):
+            *layers, head = mats
+            qkv, o = layers[0::2], layers[1::2]
+            return [f(x, w) for w in qkv] + [f(xq, w) for w in o] + [f(x, head)]
+
+        return jax.jit(run)
+
+    steps = {v: program(f) for v, f in calls.items()}
+    same_bits({v: run(x, xq, held[v])[-1] for v, run in steps.items()})
+    ms = alternate({v: v for v in calls}, lambda v, i: steps[v](x, xq, held[v])[-1], STEPS, passes)
+    params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(next(iter(held.values()))))
+    return {"ms": ms, "gb_per_step": nbytes / 1e9, "gflop_per_step": rows * params * 2 / 1e9}

@@ -60,7 +60,11 @@ def load_model(
     tokenizer = Tokenizer(tok_path) if tok_path.exists() else None
     bf16 = holds_bf16(ckpt, holding)
     dense = fuse_qkv(load_dense(ckpt, cfg, holding))
-    params = parallel.replicated(hold_bf16(dense, holding.bf16_storage) if bf16 else dense)
+    if bf16:
+        dense = hold_bf16(dense, holding.bf16_storage)
+    # On 2 MiB pages, as the routed experts are: the linear calls stream these every step.
+    params = parallel.replicated(hugepages.hold(dense) if jax.default_backend() == "cpu" else dense)
+    del dense
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress, holding)
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)
