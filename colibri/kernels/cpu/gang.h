@@ -82,9 +82,10 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
 // zeroed every time and, from a few MiB (the hidden rows of a prefill), mapped fresh from the
 // kernel. The expert call's holds its hidden and up rows (2 x rows x top-k x F floats: a
 // 256-token prefill of top-8 experts with F = 2048 takes 32 MiB) and its packed inputs; the
-// linear call's its packed inputs. No helper touches it once the call has returned
-// (Gang::finish).
-enum class Scratch { kExperts, kLinear };
+// linear call's its packed inputs (kLinear); every thread of a call its results of a work item
+// (kItemOut: the linear call's, the experts' down projections). No helper touches the
+// caller's once the call has returned (Gang::finish).
+enum class Scratch { kExperts, kLinear, kItemOut };
 
 template <Scratch Kind>
 float* scratch(int64_t n) {
