@@ -191,9 +191,6 @@ def _load() -> ctypes.CDLL | None:
                 target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
             )
         lib.colibri_request_cut.argtypes = [ctypes.c_int32]
-        lib.colibri_own_helpers.argtypes = [ctypes.c_int32]
-        if os.environ.get("COLIBRI_OWN_HELPERS", "1") == "0":
-            lib.colibri_own_helpers(0)
     except (OSError, RuntimeError, AttributeError) as err:
         log.warning("colibri CPU kernels unavailable, using XLA loops: %s", err)
         return None
@@ -352,16 +349,6 @@ def request_cut(on: bool) -> None:
     lib = _library()
     if lib is not None:
         lib.colibri_request_cut(1 if on else 0)
-
-
-def own_helpers(on: bool) -> None:
-    """Whether the kernels' calls share their work with helper threads of their own, which
-    wait for the next call awake for a moment after each (the default; COLIBRI_OWN_HELPERS=0
-    starts with it off), or only with XLA's intra-op pool, whose threads sleep between calls
-    (docs/kernels.md, "Helpers of their own"). Process-wide; nothing when the kernels are off."""
-    lib = _library()
-    if lib is not None:
-        lib.colibri_own_helpers(1 if on else 0)
 
 
 def fma_peak(lanes: int = 8, seconds: float = 0.3, threads: int | None = None) -> float:

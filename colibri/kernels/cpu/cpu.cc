@@ -50,11 +50,6 @@ extern "C" void colibri_request_cut(int32_t on) {
   cut_flag.store(on, std::memory_order_release);
 }
 
-// Calls' helpers: the kernels' own (on, the default) or XLA's pool's only (gang.h, Crew).
-extern "C" void colibri_own_helpers(int32_t on) {
-  own_helpers.store(on, std::memory_order_relaxed);
-}
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriCutRequested, CutRequested,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()

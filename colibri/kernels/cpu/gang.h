@@ -3,17 +3,11 @@
 
 #pragma once
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <thread>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -75,139 +69,12 @@ struct Gang {
 // of four inputs, or per query head).
 constexpr int64_t kSoloWork = 512 << 10;
 
-// Helper threads of the kernels' own, beside XLA's pool: between calls each waits for the next
-// spinning (then yielding its core), for kSpin after its last call, before it sleeps. A step's
-// calls follow one another a few microseconds apart, so a call finds its helpers awake and
-// they start on it at once. Through the pool (pool.Schedule, its thread asleep between calls)
-// the caller spent ~20 µs scheduling and the helper arrived ~35 µs after that (a 16-row expert
-// call of ~1.3 ms: ~5% of it; docs/kernels.md, "Helpers of their own"). A call that finds a
-// helper busy (another call at the same time) schedules one from the pool instead.
-class Crew {
- public:
-  static constexpr auto kSpin = std::chrono::milliseconds(2);
-
-  // Offer the gang to up to n helpers; the number that took it (each runs gang->help() once).
-  int64_t post(Gang* gang, int64_t n) {
-    if (n <= 0 || forked()) return 0;
-    grow(n);
-    int64_t posted = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      Member& m = *members_[i];
-      Gang* idle = nullptr;
-      if (!m.job.compare_exchange_strong(idle, gang)) continue;
-      ++posted;
-      // (Sequentially consistent, as the member's own store and load below: it either sees
-      // the job before it sleeps, or is seen asleep here and woken.)
-      if (m.asleep.load()) {
-        std::lock_guard<std::mutex> lock(m.mu);
-        m.wake.notify_one();
-      }
-    }
-    return posted;
-  }
-
-  // After gang->finish(): take the gang back from helpers that have not started on it, and
-  // wait for those that have to let go of it, so that it may be freed.
-  void retract(Gang* gang, int64_t n) {
-    if (forked()) return;
-    n = std::min<int64_t>(n, count_.load(std::memory_order_acquire));
-    for (int64_t i = 0; i < n; ++i) {
-      Member& m = *members_[i];
-      Gang* mine = gang;
-      if (m.job.compare_exchange_strong(mine, nullptr, std::memory_order_acq_rel)) continue;
-      if (mine == claimed(gang))
-        wait_until([&] { return m.job.load(std::memory_order_acquire) != claimed(gang); });
-    }
-  }
-
-  static Crew& get() {
-    static Crew* crew = [] {
-      pthread_atfork(nullptr, nullptr, [] { forked() = true; });  // (no threads in a child)
-      return new Crew;  // never freed: its threads outlive every call
-    }();
-    return *crew;
-  }
-
- private:
-  struct Member {
-    std::atomic<Gang*> job{nullptr};  // a call on offer, or claimed (its lowest bit set)
-    std::atomic<bool> asleep{false};
-    std::mutex mu;
-    std::condition_variable wake;
-  };
-
-  static Gang* claimed(Gang* gang) {
-    return reinterpret_cast<Gang*>(reinterpret_cast<uintptr_t>(gang) | 1);
-  }
-  static bool& forked() {
-    static bool f = false;
-    return f;
-  }
-
-  // Members [0, n) exist and run; only callers holding grow_'s lock add any.
-  void grow(int64_t n) {
-    if (static_cast<int64_t>(count_.load(std::memory_order_acquire)) >= n) return;
-    std::lock_guard<std::mutex> lock(grow_);
-    while (count_.load(std::memory_order_relaxed) < n) {
-      Member* m = new Member;  // never freed, as the crew
-      members_[count_.load(std::memory_order_relaxed)] = m;
-      std::thread([m] { serve(*m); }).detach();
-      count_.fetch_add(1, std::memory_order_release);
-    }
-  }
-
-  static void serve(Member& m) {
-    auto last = std::chrono::steady_clock::now();
-    for (int spins = 0;; ++spins) {
-      Gang* gang = m.job.load(std::memory_order_acquire);
-      if (gang && !(reinterpret_cast<uintptr_t>(gang) & 1)) {
-        if (m.job.compare_exchange_strong(gang, claimed(gang), std::memory_order_acq_rel)) {
-          gang->help();
-          m.job.store(nullptr, std::memory_order_release);
-          last = std::chrono::steady_clock::now();
-        }
-        spins = 0;
-        continue;
-      }
-#if defined(__x86_64__)
-      if (spins < 512) {
-        _mm_pause();
-        continue;
-      }
-#endif
-      if (std::chrono::steady_clock::now() - last < kSpin) {
-        std::this_thread::yield();
-        continue;
-      }
-      std::unique_lock<std::mutex> lock(m.mu);
-      m.asleep.store(true);
-      m.wake.wait(lock, [&] { return m.job.load() != nullptr; });
-      m.asleep.store(false);
-      last = std::chrono::steady_clock::now();
-    }
-  }
-
-  static constexpr int kMost = 256;
-  std::mutex grow_;
-  std::atomic<int64_t> count_{0};
-  Member* members_[kMost] = {};
-};
-
-// Whether calls take the crew's helpers (colibri_own_helpers, cpu.cc; kernels.own_helpers)
-// or only the pool's.
-std::atomic<int32_t> own_helpers{1};
-
-// Run `gang` on the caller and up to items - 1 helpers (none below kSoloWork): the crew's,
-// and the pool's where the crew's are busy (or off).
+// Run `gang` on the caller and up to items - 1 helpers from the pool (none below kSoloWork).
 void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work) {
   const int64_t most = work < kSoloWork ? 0 : std::max<int64_t>(pool.num_threads() - 1, 0);
-  const int64_t helpers = std::min<int64_t>({most, items - 1, 255});
-  Crew& crew = Crew::get();
-  const int64_t posted =
-      own_helpers.load(std::memory_order_relaxed) ? crew.post(gang.get(), helpers) : 0;
-  for (int64_t t = posted; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
+  const int64_t helpers = std::min<int64_t>(most, items - 1);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
   gang->finish();
-  crew.retract(gang.get(), helpers);
 }
 
 // At least n floats, not initialised, for the call this thread is making: the buffer is kept
