@@ -50,6 +50,7 @@ from colibri.bench.replay import (
 )
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.config import load_config
+from colibri.formats import HOLD_ALL
 from colibri.report import markdown_table, write_report
 
 HERE = Path(__file__).parent
@@ -74,8 +75,17 @@ def linear_level(ckpt: Path, rows: int, passes: int) -> dict[str, list[float]]:
 
 
 def engine(ckpt: Path, huge: bool):
-    """(runner, first tokens of 16 conversations): one prompt, the last 8 tokens changed."""
-    return engine_under(ckpt, {"COLIBRI_HUGE_PAGES": "1" if huge else "0"})
+    """(runner, first tokens of 16 conversations): one prompt, the last 8 tokens changed;
+    loaded with COLIBRI_HUGE_PAGES as `huge` says (hugepages.enabled() reads it as it goes)."""
+    before = os.environ.get("COLIBRI_HUGE_PAGES")
+    os.environ["COLIBRI_HUGE_PAGES"] = "1" if huge else "0"
+    try:
+        return engine_under(ckpt, HOLD_ALL)
+    finally:
+        if before is None:
+            del os.environ["COLIBRI_HUGE_PAGES"]
+        else:
+            os.environ["COLIBRI_HUGE_PAGES"] = before
 
 
 LOAD = """
