@@ -87,3 +87,27 @@ def test_an_export_imports_back_into_another_slot(runner):
         np.testing.assert_array_equal(back[name], arr)
     with pytest.raises(IndexError):
         runner.export_slot(2, 5)
+
+
+def test_imports_write_in_place_through_a_few_programs_and_touch_nothing_else(runner):
+    """A restored slot is written into the cache's own memory (the cache donated), not into a
+    copy of every layer's whole cache, for every length through a few programs; the other
+    slot and the imported positions are exactly as they were exported."""
+    other = runner.export_slot(1, CTX)
+    before = [b.unsafe_buffer_pointer() for b in jax.tree.leaves(runner.cache)]
+    with _Compiles() as compiles:
+        for n in (1, 31, 33, 100, 200, CTX):
+            kv = runner.export_slot(1, n)
+            runner.import_slot(0, kv)
+            back = runner.export_slot(0, n)
+            for name, arr in kv.items():
+                np.testing.assert_array_equal(back[name], arr)
+    assert compiles.n <= 2 * len(BUCKETS), f"{compiles.n} programs for 6 lengths"
+    assert [b.unsafe_buffer_pointer() for b in jax.tree.leaves(runner.cache)] == before
+    for name, arr in runner.export_slot(1, CTX).items():
+        np.testing.assert_array_equal(arr, other[name])
+    too_long = {k: np.concatenate([a, a[:1]]) for k, a in runner.export_slot(1, CTX).items()}
+    with pytest.raises(ValueError, match="do not fit"):
+        runner.import_slot(0, too_long)
+    with pytest.raises(IndexError):
+        runner.import_slot(2, kv)

@@ -266,6 +266,16 @@ def _export_positions(cache, slot, *, size):
     return [attention.export_positions(layer, slot, size) for layer in cache]
 
 
+@partial(jax.jit, donate_argnums=(0,))
+def _import_positions(cache, slot, layers):
+    """`cache` with the first positions of `slot` in every layer set from `layers` (as
+    `export_positions` gives them), in place: the cache is donated."""
+    return [
+        attention.import_positions(layer, slot, data)
+        for layer, data in zip(cache, layers, strict=True)
+    ]
+
+
 class Runner:
     """A model with a KV cache of `slots` conversations of up to `capacity` positions each.
 
@@ -590,10 +600,31 @@ class Runner:
         }
 
     def import_slot(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
-        """Put arrays from `export_slot` back into `slot` (positions 0..length-1)."""
+        """Put arrays from `export_slot` back into `slot` (positions 0..length-1).
+
+        One program writes them into the cache in place (it is donated; updated eagerly, every
+        layer's whole cache was copied for each slot restored), padded with zeros to a
+        power-of-two bucket of positions as `export_slot` reads them: a handful of programs
+        serves every length. The padding lands on positions past the slot's history, which
+        nothing reads before a forward writes them."""
+        if not 0 <= slot < self.slots:
+            raise IndexError(f"slot {slot} is not one of the {self.slots} KV slots")
+        lengths = {len(a) for a in arrays.values()}
+        if len(lengths) > 1:
+            raise ValueError(f"the arrays hold different numbers of positions: {lengths}")
+        length = lengths.pop() if lengths else 0
+        if length > self.capacity:
+            raise ValueError(f"{length} positions do not fit a slot of {self.capacity}")
+        size = bucket(length, lo=32, hi=self.capacity)
+        layers = []
         for i, layer in enumerate(self.cache):
-            mine = {name: arrays[f"{i}.{name}"] for name in layer}
-            self.cache[i] = attention.import_positions(layer, slot, mine)
+            mine = {}
+            for name in layer:
+                data = np.asarray(arrays[f"{i}.{name}"])
+                pad = [(0, size - len(data))] + [(0, 0)] * (data.ndim - 1)
+                mine[name] = np.pad(data, pad)
+            layers.append(mine)
+        self.cache = _import_positions(self.cache, slot, layers)
 
     # -- internals -----------------------------------------------------------------------
 
