@@ -29,7 +29,8 @@ expert kernel streams every expert's rows from memory on both cores at one row, 
 the same colibri run: workers.expert_stream_rate). At 4 and 16 rows the experts touched
 are the distinct experts colibri's routers chose, counted per layer, and the table of several
 conversations counts their keys and values too (a 16-row step's rows attend over 16 contexts:
-7-22% of its bytes here), with the GB/s each batch size moves. A step of 16 rows is as much
+7-22% of its bytes here), with the GB/s each batch size moves; each round's 16-row rate is
+also held against the probe run just before that round. A step of 16 rows is as much
 arithmetic as memory traffic (8 FLOP a byte of the experts many rows chose), so that table also
 gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 rows streaming the
 probe's 1 GiB (both cores); what 16 slots at 6x batch 1 would have to move and compute; and
@@ -197,6 +198,22 @@ def main() -> None:
         flops = {b: step_flops(cfg, b, args.prompt, args.tokens) for b in (1, 4, 16)}
         summary[name]["step_bytes"] = moved
         summary[name]["step_flops"] = flops
+        # Each round's 16-row rate against the memory roofline of the probe run just before
+        # that round (the table's is at the run's best probe, which a fast minute can lift).
+        probes = summary[name]["roofline_paired"]["gb_s"]
+        summary[name]["roofline_paired"]["rows_16_ratio"] = [
+            c["decode_tok_s_16"]
+            / (
+                16
+                * g
+                * 1e9
+                / (
+                    step_bytes(cfg, c["distinct_experts_16"], 16)
+                    + kv_bytes(cfg, 16, args.prompt, args.tokens)
+                )
+            )
+            for g, c in zip(probes, runs[(name, "colibri")], strict=True)
+        ]
         by_pass = {  # every pass of every round
             b: [x for r in runs[(name, "colibri")] for x in r[f"x_vs_1_by_pass_{b}"]]
             for b in (4, 16)
@@ -339,6 +356,20 @@ def write_results(
         "## colibri with several conversations decoding at once",
         "",
         markdown_table(batch, index=False),
+        "",
+        "16 rows against the memory roofline of the probe run just before each round (that "
+        "round's own rate and distinct experts): "
+        + "; ".join(
+            f"{n} "
+            + ", ".join(
+                f"{r:.2f} ({g:.1f} GB/s)"
+                for r, g in zip(
+                    s["roofline_paired"]["rows_16_ratio"], s["roofline_paired"]["gb_s"], strict=True
+                )
+            )
+            for n, s in summary.items()
+        )
+        + ".",
         "",
         "Bytes a step: the weights it touches (the distinct experts chosen) and its "
         "conversations' keys and values (f32, the mean over the steps); GB/s moved: at the "
