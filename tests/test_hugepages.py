@@ -13,6 +13,7 @@ import pytest
 from colibri import hugepages
 from colibri.checkpoint import Checkpoint
 from colibri.config import load_config
+from colibri.engine.model import load_model
 from colibri.hugepages import HUGE
 from colibri.synth import SynthSpec, synthesize
 from colibri.weights import expert_slab, load_experts, read_expert
@@ -73,13 +74,16 @@ def test_small_arrays_and_the_off_switch_get_plain_numpy(monkeypatch):
     assert hugepages.populate([big]) is None
 
 
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    """A checkpoint whose expert stacks (8 x 512 x 256) and embeddings (4096 x 256) each take
+    4 MiB: room for huge pages."""
+    spec = SynthSpec(layers=1, experts=8, top_k=2, hidden=256, moe_ff=512, vocab=4096)
+    return synthesize(spec, tmp_path_factory.mktemp("m"), progress=False)
+
+
 @huge_pages_given
-def test_loaded_expert_stacks_are_on_huge_pages_with_the_checkpoint_values(tmp_path):
-    ckpt_dir = synthesize(
-        SynthSpec(layers=1, experts=8, top_k=2, hidden=256, moe_ff=512, vocab=300),
-        tmp_path / "m",
-        progress=False,
-    )
+def test_loaded_expert_stacks_are_on_huge_pages_with_the_checkpoint_values(ckpt_dir):
     ckpt, cfg = Checkpoint(ckpt_dir), load_config(ckpt_dir)
     stacks = load_experts(ckpt, cfg, cfg.moe_layer_ids[0])
     for i, k in enumerate(("gate", "up", "down")):
@@ -123,14 +127,7 @@ def test_hold_leaves_trees_under_a_huge_page_alone():
 
 
 @huge_pages_given
-def test_a_loaded_models_dense_weights_are_on_huge_pages(tmp_path):
-    from colibri.engine.model import load_model
-
-    ckpt_dir = synthesize(
-        SynthSpec(layers=1, experts=4, top_k=2, hidden=256, moe_ff=128, vocab=4096),
-        tmp_path / "m",
-        progress=False,
-    )
+def test_a_loaded_models_dense_weights_are_on_huge_pages(ckpt_dir):
     model = load_model(ckpt_dir, progress=False)
     for name in ("embed", "lm_head"):
         b = model.params[name].addressable_shards[0].data
