@@ -64,7 +64,6 @@ def load_model(
         dense = hold_bf16(dense, holding.bf16_storage)
     # On 2 MiB pages, as the routed experts are: the linear calls stream these every step.
     params = parallel.replicated(hugepages.hold(dense) if jax.default_backend() == "cpu" else dense)
-    del dense
     store = ExpertStore(ckpt, cfg, tiers or TierConfig(), usage_path, progress, holding)
     n_dense = sum(  # weights as the checkpoint names them, quantized ones by their values
         math.prod(t.shape)

@@ -133,16 +133,8 @@ struct Problem {
       else
         matvecs(Dn, nd, F, &hrow[q], r, emit, ldd, bd);
     };
-    if (r == 1) {
-      apply([&](int64_t d, int64_t, float v) { y[a[0] * D + d0 + d] = v; });
-      return;
-    }
-    // Through a buffer of the item's, as the linear call's results (linear.h): y's rows are
-    // D floats apart, in one set of the L1 where D is a multiple of 1024.
-    float* out = scratch<Scratch::kItemOut>(nd * r);
-    apply([&](int64_t d, int64_t j, float v) { out[d * r + j] = v; });
-    for (int64_t j = 0; j < r; ++j)
-      for (int64_t d = 0; d < nd; ++d) y[a[j] * D + d0 + d] = out[d * r + j];
+    through_item_buffer(nd, r, apply,
+                        [&](int64_t d, int64_t j, float v) { y[a[j] * D + d0 + d] = v; });
   }
 };
 

@@ -98,6 +98,24 @@ float* scratch(int64_t n) {
   return buf.get();
 }
 
+// Results of a work item's n weight rows against `inputs` inputs: apply(emit) emits each
+// (row o, input j, value) and store(o, j, value) puts it in place. Several inputs' go through
+// this thread's buffer first, row after row, and are stored input by input at the end: an
+// output's rows O floats apart, where O is a multiple of 1024 (4 KiB), put a tile's results for
+// every input in one set of the L1 (lm_head of a vocabulary of 8192 at 16 rows: 1.2x the time
+// of 8256 rows).
+template <typename Apply, typename Store>
+void through_item_buffer(int64_t n, int64_t inputs, Apply apply, Store store) {
+  if (inputs == 1) {
+    apply(store);
+    return;
+  }
+  float* out = scratch<Scratch::kItemOut>(n * inputs);
+  apply([&](int64_t o, int64_t j, float v) { out[o * inputs + j] = v; });
+  for (int64_t j = 0; j < inputs; ++j)
+    for (int64_t o = 0; o < n; ++o) store(o, j, out[o * inputs + j]);
+}
+
 // How many times their usual size the work items of a call whose rows stream from memory once
 // may be (where: pairs.h's long_items). A core streams an item's rows as a few streams (rows a
 // quarter of the item apart), which the prefetchers take up anew at each item: the longer the

@@ -44,15 +44,8 @@ struct LinearCall : Gang {
     [[maybe_unused]] std::conditional_t<
         kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
         keep{};
-    // Several rows' results go to a buffer of the item's, row after row of w, and out to y
-    // at the end of the item: y's rows are O floats apart, and where that is a multiple of
-    // 1024 (4 KiB) a tile's results for all rows fell in one set of the L1 (lm_head of a
-    // vocabulary of 8192, 16 rows: 1.2x the time of 8256).
-    float* out = M > 1 ? scratch<Scratch::kItemOut>(chunk * M) : nullptr;
     for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
-      auto direct = [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; };
-      auto buffered = [&](int64_t o, int64_t m, float v) { out[o * M + m] = v; };
       auto apply = [&](auto emit) {
         if constexpr (kProducts<T>)
           bmatvecs(w + o0 * ld, no, I, ld, xb.data(), M, emit);
@@ -61,13 +54,8 @@ struct LinearCall : Gang {
         else
           matvecs(w + o0 * ld, no, I, xrow.data(), M, emit, ld, blk);
       };
-      if (!out) {
-        apply(direct);
-        continue;
-      }
-      apply(buffered);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t o = 0; o < no; ++o) y[m * O + o0 + o] = out[o * M + m];
+      through_item_buffer(no, M, apply,
+                          [&](int64_t o, int64_t m, float v) { y[m * O + o0 + o] = v; });
     }
   }
 };
