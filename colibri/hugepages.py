@@ -1,6 +1,7 @@
-"""Host arrays on 2 MiB pages: fewer TLB misses while decode streams the experts from RAM.
+"""Host arrays on 2 MiB pages: fewer TLB misses while decode streams the weights from RAM.
 
-Decode on the CPU reads every chosen expert's weights from memory at each step. On 4 KiB pages
+Decode on the CPU reads every chosen expert's weights, and every dense weight, from memory at
+each step. On 4 KiB pages
 a stream misses the TLB every 4 KiB and the hardware prefetchers stop at each page boundary.
 `empty(shape, dtype)` gives an uninitialised numpy array whose memory Linux is asked to back
 with transparent huge pages (`madvise(MADV_HUGEPAGE)` on a private anonymous mapping aligned to
@@ -9,7 +10,8 @@ with transparent huge pages (`madvise(MADV_HUGEPAGE)` on a private anonymous map
 there are no free huge pages, the array simply gets small pages. JAX on the CPU takes such an
 array without copying it (`jax.device_put` keeps using the memory), so the expert stacks the
 engine loads stay where they were written. Elsewhere (another OS, small arrays,
-`COLIBRI_HUGE_PAGES=0`) it is `np.empty`.
+`COLIBRI_HUGE_PAGES=0`) it is `np.empty`. `hold(tree)` moves arrays made elsewhere (the dense
+weights as the checkpoint reader gives them) into such memory.
 """
 
 from __future__ import annotations
