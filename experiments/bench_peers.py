@@ -188,13 +188,7 @@ def main() -> None:
     for name in names:
         cfg = load_config(inputs[name]["colibri"])
         col = summary[name]["peers"]["colibri"]
-        # What a step of b rows reads: the weights it touches, and its rows' keys and values
-        # (at 16 rows, 7-22% of the bytes on these shapes; at one row 1-2%).
-        moved = {
-            b: step_bytes(cfg, col[f"distinct_experts_{b}"], b)
-            + kv_bytes(cfg, b, args.prompt, args.tokens)
-            for b in (1, 4, 16)
-        }
+        moved = {b: moved_by(cfg, col, b, args) for b in (1, 4, 16)}
         flops = {b: step_flops(cfg, b, args.prompt, args.tokens) for b in (1, 4, 16)}
         summary[name]["step_bytes"] = moved
         summary[name]["step_flops"] = flops
@@ -202,16 +196,7 @@ def main() -> None:
         # that round (the table's is at the run's best probe, which a fast minute can lift).
         probes = summary[name]["roofline_paired"]["gb_s"]
         summary[name]["roofline_paired"]["rows_16_ratio"] = [
-            c["decode_tok_s_16"]
-            / (
-                16
-                * g
-                * 1e9
-                / (
-                    step_bytes(cfg, c["distinct_experts_16"], 16)
-                    + kv_bytes(cfg, 16, args.prompt, args.tokens)
-                )
-            )
+            c["decode_tok_s_16"] / (16 * g * 1e9 / moved_by(cfg, c, 16, args))
             for g, c in zip(probes, runs[(name, "colibri")], strict=True)
         ]
         by_pass = {  # every pass of every round
@@ -247,6 +232,14 @@ def main() -> None:
     print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     print(batch.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     write_results(args, host(), bw, gb_s, gflop_s, peak, table, batch, summary)
+
+
+def moved_by(cfg, run: dict, b: int, args) -> float:
+    """What a step of b rows of a colibri run reads: the weights it touches (the distinct
+    experts its routers chose), and its rows' keys and values (at 16 rows, 7-22% of the bytes
+    on these shapes; at one row 1-2%)."""
+    experts = run[f"distinct_experts_{b}"]
+    return step_bytes(cfg, experts, b) + kv_bytes(cfg, b, args.prompt, args.tokens)
 
 
 def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:

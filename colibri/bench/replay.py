@@ -120,7 +120,7 @@ def compare(
 def dense_on_huge_pages(mats: list) -> list:
     """Copies of the matrices as the engine holds its dense weights: together in one mapping
     on huge pages (hugepages.hold), which JAX then uses without a copy."""
-    return [jax.device_put(m) for m in hugepages.hold([np.array(m) for m in mats])]
+    return [jax.device_put(m) for m in hugepages.hold([np.asarray(m) for m in mats])]
 
 
 def compare_linear(calls: dict, cfg, rows: int, passes: int, hold: dict | None = None) -> dict:
