@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -265,6 +266,110 @@ def llama_generate(
         decode_s=t3 - t2,
         decode_tok_s=(n_new - 1) / (t3 - t2) if n_new > 1 else float("nan"),
         **perf,
+    )
+
+
+def llama_generate_parallel(
+    gguf_path: str | Path,
+    prompts: list[list[int]],
+    n_new: int,
+    n_threads: int | None = None,
+    kv_type: str = "f32",
+    flash_attn: bool = False,
+) -> tuple[list[list[int]], dict[str, float]]:
+    """Greedy continuations of several prompts by llama.cpp decoding them together, a sequence
+    each (as llama-server's parallel slots do: one llama_decode a step, a token of every
+    sequence in it, each with its own KV stream), and how long it took.
+
+    Returns each prompt's n_new tokens and timings: load_s, prefill_s (the prompts, one
+    llama_decode each), decode_s / decode_tok_s (the n_new - 2 steps after the first batched
+    one, which sizes llama.cpp's graph for the batch and is not timed; tokens of all sequences
+    a second)."""
+    import llama_cpp
+
+    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if kv_type not in kv:
+        raise ValueError(f"kv_type={kv_type!r}: one of {', '.join(kv)}")
+    if not prompts or not all(prompts) or n_new < 3:
+        raise ValueError(f"need non-empty prompts and n_new >= 3 (got {len(prompts)}, {n_new})")
+    n_seq, longest = len(prompts), max(len(p) for p in prompts)
+    threads = n_threads or 1
+    # llama-cpp-python prints llama.cpp's log through this logger, at its level (as Llama's
+    # verbose=False sets it).
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(
+        str(gguf_path).encode(), llama_cpp.llama_model_default_params()
+    )
+    if not model:
+        raise RuntimeError(f"{gguf_path}: llama.cpp could not load it")
+    params = llama_cpp.llama_context_default_params()
+    params.n_seq_max = n_seq
+    per_seq = -(-(longest + n_new + 8) // 256) * 256  # llama.cpp pads a stream to 256
+    params.n_ctx = n_seq * per_seq  # each sequence's stream a share of it
+    params.n_batch = params.n_ubatch = max(512, longest, n_seq)
+    params.n_threads = params.n_threads_batch = threads
+    params.type_k = params.type_v = kv[kv_type]
+    params.flash_attn_type = (
+        llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if flash_attn
+        else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    )
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+    try:
+        if not ctx:
+            raise RuntimeError(f"{gguf_path}: llama.cpp could not make a context for {n_seq}")
+        load_s = time.perf_counter() - t0
+
+        def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+            """One llama_decode of (token, position, sequence, wants logits) entries."""
+            for i, (tok, pos, seq, logits) in enumerate(entries):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0], batch.logits[i] = seq, logits
+            batch.n_tokens = len(entries)
+            if rc := llama_cpp.llama_decode(ctx, batch):
+                raise RuntimeError(f"llama_decode returned {rc}")
+
+        def greedy(i: int) -> int:
+            row = llama_cpp.llama_get_logits_ith(ctx, i)
+            return int(np.argmax(np.ctypeslib.as_array(row, shape=(vocab,))))
+
+        t1 = time.perf_counter()
+        out = []
+        for s, p in enumerate(prompts):
+            decode([(tok, i, s, i == len(p) - 1) for i, tok in enumerate(p)])
+            out.append([greedy(len(p) - 1)])
+        prefill_s = time.perf_counter() - t1
+
+        def step() -> None:
+            decode(
+                [
+                    (o[-1], len(p) + len(o) - 1, s, True)
+                    for s, (p, o) in enumerate(zip(prompts, out, strict=True))
+                ]
+            )
+            for s, o in enumerate(out):
+                o.append(greedy(s))
+
+        step()  # sizes the graph for the batch
+        llama_cpp.llama_synchronize(ctx)
+        t2 = time.perf_counter()
+        for _ in range(n_new - 2):
+            step()
+        decode_s = time.perf_counter() - t2
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        if ctx:
+            llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
+    return out, dict(
+        load_s=load_s,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tok_s=n_seq * (n_new - 2) / decode_s,
     )
 
 

@@ -8,8 +8,10 @@ own) and the configurations alternate over --rounds rounds, best round kept, so 
 other processes falls on each of them alike. `make bench` runs this with the defaults.
 
 Measured per configuration: load seconds; prefill tok/s and TTFT for a --prompt-token prompt;
-greedy decode tok/s at batch 1 over --tokens tokens; for colibri also the aggregate tok/s of 4
-and 16 rows decoding at once (16 KV slots); peak RSS. colibri decodes as its engine decodes
+greedy decode tok/s at batch 1 over --tokens tokens; for colibri and llama.cpp also the aggregate
+tok/s of 4 and 16 conversations decoding at once (colibri: 16 KV slots; llama.cpp: a sequence
+each, a token of every one in each llama_decode, as llama-server's parallel slots decode); peak
+RSS. colibri decodes as its engine decodes
 greedy requests on these models: bursts of BURST steps a forward, cuttable (a step here takes
 longer than BURST_MS / BURST); its rate with one step a forward is reported beside. colibri
 measures 1, 4 and 16 rows in PASSES passes a round; the ratios to batch 1 are given both as
@@ -51,7 +53,7 @@ import pandas as pd
 
 from colibri.bench.accounting import kv_bytes, step_bytes, step_flops, streaming_bound
 from colibri.bench.bandwidth import memory_bandwidth
-from colibri.bench.conversations import prompt_ids
+from colibri.bench.conversations import conversation_prompts, prompt_ids
 from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs
 from colibri.bench.sidebyside import agreement
 from colibri.bench.workers import run_probe, run_worker
@@ -106,12 +108,15 @@ def main() -> None:
     for rnd in range(args.rounds):
         for name in names:
             prompt = prompt_ids(SHAPES[name].vocab, args.prompt)
+            conversations = conversation_prompts(prompt, 16, SHAPES[name].vocab)
             order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]  # rotate the order
             print(f"round {rnd + 1}/{args.rounds}, {name}", flush=True)
             for peer in order:
                 if peer == "colibri":  # the roofline of this very round (paired below)
                     runs.setdefault((name, "probe"), []).append(run_probe())
-                res = run_worker(peer, inputs[name][peer], prompt, args.tokens)
+                res = run_worker(
+                    peer, inputs[name][peer], prompt, args.tokens, conversations=conversations
+                )
                 runs.setdefault((name, peer), []).append(res)
     bw = {"before": bw, "after": memory_bandwidth()}
     gb_s = max(bw["before"]["gb_s"], bw["after"]["gb_s"])
@@ -204,6 +209,7 @@ def main() -> None:
             for b in (4, 16)
         }
         summary[name]["x_vs_1_by_pass"] = by_pass
+        lf32, lq8 = (summary[name]["peers"].get(p, {}) for p in PEERS[2:])
         for b in (1, 4, 16):
             batch_rows.append(
                 {
@@ -226,6 +232,11 @@ def main() -> None:
                     "roofline tok/s, multiply-adds": b * peak * 1e9 / flops[b] if peak else None,
                     "aggregate / lower roofline": col[f"decode_tok_s_{b}"]
                     / min(b * gb_s * 1e9 / moved[b], b * peak * 1e9 / flops[b] if peak else 1e30),
+                    "llama.cpp f32 tok/s": lf32.get(f"decode_tok_s_{b}"),
+                    "colibri / llama.cpp f32": (
+                        col[f"decode_tok_s_{b}"] / lf32[f"decode_tok_s_{b}"] if lf32 else None
+                    ),
+                    "llama.cpp q8_0 tok/s": lq8.get(f"decode_tok_s_{b}"),
                 }
             )
     batch = pd.DataFrame(batch_rows)
@@ -240,6 +251,26 @@ def moved_by(cfg, run: dict, b: int, args) -> float:
     on these shapes; at one row 1-2%)."""
     experts = run[f"distinct_experts_{b}"]
     return step_bytes(cfg, experts, b) + kv_bytes(cfg, b, args.prompt, args.tokens)
+
+
+def llama_rows(summary: dict) -> str:
+    """How llama.cpp's rates at 4 and 16 rows were taken, and whether decoding its first
+    conversation beside 15 others kept its batch-1 tokens."""
+    kept = [
+        f"{name} {peer.removeprefix('llama.cpp ')} "
+        f"{agreement(r['tokens'], r['batch_16_tokens_0'])}/{len(r['tokens'])}"
+        for name, res in summary.items()
+        for peer, r in res["peers"].items()
+        if "batch_16_tokens_0" in r
+    ]
+    if not kept:
+        return "llama.cpp not run: no rates of several conversations beside colibri's."
+    return (
+        "llama.cpp at 4 and 16 rows: the same conversations as colibri's, a sequence each, one "
+        "llama_decode a step with a token of each (llama-server's parallel slots), f32 KV "
+        "cache, the rate over the steps after the first batched one, best round. Its first "
+        "conversation's tokens at 16 rows against its own at batch 1: " + ", ".join(kept) + "."
+    )
 
 
 def six_times(summary: dict, gb_s: float, gflop_s: float) -> str:
@@ -363,6 +394,8 @@ def write_results(
             for n, s in summary.items()
         )
         + ".",
+        "",
+        llama_rows(summary),
         "",
         "Bytes a step: the weights it touches (the distinct experts chosen) and its "
         "conversations' keys and values (f32, the mean over the steps); GB/s moved: at the "

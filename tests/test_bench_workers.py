@@ -45,3 +45,31 @@ def test_a_worker_runs_the_code_of_the_tree_it_is_given(tmp_path, monkeypatch):
     assert Path(res["path"]) == ckpt.resolve()
     assert (res["tokens"], res["prompt"], res["env"]) == (7, [5, 6], "yes")
     assert not list(Path("cache").iterdir()), "the worker's result file is left behind"
+
+
+def test_other_conversations_are_the_conversation_prompts_each_slot_holds(checkpoints):
+    """The benchmarks' 16 conversations (colibri's slots, llama.cpp's sequences) are one list:
+    each slot other_conversations fills holds its conversation_prompts prompt, as a prefill of
+    that prompt alone would."""
+    import numpy as np
+
+    from colibri.bench.conversations import conversation_prompts, other_conversations
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Runner
+
+    model = load_model(checkpoints("qwen3_moe"), progress=False)
+    vocab = model.cfg.vocab_size
+    prompt = list(range(3, 23))
+    prompts = conversation_prompts(prompt, 4, vocab)
+    assert prompts == conversation_prompts(prompt, 4, vocab)  # the same every run
+    assert prompts[0] == prompt and len(prompts) == 4
+    assert all(p[:-8] == prompt[:-8] and len(p) == len(prompt) for p in prompts)
+    assert len({tuple(p[-8:]) for p in prompts}) == 4
+    assert all(0 <= t < min(vocab, 4096) for p in prompts for t in p)
+
+    runner = Runner(model, slots=4, capacity=32)
+    runner.prefill(0, prompt)
+    firsts = other_conversations(runner, prompt, 4)
+    alone = Runner(model, slots=1, capacity=32)
+    expect = [int(np.argmax(alone.prefill(0, p)[0])) for p in prompts[1:]]
+    assert firsts == expect

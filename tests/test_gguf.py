@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from colibri.checkpoint import Checkpoint, write_safetensors
-from colibri.gguf import export_gguf, llama_generate, llama_logits
+from colibri.engine.generate import generate_ids
+from colibri.gguf import export_gguf, llama_generate, llama_generate_parallel, llama_logits
 from colibri.synth import SynthSpec, synthesize
 
 gguf = pytest.importorskip("gguf")
@@ -216,7 +217,6 @@ def test_export_refuses_unknown_dtype(tmp_path):
 
 
 def _colibri(d):
-    from colibri.engine.generate import generate_ids
     from colibri.engine.model import load_model
     from colibri.engine.runner import Runner
 
@@ -241,6 +241,29 @@ def test_llama_cpp_greedy_and_logits_match_colibri(family, exported):
     seq = ids + ours[:-1]
     ref = llama_logits(path, seq, n_threads=2)
     np.testing.assert_allclose(runner.full_logits(seq), ref, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_cpp_decodes_several_conversations_at_once_as_colibri_does_each(family, exported):
+    """llama.cpp's batched decode (a sequence each, one llama_decode a step), the peer of
+    colibri's several rows: each conversation's greedy tokens are colibri's for it alone."""
+    pytest.importorskip("llama_cpp")
+    d, path = exported(family)
+    _, runner, ids, ours = _colibri(d)
+    prompts = [ids, ids[:-3] + [7, 8, 9], ids[:5] + [40, 41], list(range(60, 80))]
+    theirs, timings = llama_generate_parallel(path, prompts, N_NEW, n_threads=2)
+    assert theirs[0] == ours
+    for p, got in zip(prompts[1:], theirs[1:], strict=True):
+        assert got == list(generate_ids(runner, p, N_NEW))
+    assert len({tuple(t) for t in theirs}) > 1  # the conversations do differ
+    assert timings["decode_tok_s"] > 0 and timings["prefill_s"] > 0
+    assert timings["decode_tok_s"] == pytest.approx(4 * (N_NEW - 2) / timings["decode_s"])
+    with pytest.raises(ValueError, match="n_new >= 3"):
+        llama_generate_parallel(path, prompts, 2)
+    with pytest.raises(ValueError, match="non-empty prompts"):
+        llama_generate_parallel(path, [ids, []], N_NEW)
+    with pytest.raises(ValueError, match="kv_type"):
+        llama_generate_parallel(path, prompts, N_NEW, kv_type="q8_0")
 
 
 def test_llama_cpp_runs_the_q8_0_file(exported):
@@ -280,3 +303,18 @@ def test_llama_cpp_runs_the_bf16_file(exported):
     # The same weights; llama.cpp rounds the activations to bf16 for its bf16 products.
     ref, got = llama_logits(f32, ids, n_threads=2), llama_logits(bf16, ids, n_threads=2)
     assert np.abs(got - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_the_llama_worker_decodes_the_conversations_together_too(exported):
+    """bench_peers' llama.cpp worker: batch 1, then the conversations 4 and 16 at a time, its
+    first conversation's tokens kept for the comparison with batch 1."""
+    pytest.importorskip("llama_cpp")
+    from colibri.bench.conversations import conversation_prompts
+    from colibri.bench.workers import work_llama
+
+    _, path = exported("olmoe")
+    prompt = list(range(10, 30))
+    res = work_llama(path, prompt, 8, conversation_prompts(prompt, 16, SMALL["vocab"]))
+    assert res["batch_16_tokens_0"] == res["tokens"] == res["batch_4_tokens_0"]
+    assert res["decode_tok_s_16"] > 0 and res["decode_tok_s_4"] > 0
+    assert "decode_tok_s_16" not in work_llama(path, prompt, 8)

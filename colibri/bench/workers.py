@@ -190,16 +190,19 @@ def work_transformers(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     }
 
 
-def work_llama(gguf: Path, prompt: list[int], tokens: int) -> dict:
-    from colibri.gguf import llama_generate
+def work_llama(
+    gguf: Path, prompt: list[int], tokens: int, conversations: list[list[int]] | None = None
+) -> dict:
+    """Batch 1, then, given `conversations` (colibri's, `conversation_prompts`), their first 4
+    and all 16 decoding together (`llama_generate_parallel`)."""
+    from colibri.gguf import llama_generate, llama_generate_parallel
 
+    threads = os.cpu_count() or 1
     t0 = time.perf_counter()
     # An f32 KV cache, as colibri keeps (llama.cpp's default f16 cache moves logits by ~1e-3).
-    out, timings = llama_generate(
-        gguf, prompt, tokens + 1, n_threads=os.cpu_count() or 1, kv_type="f32"
-    )
+    out, timings = llama_generate(gguf, prompt, tokens + 1, n_threads=threads, kv_type="f32")
     wall = time.perf_counter() - t0
-    return {
+    res = {
         "load_s": timings["load_s"],
         "ttft_s": timings["prefill_s"],
         "prefill_tok_s": len(prompt) / timings["prefill_s"],
@@ -207,6 +210,13 @@ def work_llama(gguf: Path, prompt: list[int], tokens: int) -> dict:
         "tokens": out,
         "wall_s": wall,
     }
+    for rows in (4, 16) if conversations else ():
+        outs, t = llama_generate_parallel(
+            gguf, conversations[:rows], tokens + 1, n_threads=threads, kv_type="f32"
+        )
+        res[f"decode_tok_s_{rows}"] = t["decode_tok_s"]
+        res[f"batch_{rows}_tokens_0"] = outs[0]  # its first conversation, batch 1's prompt
+    return res
 
 
 def worker(args) -> None:
@@ -219,7 +229,8 @@ def worker(args) -> None:
     elif args.worker == "transformers":
         res = work_transformers(Path(args.path), prompt, args.tokens)
     else:
-        res = work_llama(Path(args.path), prompt, args.tokens)
+        conversations = json.loads(args.conversations) if args.conversations else None
+        res = work_llama(Path(args.path), prompt, args.tokens, conversations)
     res["peak_rss_mb"] = peak_rss_mb()
     Path(args.out).write_text(json.dumps(res))
 
@@ -232,6 +243,7 @@ def main() -> None:
     ap.add_argument("--path")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-ids")
+    ap.add_argument("--conversations", help="llama: prompts (JSON) to decode together as well")
     ap.add_argument("--out", required=True)
     worker(ap.parse_args())
 
@@ -250,14 +262,18 @@ def run_worker(
     tokens: int,
     env: dict[str, str] | None = None,
     tree: Path | None = None,
+    conversations: list[list[int]] | None = None,
 ) -> dict:
     """One run of `peer` on `path` in a process of its own (`env`: variables added to this
     process's, e.g. COLIBRI_BF16=products for a colibri run; `tree`: a checkout of colibri
-    whose code the worker runs, instead of this one's)."""
+    whose code the worker runs, instead of this one's; `conversations`: for llama.cpp, the
+    prompts it also decodes 4 and 16 at a time)."""
     out = (CACHE / f"worker-{os.getpid()}.json").resolve()
     kind = "llama" if peer.startswith("llama") else peer
     cmd = worker_command(kind, out) + ["--path", str(Path(path).resolve())]
     cmd += ["--tokens", str(tokens), "--prompt-ids", json.dumps(prompt)]
+    if conversations and kind == "llama":
+        cmd += ["--conversations", json.dumps(conversations)]
     env = {**os.environ, **(env or {})}
     if tree is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree), env.get("PYTHONPATH")]))
