@@ -108,7 +108,9 @@ def write_peers(args, rows: list[dict]) -> None:
         "# colibri and llama.cpp on the same bf16 checkpoint",
         "",
         f"Command: `{cmd} --rounds {args.rounds}`  ",
-        "Batch-1 greedy decode of 64 tokens after a 128-token prompt, each engine in a process "
+        "Batch-1 greedy decode of 64 tokens after a 128-token prompt, and the same with 16 "
+        "conversations decoding together (colibri's 16 slots; llama.cpp's 16 sequences, one "
+        "llama_decode a step), each engine in a process "
         "of its own, alternating rounds; best of rounds. colibri holds the bf16 weights as bf16 "
         "and computes in float32, or with COLIBRI_BF16=products rounds the inputs of its bf16 "
         "products to bf16; llama.cpp runs its bf16 GGUF export (norms and routers f32) "

@@ -36,8 +36,9 @@ experiments/bench_peers.py): colibri on the int8 (int4) checkpoint against llama
 format of as many bits, q8_0 (q4_0: blocks of 32 with a float16 scale; norms and routers stay
 f32), of the float32 checkpoint the peers benchmark runs: two quantizations of one model, so
 their greedy tokens need not agree. Each in a process of its own, --rounds (default 3)
-alternating rounds, batch 1, 64 tokens after a 128-token prompt; best of rounds
-(colibri.bench.sidebyside, as experiments/bench_bf16.py's peers level), and colibri's rate
+alternating rounds, batch 1, 64 tokens after a 128-token prompt, and 16 conversations decoding
+together; best of rounds (colibri.bench.sidebyside, as experiments/bench_bf16.py's peers
+level), and colibri's rate
 against the roofline of the bytes it holds, each round against a bandwidth probe run just
 before it, beside the most of that roofline the widening of its rows allows (the rate both
 cores put them through the kernels from L2, measured in the same round) and the most the
@@ -128,7 +129,9 @@ def write_peers(args, rows: list[dict]) -> None:
         f"{FORMATS[fmt]['note']} colibri holds the routed experts and the attention as {fmt} "
         "rows (embeddings, routers and lm_head stay bfloat16) and computes in float32; "
         f"llama.cpp runs the float32 checkpoint's {kind} GGUF export (norms and routers f32) "
-        "with an f32 KV cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt, "
+        "with an f32 KV cache. Batch-1 greedy decode of 64 tokens after a 128-token prompt "
+        "(and 16 conversations decoding together: colibri's 16 slots, llama.cpp's 16 "
+        "sequences, one llama_decode a step), "
         "each engine in a process of its own, alternating rounds; best of rounds. Two "
         "quantizations of one model: their greedy tokens need not agree. Roofline: the bytes "
         "of weights a batch-1 step reads as colibri holds them (MB a step: the dense arrays, "

@@ -17,13 +17,16 @@ from colibri.bench import sidebyside
 def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels):
     probes = iter([{"gb_s": 40.0}, {"gb_s": 20.0}])
     rates = {"colibri": iter([100.0, 150.0]), "llama.cpp": iter([120.0, 110.0])}
+    rates_16 = {"colibri": iter([900.0, 800.0]), "llama.cpp": iter([400.0, 450.0])}
 
-    envs = []
+    envs, given = [], []
 
-    def worker(kind, path, prompt, tokens, env=None):
+    def worker(kind, path, prompt, tokens, env=None, conversations=None):
         envs.append((kind, env))
+        given.append(conversations)
         res = {
             "decode_tok_s_1": next(rates[kind]),
+            "decode_tok_s_16": next(rates_16[kind]),
             "prefill_tok_s": 1.0,
             "peak_rss_mb": 1.0,
             "tokens": [1, 2, 3],
@@ -51,6 +54,12 @@ def test_rounds_give_roofline_ratios_and_the_widening_bound(monkeypatch, kernels
     ours, theirs = rows
     assert ours["decode tok/s (batch 1, best of rounds)"] == 150.0
     assert theirs["colibri / this"] == pytest.approx(150.0 / 120.0)
+    # 16 conversations: each engine's best round, whichever round gave its best batch 1; both
+    # engines given the same 16 conversations, the first of them the batch-1 prompt.
+    assert ours["decode tok/s, 16 conversations (best of rounds)"] == 900.0
+    assert theirs["colibri / this, 16 conversations"] == pytest.approx(900.0 / 450.0)
+    assert all(c == given[0] for c in given) and len(given[0]) == 16
+    assert given[0][0] == sidebyside.prompt_ids(64, 128)
     # Roofline: 40 GB/s over 100 MB is 400 tok/s, 20 GB/s 200 tok/s.
     assert ours["/ roofline, per round (probe GB/s)"] == "0.25 (40.0), 0.75 (20.0)"
     # Widening: 60 MB at 20 GB/s take 3 ms a step, against the rooflines' 2.5 ms (0.83 of the

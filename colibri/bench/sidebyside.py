@@ -1,13 +1,14 @@
-"""colibri beside a peer on the same model: batch-1 greedy decode, each engine in a process of
-its own (colibri.bench.workers), the order flipping every round, colibri against the roofline of
-the bytes it holds; and how many leading greedy tokens two runs share."""
+"""colibri beside a peer on the same model: batch-1 greedy decode and 16 conversations decoding
+together, each engine in a process of its own (colibri.bench.workers), the order flipping every
+round, colibri against the roofline of the bytes it holds; and how many leading greedy tokens two
+runs share."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from colibri.bench.accounting import streaming_bound
-from colibri.bench.conversations import prompt_ids
+from colibri.bench.conversations import conversation_prompts, prompt_ids
 from colibri.bench.workers import run_probe, run_worker
 from colibri.config import load_config
 
@@ -31,7 +32,9 @@ def side_by_side(
     checkpoint (label -> path; the first a colibri checkpoint, labels starting "colibri" or
     "llama.cpp"; `envs`: label -> variables its runs get, e.g. COLIBRI_BF16=products), each
     run in a process of its own (workers.run_worker), the order flipping
-    every round: each engine's best round, against the first engine's. Each colibri run comes
+    every round: each engine's best round, against the first engine's; and the same for the
+    aggregate rate of 16 conversations decoding together (conversations.conversation_prompts:
+    colibri's 16 slots, llama.cpp's 16 sequences). Each colibri run comes
     right after a bandwidth probe in a process of its own (workers.run_probe): its rate against
     the roofline of that probe, the bytes a step reads as colibri holds the weights
     (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
@@ -43,13 +46,22 @@ def side_by_side(
     (workers.expert_stream_rate, in the same process), the rest of the step's bytes at the
     probe's rate."""
     first = next(iter(paths))
-    prompt = prompt_ids(load_config(paths[first]).vocab_size, 128)
+    vocab = load_config(paths[first]).vocab_size
+    prompt = prompt_ids(vocab, 128)
+    conversations = conversation_prompts(prompt, 16, vocab)
     runs = {k: [] for k in paths}
     for r in range(rounds):
         for peer in list(paths) if r % 2 == 0 else list(paths)[::-1]:
             kind = "colibri" if peer.startswith("colibri") else "llama.cpp"
             probe = run_probe() if kind == "colibri" else None
-            res = run_worker(kind, paths[peer], prompt, tokens, env=(envs or {}).get(peer))
+            res = run_worker(
+                kind,
+                paths[peer],
+                prompt,
+                tokens,
+                env=(envs or {}).get(peer),
+                conversations=conversations,
+            )
             if probe:
                 roof = probe["gb_s"] * 1e9 / res["held_step_bytes_1"]
                 res["roofline"] = {"gb_s": probe["gb_s"], "ratio": res["decode_tok_s_1"] / roof}
@@ -66,9 +78,11 @@ def side_by_side(
                     res["roofline"]["stream_gb_s"] = res["stream_gb_s"]
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
+    ours_16 = max((x.get("decode_tok_s_16", 0.0) for x in runs[first]), default=0.0)
     rows = []
     for peer, res in runs.items():
         best = max(res, key=lambda x: x["decode_tok_s_1"])
+        best_16 = max(x.get("decode_tok_s_16", 0.0) for x in res)
         roofs = [x["roofline"] for x in res if "roofline" in x]
         rows.append(
             {
@@ -76,6 +90,8 @@ def side_by_side(
                 "engine": peer,
                 "decode tok/s (batch 1, best of rounds)": best["decode_tok_s_1"],
                 "colibri / this": ours["decode_tok_s_1"] / best["decode_tok_s_1"],
+                "decode tok/s, 16 conversations (best of rounds)": best_16 or None,
+                "colibri / this, 16 conversations": ours_16 / best_16 if best_16 else None,
                 "prefill tok/s": best["prefill_tok_s"],
                 "peak RSS MB": best["peak_rss_mb"],
                 "greedy tokens as colibri's": f"{agreement(ours['tokens'], best['tokens'])}"
