@@ -38,7 +38,9 @@ gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 row
 probe's 1 GiB (both cores); what 16 slots at 6x batch 1 would have to move and compute; and
 what 16 rows at 85% of their memory roofline would compute, against the multiply-add ceiling and
 that kernel's rate.
-llama.cpp runs with an f32 KV cache, as colibri keeps.
+llama.cpp runs with an f32 KV cache, as colibri keeps. --shapes takes any of
+colibri.bench.shapes.ALL_SHAPES: `wide` has the rows of Qwen3-30B-A3B (hidden 2048, moe_ff 768)
+in 4 layers of 32 experts, where the default shapes' rows are 512 and 768 columns.
 Writes experiments/results/peers.md and peers.json (--out NAME: NAME.md and NAME.json).
 """
 
@@ -54,7 +56,7 @@ import pandas as pd
 from colibri.bench.accounting import kv_bytes, step_bytes, step_flops, streaming_bound
 from colibri.bench.bandwidth import memory_bandwidth
 from colibri.bench.conversations import conversation_prompts, prompt_ids
-from colibri.bench.shapes import CACHE, SHAPES, ensure_inputs
+from colibri.bench.shapes import ALL_SHAPES, CACHE, SHAPES, ensure_inputs
 from colibri.bench.sidebyside import agreement
 from colibri.bench.workers import run_probe, run_worker
 from colibri.config import load_config
@@ -86,7 +88,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help="of colibri.bench.shapes.ALL_SHAPES (wide: the rows of Qwen3-30B-A3B)",
+    )
     ap.add_argument(
         "--out", default="peers", help="results name: experiments/results/NAME.md and .json"
     )
@@ -107,8 +113,8 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):
         for name in names:
-            prompt = prompt_ids(SHAPES[name].vocab, args.prompt)
-            conversations = conversation_prompts(prompt, 16, SHAPES[name].vocab)
+            prompt = prompt_ids(ALL_SHAPES[name].vocab, args.prompt)
+            conversations = conversation_prompts(prompt, 16, ALL_SHAPES[name].vocab)
             order = peers[rnd % len(peers) :] + peers[: rnd % len(peers)]  # rotate the order
             print(f"round {rnd + 1}/{args.rounds}, {name}", flush=True)
             for peer in order:
@@ -342,12 +348,14 @@ def write_results(
     shapes = {
         n: f"synthetic {s.family}: {s.layers} layers x {s.experts} experts (top-{s.top_k}), "
         f"hidden {s.hidden}, moe_ff {s.moe_ff}, vocab {s.vocab}, f32"
-        for n, s in SHAPES.items()
+        for n, s in ALL_SHAPES.items()
         if n in summary
     }
     cmd = (
         f"python experiments/bench_peers.py --rounds {args.rounds} --tokens {args.tokens} "
-        f"--prompt {args.prompt}" + (f" --out {args.out}" if args.out != "peers" else "")
+        f"--prompt {args.prompt}"
+        + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
+        + (f" --out {args.out}" if args.out != "peers" else "")
     )
     paired = []
     for n, res in summary.items():
