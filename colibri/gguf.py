@@ -284,7 +284,9 @@ def llama_generate_parallel(
     Returns each prompt's n_new tokens and timings: load_s, prefill_s (the prompts, one
     llama_decode each), decode_s / decode_tok_s (the n_new - 2 steps after the first batched
     one, which sizes llama.cpp's graph for the batch and is not timed; tokens of all sequences
-    a second)."""
+    a second). kv_type as llama_generate's; flash_attn: llama.cpp's flash attention, off as
+    llama_generate runs it (on, 16 sequences of the peers' olmoe shape decoded at 0.85x the
+    rate)."""
     import llama_cpp
 
     kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
