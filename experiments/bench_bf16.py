@@ -25,8 +25,8 @@ experiments/results/bf16.md and .json.
 same bfloat16 checkpoint against llama.cpp on its bf16 GGUF export (matrices bit for bit, norms
 and routers f32), colibri with float32 and with bfloat16 products, each in a process of its own
 as bench_peers runs them, --rounds (default 3) alternating rounds, batch 1, 64 tokens after a
-128-token prompt; best of rounds. Writes
-experiments/results/bf16_peers.md and .json.
+128-token prompt, and 16 conversations decoding together; best of rounds. Writes
+experiments/results/bf16_peers.md and .json (--out NAME: NAME.md and .json).
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def peers_level(name: str, rounds: int, tokens: int = 64) -> list[dict]:
 
 
 def write_peers(args, rows: list[dict]) -> None:
-    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level peers"
+    cmd = f"python experiments/bench_bf16.py --shapes {args.shapes} --level peers" + (
+        f" --out {args.out}" if args.out else ""
+    )
     md = [
         "# colibri and llama.cpp on the same bf16 checkpoint",
         "",
@@ -124,7 +126,7 @@ def write_peers(args, rows: list[dict]) -> None:
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
-    write_report(RESULTS, "bf16_peers", md, {"command": cmd, "table": rows})
+    write_report(RESULTS, args.out or "bf16_peers", md, {"command": cmd, "table": rows})
 
 
 def main() -> None:
@@ -133,6 +135,7 @@ def main() -> None:
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
     ap.add_argument("--rounds", type=int, default=3, help="--level peers")
+    ap.add_argument("--out", default="", help="--level peers: results name (default bf16_peers)")
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
