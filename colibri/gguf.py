@@ -289,9 +289,7 @@ def llama_generate_parallel(
     rate)."""
     import llama_cpp
 
-    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
-    if kv_type not in kv:
-        raise ValueError(f"kv_type={kv_type!r}: one of {', '.join(kv)}")
+    kv = _kv_type(kv_type)
     if not prompts or not all(prompts) or n_new < 3:
         raise ValueError(f"need non-empty prompts and n_new >= 3 (got {len(prompts)}, {n_new})")
     n_seq, longest = len(prompts), max(len(p) for p in prompts)
@@ -312,7 +310,7 @@ def llama_generate_parallel(
     params.n_ctx = n_seq * per_seq  # each sequence's stream a share of it
     params.n_batch = params.n_ubatch = max(512, longest, n_seq)
     params.n_threads = params.n_threads_batch = threads
-    params.type_k = params.type_v = kv[kv_type]
+    params.type_k = params.type_v = kv
     params.flash_attn_type = (
         llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         if flash_attn
@@ -335,15 +333,11 @@ def llama_generate_parallel(
             if rc := llama_cpp.llama_decode(ctx, batch):
                 raise RuntimeError(f"llama_decode returned {rc}")
 
-        def greedy(i: int) -> int:
-            row = llama_cpp.llama_get_logits_ith(ctx, i)
-            return int(np.argmax(np.ctypeslib.as_array(row, shape=(vocab,))))
-
         t1 = time.perf_counter()
         out = []
         for s, p in enumerate(prompts):
             decode([(tok, i, s, i == len(p) - 1) for i, tok in enumerate(p)])
-            out.append([greedy(len(p) - 1)])
+            out.append([_greedy(ctx, len(p) - 1, vocab)])
         prefill_s = time.perf_counter() - t1
 
         def step() -> None:
@@ -354,7 +348,7 @@ def llama_generate_parallel(
                 ]
             )
             for s, o in enumerate(out):
-                o.append(greedy(s))
+                o.append(_greedy(ctx, s, vocab))
 
         step()  # sizes the graph for the batch
         llama_cpp.llama_synchronize(ctx)
@@ -389,17 +383,15 @@ def llama_logits(
 def _llama(path: str | Path, n_ctx: int, n_threads: int | None, kv_type: str, all_logits: bool):
     import llama_cpp
 
-    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
-    if kv_type not in kv:
-        raise ValueError(f"kv_type={kv_type!r}: one of {', '.join(kv)}")
+    kv = _kv_type(kv_type)
     return llama_cpp.Llama(
         model_path=str(path),
         n_ctx=n_ctx,
         n_batch=max(512, n_ctx),  # the whole prompt in one eval call
         n_threads=n_threads,
         n_threads_batch=n_threads,
-        type_k=kv[kv_type],
-        type_v=kv[kv_type],
+        type_k=kv,
+        type_v=kv,
         logits_all=all_logits,
         verbose=False,
     )
@@ -429,7 +421,22 @@ def _perf(llm: Any) -> dict[str, float]:
 
 def _argmax_last(llm: Any) -> int:
     """Greedy pick from the last position's logits (Llama keeps no scores without logits_all)."""
+    return _greedy(llm.ctx, -1, llm.n_vocab())
+
+
+def _greedy(ctx: Any, i: int, vocab: int) -> int:
+    """Greedy pick from the logits of the context's output i (-1: the last)."""
     import llama_cpp
 
-    row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
-    return int(np.argmax(np.ctypeslib.as_array(row, shape=(llm.n_vocab(),))))
+    row = llama_cpp.llama_get_logits_ith(ctx, i)
+    return int(np.argmax(np.ctypeslib.as_array(row, shape=(vocab,))))
+
+
+def _kv_type(kv_type: str) -> int:
+    """llama.cpp's GGML type of a KV cache precision: "f16" (its default) or "f32"."""
+    import llama_cpp
+
+    kv = {"f16": llama_cpp.GGML_TYPE_F16, "f32": llama_cpp.GGML_TYPE_F32}
+    if kv_type not in kv:
+        raise ValueError(f"kv_type={kv_type!r}: one of {', '.join(kv)}")
+    return kv[kv_type]

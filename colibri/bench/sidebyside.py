@@ -78,11 +78,10 @@ def side_by_side(
                     res["roofline"]["stream_gb_s"] = res["stream_gb_s"]
             runs[peer].append(res)
     ours = max(runs[first], key=lambda res: res["decode_tok_s_1"])
-    ours_16 = max((x.get("decode_tok_s_16", 0.0) for x in runs[first]), default=0.0)
+    best_16 = {k: max(x.get("decode_tok_s_16", 0.0) for x in res) for k, res in runs.items()}
     rows = []
     for peer, res in runs.items():
         best = max(res, key=lambda x: x["decode_tok_s_1"])
-        best_16 = max(x.get("decode_tok_s_16", 0.0) for x in res)
         roofs = [x["roofline"] for x in res if "roofline" in x]
         rows.append(
             {
@@ -90,8 +89,10 @@ def side_by_side(
                 "engine": peer,
                 "decode tok/s (batch 1, best of rounds)": best["decode_tok_s_1"],
                 "colibri / this": ours["decode_tok_s_1"] / best["decode_tok_s_1"],
-                "decode tok/s, 16 conversations (best of rounds)": best_16 or None,
-                "colibri / this, 16 conversations": ours_16 / best_16 if best_16 else None,
+                "decode tok/s, 16 conversations (best of rounds)": best_16[peer] or None,
+                "colibri / this, 16 conversations": (
+                    best_16[first] / best_16[peer] if best_16[peer] else None
+                ),
                 "prefill tok/s": best["prefill_tok_s"],
                 "peak RSS MB": best["peak_rss_mb"],
                 "greedy tokens as colibri's": f"{agreement(ours['tokens'], best['tokens'])}"
