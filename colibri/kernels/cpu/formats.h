@@ -252,6 +252,33 @@ inline v8 looked_up8(const void* w, int64_t c, __m512 table) {
                hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
   return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo, q, hi));
 }
+
+// Sixteen weights of a row from column c, as looked_up8 and scaled8 make eight (the same
+// operations on every lane: the same bits), where widen_row writes a row out whole.
+inline v16 looked_up16(const void* w, int64_t c, __m512 table) {
+  uint32_t lo, hi;
+  std::memcpy(&lo, static_cast<const uint8_t*>(w) + c / 2, sizeof lo);
+  std::memcpy(&hi, static_cast<const uint8_t*>(w) + c / 2 + 4, sizeof hi);
+  const __m512i shift =
+      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i q =
+      _mm512_srlv_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(lo), 0xff00, hi), shift);
+  return reinterpret_cast<v16>(_mm512_permutexvar_ps(q, table));
+}
+
+template <bool Huge>
+inline v16 scaled16(const uint8_t* w, int64_t c, v16 scale, v16) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c));
+  const __m512i placed = _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(b), 20),
+                                          _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)));
+  const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(placed));
+  return Huge ? (e * 0x1p120f) * scale : e * scale;
+}
+template <bool Huge>
+inline v16 scaled16(const Int8Z* w, int64_t c, v16 scale, v16 offset) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + c));
+  return fma16(reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))), scale, offset);
+}
 #endif
 
 // Block k's stored offset in an Int4Z or Int8Z row (its values take vb bytes, its nb scales

@@ -372,11 +372,27 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
       const v16 s16 = v16{} + scale[0];
       const __m512 table =
           nibble_table(s16, kOffsets<Q> ? v16{} + offset[0] : s16 * -8.0f);
-      for (int64_t c = c0; c < c0 + blk; c += 8) {
+      int64_t c = c0;
+      for (; c + 16 <= c0 + blk; c += 16) {
+        const v16 v = looked_up16(w, c, table);
+        std::memcpy(out + c, &v, sizeof v);
+      }
+      for (; c < c0 + blk; c += 8) {
         const v8 v = looked_up8(w, c, table);
         std::memcpy(out + c, &v, sizeof v);
       }
       continue;
+    }
+    if constexpr (!kNibbles<Q>) {
+      if (blk % 16 == 0) {  // sixteen at a time: the same operations on every lane
+        const v16 s16 = v16{} + scale[0], o16 = v16{} + offset[0];
+        for (int64_t c = c0; c < c0 + blk; c += 16) {
+          const v16 v =
+              huge ? scaled16<true>(w, c, s16, o16) : scaled16<false>(w, c, s16, o16);
+          std::memcpy(out + c, &v, sizeof v);
+        }
+        continue;
+      }
     }
 #endif
     for (int64_t c = c0; c < c0 + blk; c += 8) {
