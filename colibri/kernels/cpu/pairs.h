@@ -316,16 +316,16 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
   if constexpr (kScaled<T>) {
     // Scaled rows widened once, TW at a time, into float32 rows in L1 (as tiles.h does), the
     // next TW rows prefetched into L2 meanwhile.
-    thread_local std::vector<float> wide;
-    wide.resize(TW * L);
+    thread_local std::vector<float> buf;
+    float* const wide = aligned_floats(buf, TW * L);
     const float* w[TW];
     int64_t rows[TW];
-    for (int i = 0; i < TW; ++i) w[i] = wide.data() + i * L;
+    for (int i = 0; i < TW; ++i) w[i] = wide + i * L;
     const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
     for (int64_t row = 0; row < gap; ++row) {
       for (int i = 0; i < TW; ++i) {
         rows[i] = row + i * gap;
-        widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+        widen_row(W + rows[i] * ld, L, blk, wide + i * L);
       }
       if (row + 1 < gap)
         for (int i = 0; i < TW; ++i) {
@@ -335,7 +335,7 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
       pair_tiles<TW>(w, rows, x, emit, 0, x.groups());
     }
     for (int64_t row = gap * TW; row < R; ++row) {
-      widen_row(W + row * ld, L, blk, wide.data());
+      widen_row(W + row * ld, L, blk, wide);
       pair_tiles<1>(w, &row, x, emit, 0, x.groups());
     }
   } else {

@@ -402,6 +402,15 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out) {
   }
 }
 
+// Room for n floats in this thread's `buf`, from a 64-byte boundary: rows widened there (and
+// read back eight or sixteen columns at a time) then never straddle a cache line where L is a
+// multiple of 16.
+inline float* aligned_floats(std::vector<float>& buf, int64_t n) {
+  buf.resize(n + 16);
+  const auto at = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + ((64 - at % 64) % 64) / sizeof(float);
+}
+
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
 // quarter (or a third, or an eighth) of the matrix apart, not neighbours: streams that far
@@ -488,15 +497,15 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if constexpr (kScaled<T>) {
     // Scaled rows met by several tiles of inputs: each widened once, into float32 rows in L1,
     // which the float32 tiles then read (the same values, the same multiply-adds).
-    thread_local std::vector<float> wide;
-    wide.resize(3 * L);
-    const float* w[3] = {wide.data(), wide.data() + L, wide.data() + 2 * L};
+    thread_local std::vector<float> buf;
+    float* const wide = aligned_floats(buf, 3 * L);
+    const float* w[3] = {wide, wide + L, wide + 2 * L};
     int64_t rows[3];
     const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
     for (int64_t row = 0; row < gap; ++row) {
       for (int i = 0; i < 3; ++i) {
         rows[i] = row + i * gap;
-        widen_row(W + rows[i] * ld, L, blk, wide.data() + i * L);
+        widen_row(W + rows[i] * ld, L, blk, wide + i * L);
       }
       // The next three rows into L2 while the tiles compute on these: widen_row reads its
       // rows once, before any arithmetic, and would otherwise wait on DRAM for each of them.
@@ -509,7 +518,7 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
       all_inputs<3>(w, rows, x, r, L, emit, 0);
     }
     for (int64_t row = gap * 3; row < R; ++row) {
-      widen_row(W + row * ld, L, blk, wide.data());
+      widen_row(W + row * ld, L, blk, wide);
       all_inputs<1>(w, &row, x, r, L, emit, 0);
     }
   } else {
