@@ -399,7 +399,7 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
 // Int8 and FP8 rows of more bytes than this fetch the next row of their share of the matrix
 // into L2 as they are widened, a share with each block (widen_row), so that the fetches spread
 // over the widening: fetched all at once after the tile's rows were widened, a core's tiles
-// over int8 rows of 2048 columns ran from DRAM at 0.8 of their rate from L2, so at 0.93.
+// over int8 rows of 2048 columns ran from DRAM at 0.8 of their rate from L2, so at 0.91.
 // Shorter rows and int4 rows (half the bytes: 0.95-1.04x the time at 2048 columns, 1.05-1.19x
 // at 768) are still fetched after the tile's rows are widened.
 constexpr int64_t kSpreadFetch = 512;
@@ -531,10 +531,10 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
     const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
     const bool spread = spread_fetch<T>(row_bytes);
     for (int64_t row = 0; row < gap; ++row) {
-      // Each row widened while the next row of its third of the matrix is fetched into L2,
-      // for the next tile: widen_row reads its rows once, before any arithmetic, and would
-      // otherwise wait on DRAM for each of them. (Float32 rows need no such step: their tiles
-      // prefetch as they go.)
+      // The next row of each third of the matrix fetched into L2 for the next tile, as these
+      // widen or after (kSpreadFetch): widen_row reads its rows once, before any arithmetic,
+      // and would otherwise wait on DRAM for each of them. (Float32 rows need no such step:
+      // their tiles prefetch as they go.)
       for (int i = 0; i < 3; ++i) {
         rows[i] = row + i * gap;
         const T* next = row + 1 < gap && spread ? W + (rows[i] + 1) * ld : nullptr;
