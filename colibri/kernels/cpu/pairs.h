@@ -315,26 +315,15 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
   const int64_t gap = R / TW;
   if constexpr (kScaled<T>) {
     // Scaled rows widened once, TW at a time, into float32 rows in L1 (as tiles.h does), the
-    // next TW rows fetched into L2 meanwhile (kSpreadFetch).
+    // next TW rows fetched into L2 meanwhile (widen_tile).
     thread_local std::vector<float> buf;
     float* const wide = aligned_floats(buf, TW * L);
     const float* w[TW];
     int64_t rows[TW];
     for (int i = 0; i < TW; ++i) w[i] = wide + i * L;
-    const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
-    const bool spread = spread_fetch<T>(row_bytes);
     for (int64_t row = 0; row < gap; ++row) {
-      for (int i = 0; i < TW; ++i) {
-        rows[i] = row + i * gap;
-        const T* next = row + 1 < gap && spread ? W + (rows[i] + 1) * ld : nullptr;
-        widen_row(W + rows[i] * ld, L, blk, wide + i * L, reinterpret_cast<const char*>(next),
-                  row_bytes);
-      }
-      if (row + 1 < gap && !spread)
-        for (int i = 0; i < TW; ++i) {
-          const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
-        }
+      for (int i = 0; i < TW; ++i) rows[i] = row + i * gap;
+      widen_tile<TW>(W, rows, ld, L, blk, wide, row + 1 < gap);
       pair_tiles<TW>(w, rows, x, emit, 0, x.groups());
     }
     for (int64_t row = gap * TW; row < R; ++row) {

@@ -429,6 +429,29 @@ inline void widen_row(const Q* w, int64_t L, int64_t blk, float* out,
   }
 }
 
+// Rows rows[0 .. TW) of W (ld elements apart, scaled rows of L values) widened into wide, L
+// floats each; where `more`, the row after each fetched into L2 for the next tile, as they
+// widen or after them (kSpreadFetch): widen_row reads its rows once, before any arithmetic,
+// and would otherwise wait on DRAM for each of them. (Float32 rows need no such step: their
+// tiles prefetch as they go.)
+template <int TW, typename T>
+__attribute__((always_inline)) inline void widen_tile(const T* W, const int64_t* rows,
+                                                      int64_t ld, int64_t L, int64_t blk,
+                                                      float* wide, bool more) {
+  const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
+  const bool spread = more && spread_fetch<T>(row_bytes);
+  for (int i = 0; i < TW; ++i) {
+    const T* next = spread ? W + (rows[i] + 1) * ld : nullptr;
+    widen_row(W + rows[i] * ld, L, blk, wide + i * L, reinterpret_cast<const char*>(next),
+              row_bytes);
+  }
+  if (more && !spread)
+    for (int i = 0; i < TW; ++i) {
+      const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
+      for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
+    }
+}
+
 // Room for n floats in this thread's `buf`, from a 64-byte boundary: rows widened there (and
 // read back eight or sixteen columns at a time) then never straddle a cache line where L is a
 // multiple of 16.
@@ -528,24 +551,9 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
     float* const wide = aligned_floats(buf, 3 * L);
     const float* w[3] = {wide, wide + L, wide + 2 * L};
     int64_t rows[3];
-    const int64_t row_bytes = ld * static_cast<int64_t>(sizeof(T));
-    const bool spread = spread_fetch<T>(row_bytes);
     for (int64_t row = 0; row < gap; ++row) {
-      // The next row of each third of the matrix fetched into L2 for the next tile, as these
-      // widen or after (kSpreadFetch): widen_row reads its rows once, before any arithmetic,
-      // and would otherwise wait on DRAM for each of them. (Float32 rows need no such step:
-      // their tiles prefetch as they go.)
-      for (int i = 0; i < 3; ++i) {
-        rows[i] = row + i * gap;
-        const T* next = row + 1 < gap && spread ? W + (rows[i] + 1) * ld : nullptr;
-        widen_row(W + rows[i] * ld, L, blk, wide + i * L, reinterpret_cast<const char*>(next),
-                  row_bytes);
-      }
-      if (row + 1 < gap && !spread)
-        for (int i = 0; i < 3; ++i) {
-          const char* next = reinterpret_cast<const char*>(W + (rows[i] + 1) * ld);
-          for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 2);
-        }
+      for (int i = 0; i < 3; ++i) rows[i] = row + i * gap;
+      widen_tile<3>(W, rows, ld, L, blk, wide, row + 1 < gap);
       all_inputs<3>(w, rows, x, r, L, emit, 0);
     }
     for (int64_t row = gap * 3; row < R; ++row) {
