@@ -35,11 +35,18 @@ $(SYNTH)/config.json: | $(STAMP)
 # The peers benchmark: the test extra (transformers) and the bench extra (llama-cpp-python,
 # compiled from source on first install: the library alone, ~10 minutes on 2 cores).
 # Results in experiments/results/.
+# On CPUs with AMX, ggml's AMX int8 path (q8_0, q4_0 matrices) dies of SIGILL at its first tile
+# instruction in a worker thread (Xeon model 207 under KVM; ggml-org/llama.cpp#26954): x86 builds
+# leave it out, and a library built with it (an older venv) is rebuilt without it.
 LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
-	-DLLAMA_BUILD_SERVER=OFF
-$(BSTAMP): pyproject.toml | $(PYTHON)
-	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
-		$(BIN)/pip install -q -e '.[test,bench]'
+	-DLLAMA_BUILD_SERVER=OFF \
+	$(if $(filter x86_64,$(shell uname -m)),-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
+LLAMA_ENV := CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc)
+$(BSTAMP): pyproject.toml Makefile | $(PYTHON)
+	$(LLAMA_ENV) $(BIN)/pip install -q -e '.[test,bench]'
+	$(PYTHON) -c 'import sys, llama_cpp; sys.exit(b"AMX_INT8 = 1" in llama_cpp.llama_print_system_info())' || \
+		$(LLAMA_ENV) $(BIN)/pip install -q --no-cache-dir --force-reinstall --no-deps \
+		"llama-cpp-python==$$($(PYTHON) -c 'import llama_cpp; print(llama_cpp.__version__)')"
 	touch $(STAMP) $(TSTAMP) $@
 
 bench: $(BSTAMP)
