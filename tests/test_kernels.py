@@ -671,6 +671,51 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
         _the_small_kernels_agree(lib, isa, rng)
 
 
+@pytest.mark.skipif(
+    len(kernels.isa_levels()) < 2, reason="no AVX-512: no paired tiles, one group of inputs a pass"
+)
+def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
+    """Rows of 512 columns met by 9 to 24 inputs: two groups of inputs a pass, the whole row one
+    block (as builds for Intel cores take them: kernels.tuning), and a group at a time (the
+    headers' default) give the same bits, float32 and bfloat16 rows, linear and expert kernels;
+    and the products they should."""
+    from colibri.bench.kernel_calls import expert_call, registered
+    from colibri.formats import BF16, FLOAT32
+
+    rng = np.random.default_rng(11)
+    D = F = 512
+    mats = {f: jnp.asarray(_held_rows(f, rng, 70, D)) for f in (FLOAT32, BF16)}
+    xs = {r: jnp.asarray(rng.standard_normal((r, D)).astype(np.float32)) for r in (9, 13, 16, 24)}
+    gate, up, down = (
+        jnp.asarray(_held_rows(FLOAT32, rng, 6 * F, D).reshape(6, F, D)) for _ in "gud"
+    )
+    ids = {r: jnp.asarray(rng.integers(0, 6, (r, 4)), jnp.int32) for r in (16, 40)}
+    xe = {r: jnp.asarray(rng.standard_normal((r, D)).astype(np.float32)) for r in (16, 40)}
+    results = []
+    for n in (512, 513):
+        lib = kernels.build(tiles={"COLIBRI_TWO_GROUPS_FROM": n})
+        got = []
+        for f, w in mats.items():
+            target = f"colibri_two_groups_{n}_linear{f.suffix}"
+            registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
+            for x in xs.values():
+                out = jax.ShapeDtypeStruct((x.shape[0], 70), jnp.float32)
+                got.append(
+                    np.asarray(jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w))
+                )
+        experts = expert_call(lib, f"colibri_two_groups_{n}_experts")
+        got += [np.asarray(experts(gate, up, down, xe[r], ids[r])) for r in ids]
+        results.append(got)
+    for two, one in zip(*results, strict=True):
+        np.testing.assert_array_equal(two, one)
+    for (f, w), k in zip(mats.items(), (0, len(xs)), strict=True):
+        wf = np.asarray(w)
+        if f is BF16:
+            wf = (wf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        for x, got in zip(xs.values(), results[0][k : k + len(xs)], strict=True):
+            np.testing.assert_allclose(got, np.asarray(x) @ wf.T, rtol=1e-4, atol=1e-4)
+
+
 def _the_small_kernels_agree(lib, isa: str, rng) -> None:
     """Attention, RMSNorm and the router's choice of an ISA level's build against the loaded
     library's, bitwise."""

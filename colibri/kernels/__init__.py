@@ -109,6 +109,24 @@ def _cpu_id() -> str:
     return "\n".join(sorted(set(keep)))
 
 
+def _vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), or ""."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def tuning() -> dict[str, int]:
+    """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
+    rows of 512 columns meet 9 to 16 inputs two groups a pass (COLIBRI_TWO_GROUPS_FROM,
+    pairs.h); elsewhere the headers' defaults. Results are the same bits either way."""
+    return {"COLIBRI_TWO_GROUPS_FROM": 512} if _vendor() == "GenuineIntel" else {}
+
+
 def compiler() -> str | None:
     """The C++ compiler to build with: $CXX, else the first of g++, c++, clang++ found."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
@@ -128,16 +146,21 @@ def source_files(source: Path | None = None) -> tuple[Path, list[Path]]:
     return unit, sorted(files | {unit})
 
 
-def build(source: Path | None = None, isa: str | None = None) -> Path:
+def build(
+    source: Path | None = None, isa: str | None = None, tiles: dict[str, int] | None = None
+) -> Path:
     """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
     version of the kernels, a folder like cpu/ or the cpu.cc in one (benchmarks compare
     revisions; the engine always uses its own). The library is keyed by every .cc and .h file
     of that folder: a change to any of them builds anew. `isa`: a level of ISA_LEVELS (default
-    $COLIBRI_KERNEL_ISA, else "native")."""
+    $COLIBRI_KERNEL_ISA, else "native"). `tiles`: the defines of `tuning()` to build with
+    instead of this CPU's (tests build both ways)."""
     isa = isa or os.environ.get("COLIBRI_KERNEL_ISA") or "native"
     if isa not in ISA_LEVELS:
         raise ValueError(f"COLIBRI_KERNEL_ISA={isa!r}: not one of {', '.join(ISA_LEVELS)}")
-    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *_LIBRARY_FLAGS]
+    tiles = tuning() if tiles is None else tiles
+    defines = [f"-D{name}={value}" for name, value in sorted(tiles.items())]
+    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *defines, *_LIBRARY_FLAGS]
     unit, files = source_files(source)
     cxx = compiler()
     if cxx is None:

@@ -108,8 +108,16 @@ struct PackedOut {
 // Whether float32 and bfloat16 rows of L columns meet their inputs two groups a pass
 // (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would crowd L1.
 // At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
-// 0.92-0.95x, at 2048 0.66-0.78x (docs/kernels.md, "Two groups a pass").
-constexpr bool two_groups_a_pass(int64_t L) { return L > 512; }
+// 0.92-0.95x, at 2048 0.66-0.78x (AMD; docs/kernels.md, "Two groups a pass"). Builds for Intel
+// cores take rows of 512 columns two groups a pass too, in one block (kernels.tuning passes
+// COLIBRI_TWO_GROUPS_FROM=512): there a core's tiles compute from DRAM at 0.6 of their rate
+// from L2, and a group at a time left the arithmetic idle while the first group's pass waited
+// on memory (16-row expert calls on the olmoe shape 0.92-0.96x the time; docs/kernels.md, "An
+// Intel Xeon with AMX").
+#ifndef COLIBRI_TWO_GROUPS_FROM
+#define COLIBRI_TWO_GROUPS_FROM 513
+#endif
+constexpr bool two_groups_a_pass(int64_t L) { return L >= COLIBRI_TWO_GROUPS_FROM; }
 
 // Whether a call's items may be gang.h's kLongItems times their usual size where `inputs`
 // inputs meet rows of L columns held as T: where the rows stream from memory once, a tile at a
@@ -286,10 +294,13 @@ struct TwoGroups {
     for (int64_t t0 = 0; t0 < gap; t0 += kRun) {
       const int64_t nt = std::min(kRun, gap - t0);
       std::fill(sums.begin(), sums.begin() + nt * TW * TP, v16{});
-      for (int64_t c0 = 0; c0 < L8; c0 += kBlock)
+      // Rows of up to 512 columns in one block: their sixteen inputs (32 KiB) stay in L1
+      // (blocks of 256 columns there: 1.00x the time of a group at a time, on Intel).
+      const int64_t cols = L8 <= 512 ? L8 : kBlock;
+      for (int64_t c0 = 0; c0 < L8; c0 += cols)
         for (int64_t t = 0; t < nt; ++t) {
           for (int i = 0; i < TW; ++i) w[i] = W + (TW * (t0 + t) + i) * ld;
-          block(w, a, b, c0, std::min(L8, c0 + kBlock), sums.data() + t * TW * TP, 2 * TW * ld);
+          block(w, a, b, c0, std::min(L8, c0 + cols), sums.data() + t * TW * TP, 2 * TW * ld);
         }
       for (int64_t t = 0; t < nt; ++t) {
         for (int i = 0; i < TW; ++i) {
