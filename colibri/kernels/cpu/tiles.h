@@ -217,10 +217,10 @@ __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, con
 #if defined(__AVX512VBMI__)
 // Columns [c0, c0 + blk) of `row_pair_dots` over int4 rows (blk a multiple of 16), two steps
 // at a time: eight bytes of each row of a pair (the nibbles of columns c .. c + 16) in one
-// 512-bit vector, a row's in each half, and each step's indices picked from them by one
-// multishift (each lane's byte from its nibble's bit on), where row_pair_weights broadcasts
-// four bytes of each row a step and shifts them. The same lookups, the same multiply-adds in
-// the same order: bitwise row_pair_weights' sums.
+// 512-bit vector, a row's in each half, and both steps' indices picked from them by one
+// multishift (each lane's bytes 0 and 1 from its nibbles' bits on), where row_pair_weights
+// broadcasts four bytes of each row a step and shifts them. The same lookups, the same
+// multiply-adds in the same order: bitwise row_pair_weights' sums.
 template <int TP, int TR>
 inline void nibble_pair_block(const void* const* w, const float* const* x, int64_t c0,
                               int64_t blk, const __m512* table, v16 (*acc)[TR]) {
