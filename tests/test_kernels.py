@@ -679,7 +679,7 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     block (as builds for Intel cores take them: kernels.tuning), and a group at a time (the
     headers' default) give the same bits, float32 and bfloat16 rows, linear and expert kernels;
     and the products they should."""
-    from colibri.bench.kernel_calls import expert_call, registered
+    from colibri.bench.kernel_calls import expert_call, linear_call
     from colibri.formats import BF16, FLOAT32
 
     rng = np.random.default_rng(11)
@@ -694,15 +694,8 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     results = []
     for n in (512, 513):
         lib = kernels.build(tiles={"COLIBRI_TWO_GROUPS_FROM": n})
-        got = []
-        for f, w in mats.items():
-            target = f"colibri_two_groups_{n}_linear{f.suffix}"
-            registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
-            for x in xs.values():
-                out = jax.ShapeDtypeStruct((x.shape[0], 70), jnp.float32)
-                got.append(
-                    np.asarray(jax.ffi.ffi_call(target, out, vmap_method="sequential")(x, w))
-                )
+        linear = linear_call(lib, f"colibri_two_groups_{n}_linear")
+        got = [np.asarray(linear(x, w)) for w in mats.values() for x in xs.values()]
         experts = expert_call(lib, f"colibri_two_groups_{n}_experts")
         got += [np.asarray(experts(gate, up, down, xe[r], ids[r])) for r in ids]
         results.append(got)

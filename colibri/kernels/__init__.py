@@ -100,31 +100,20 @@ def cache_dir() -> Path:
 
 
 def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU model and its feature flags."""
+    """What -march=native compiles for: the CPU's vendor, model and feature flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))]
+    keep = [ln for ln in text.splitlines() if ln.startswith(("vendor_id", "model name", "flags"))]
     return "\n".join(sorted(set(keep)))
-
-
-def _vendor() -> str:
-    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"), or ""."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def tuning() -> dict[str, int]:
     """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
     rows of 512 columns meet 9 to 16 inputs two groups a pass (COLIBRI_TWO_GROUPS_FROM,
     pairs.h); elsewhere the headers' defaults. Results are the same bits either way."""
-    return {"COLIBRI_TWO_GROUPS_FROM": 512} if _vendor() == "GenuineIntel" else {}
+    return {"COLIBRI_TWO_GROUPS_FROM": 512} if "GenuineIntel" in _cpu_id() else {}
 
 
 def compiler() -> str | None:
