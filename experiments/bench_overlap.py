@@ -63,6 +63,7 @@ def build(out_dir: Path, isa: str = "native") -> Path:
         cxx,
         *kernels.CXX_FLAGS,
         *kernels.ISA_LEVELS[isa][1],
+        *kernels.tile_flags(),  # the tiles the library takes on this CPU
         "-pthread",
         f'-DCPU_CC="{kernels.SOURCE}"',
         f"-I{jax.ffi.include_dir()}",

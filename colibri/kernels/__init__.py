@@ -116,6 +116,13 @@ def tuning() -> dict[str, int]:
     return {"COLIBRI_TWO_GROUPS_FROM": 512} if "GenuineIntel" in _cpu_id() else {}
 
 
+def tile_flags(tiles: dict[str, int] | None = None) -> list[str]:
+    """The compiler's defines for `tiles` (default: this CPU's `tuning()`), for anything built
+    from cpu/'s headers."""
+    tiles = tuning() if tiles is None else tiles
+    return [f"-D{name}={value}" for name, value in sorted(tiles.items())]
+
+
 def compiler() -> str | None:
     """The C++ compiler to build with: $CXX, else the first of g++, c++, clang++ found."""
     for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
@@ -147,9 +154,7 @@ def build(
     isa = isa or os.environ.get("COLIBRI_KERNEL_ISA") or "native"
     if isa not in ISA_LEVELS:
         raise ValueError(f"COLIBRI_KERNEL_ISA={isa!r}: not one of {', '.join(ISA_LEVELS)}")
-    tiles = tuning() if tiles is None else tiles
-    defines = [f"-D{name}={value}" for name, value in sorted(tiles.items())]
-    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *defines, *_LIBRARY_FLAGS]
+    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *tile_flags(tiles), *_LIBRARY_FLAGS]
     unit, files = source_files(source)
     cxx = compiler()
     if cxx is None:

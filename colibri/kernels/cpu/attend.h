@@ -170,8 +170,7 @@ struct AttendCall : Gang {
                      std::vector<float>& packed) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)  // (kPairs: pairs.h's tiles are there)
     if (G > 4) {
-      packed.resize(Packed::floats(G, Dh));
-      const Packed x(packed.data(), G, Dh);
+      const Packed x(aligned_floats(packed, Packed::floats(G, Dh)), G, Dh);
       x.pack(qs);
       auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
       const int64_t lead = lead_rows(Dh);
