@@ -277,10 +277,15 @@ struct TwoGroups {
       for (int p = 0; p < TP; ++p) sums[i * TP + p] = acc[i][p];
   }
 
-  // Rows 0 .. TW gap, in tiles of TW adjacent rows (the caller takes the rest one at a time).
-  // Each tile prefetches, into L2, the same columns of the rows two tiles on (past the matrix
-  // for the last two tiles: prefetches never fault); adjacent rows so prefetched streamed
-  // faster here than rows a third apart (1.00x against 0.93x the time at 768 columns).
+  // Rows 0 .. TW gap (the caller takes the rest one at a time). Rows of several blocks go in
+  // tiles of TW adjacent rows, each tile prefetching, into L2, the same columns of the rows two
+  // tiles on (past the matrix for the last two tiles: prefetches never fault): adjacent rows
+  // so prefetched streamed faster there than rows a third apart (1.00x against 0.93x the time
+  // at 768 columns, AMD). Rows of one block (up to 512 columns: their sixteen inputs, 32 KiB,
+  // stay in L1) go in tiles of rows a third apart instead, each row's stream fetched two rows
+  // ahead: three long runs of rows, not a run of three short ones, kept two cores computing 16
+  // inputs at 0.81-0.86 of their read against 0.75-0.79 (Intel; docs/kernels.md, "Rows a
+  // third apart in one block").
   template <typename T, typename Emit>
   static void walk(const T* W, int64_t gap, int64_t L, int64_t ld, const Packed& x, int64_t g,
                    Emit& emit) {
@@ -291,20 +296,20 @@ struct TwoGroups {
     const T* w[TW];
     int64_t rows[TW];
     float out[TW * 2 * TP];
+    const bool one = L8 <= 512;
+    const int64_t cols = one ? L8 : kBlock, ahead = one ? 2 * ld : 2 * TW * ld;
+    const auto row = [&](int64_t t, int i) { return one ? t + i * gap : TW * t + i; };
     for (int64_t t0 = 0; t0 < gap; t0 += kRun) {
       const int64_t nt = std::min(kRun, gap - t0);
       std::fill(sums.begin(), sums.begin() + nt * TW * TP, v16{});
-      // Rows of up to 512 columns in one block: their sixteen inputs (32 KiB) stay in L1
-      // (blocks of 256 columns there: 1.00x the time of a group at a time, on Intel).
-      const int64_t cols = L8 <= 512 ? L8 : kBlock;
       for (int64_t c0 = 0; c0 < L8; c0 += cols)
         for (int64_t t = 0; t < nt; ++t) {
-          for (int i = 0; i < TW; ++i) w[i] = W + (TW * (t0 + t) + i) * ld;
-          block(w, a, b, c0, std::min(L8, c0 + cols), sums.data() + t * TW * TP, 2 * TW * ld);
+          for (int i = 0; i < TW; ++i) w[i] = W + row(t0 + t, i) * ld;
+          block(w, a, b, c0, std::min(L8, c0 + cols), sums.data() + t * TW * TP, ahead);
         }
       for (int64_t t = 0; t < nt; ++t) {
         for (int i = 0; i < TW; ++i) {
-          rows[i] = TW * (t0 + t) + i;
+          rows[i] = row(t0 + t, i);
           w[i] = W + rows[i] * ld;
         }
         pair_sums<TW, TP>(reinterpret_cast<const v16(*)[TP]>(sums.data() + t * TW * TP), w, x,
