@@ -98,10 +98,12 @@ Rate work(const Weights& w, int64_t L, int64_t inputs, int core, const std::atom
   std::vector<const float*> x(inputs);
   for (int64_t j = 0; j < inputs; ++j) x[j] = xs.data() + j * L;
   // As the linear kernel does: inputs packed once for the paired tiles where the build has
-  // them (cpu/pairs.h), the tiles of tiles.h otherwise.
-  std::vector<float> packed_floats(Packed::floats(inputs, L));
+  // them (cpu/pairs.h), from a 64-byte boundary as the calls' scratch is (gang.h), the tiles
+  // of tiles.h otherwise.
+  std::vector<float> packed_floats;
   const bool paired = kPairs && inputs >= kPairedFrom;
-  const Packed packed(packed_floats.data(), paired ? inputs : 0, L);
+  const Packed packed(aligned_floats(packed_floats, Packed::floats(inputs, L)),
+                      paired ? inputs : 0, L);
   if (paired) packed.pack(x.data());
   const int64_t rows = w.rows, ld = w.row / static_cast<int64_t>(sizeof(T));
   const int64_t blk = kScaled<T> ? kBlock : 0;
