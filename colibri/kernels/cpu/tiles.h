@@ -279,14 +279,8 @@ inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0,
                                        table, acc);
   }
 #endif
-  for (int64_t c = c0; c < c0 + blk; c += 8) {
-    // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
-    // scaled_block prefetches its four rows: eight streams from memory at 0.8x the rate).
+  const auto step = [&](int64_t c) __attribute__((always_inline)) {
     const int64_t at = value_bytes(w[0], c);
-    if (at % 64 == 0)
-      for (int i = 0; i < TW; ++i)
-        __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
-                           0, 3);
     v16 xv[TR];
     for (int j = 0; j < TR; ++j) {
       xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
@@ -297,6 +291,26 @@ inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0,
                                                reinterpret_cast<const uint8_t*>(w[2 * p + 1]) + at,
                                                table[2 * p], table[2 * p + 1]);
       for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
+    }
+  };
+  // A cache line of values at a time, its steps unrolled: a step of eight columns each with a
+  // test for the prefetch and the rows' pointers advanced one by one kept scalar operations on
+  // the vector ports (int8 rows at one input: a core's tiles 0.9x the rate from L2;
+  // docs/kernels.md, "Block tables from memory").
+  constexpr int64_t kLine = kNibbles<Q> ? 128 : 64;  // columns a cache line of values holds
+  for (int64_t l = c0; l < c0 + blk; l += kLine) {
+    // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
+    // scaled_block prefetches its four rows: eight streams from memory at 0.8x the rate).
+    const int64_t at = value_bytes(w[0], l);
+    if (at % 64 == 0)
+      for (int i = 0; i < TW; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
+                           0, 3);
+    if (l + kLine <= c0 + blk) {
+#pragma GCC unroll 16
+      for (int64_t c = 0; c < kLine; c += 8) step(l + c);
+    } else {
+      for (int64_t c = l; c < c0 + blk; c += 8) step(c);
     }
   }
 }
@@ -314,29 +328,47 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
     for (int j = 0; j < TR; ++j) acc[p][j] = v16{};
   const int64_t vb = value_bytes(w[0], L), nb = L / blk;
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    // Int4: row i's block's sixteen weights (nibble_table). Int8: pair p's
-    // scales, then its offsets, each row's in its half; FP8: its scales (folded as scaled8
-    // takes them, unless a scale of the tile is too big: then every row's two steps, the
-    // same bits).
+    // Int4: row i's block's sixteen weights, each table one operation ((q - 8) s is one
+    // rounding of the exact product, as nibble_table's fma(q, s, -8 s) is of the same value).
+    // Int8: pair p's scales, then its offsets, a row's in each half. Both broadcast from memory,
+    // a load each and no arithmetic (from a register, each broadcast took a shuffle: int4 and
+    // int8 calls at one row 0.92x-0.96x the time without them, docs/kernels.md, "Block tables
+    // from memory"). FP8: pair p's scales (folded as scaled8 takes them, unless a scale of the
+    // tile is too big: then every row's two steps, the same bits).
     __m512 table[TW];
-    float s[TW];
+    const int64_t k = c0 / blk;
+    const auto held = [&](int i, int64_t at) {  // float `at` of row i's scales and offsets
+      return reinterpret_cast<const float*>(reinterpret_cast<const char*>(w[i]) + vb) + at;
+    };
     bool huge = false;
-    for (int i = 0; i < TW; ++i) {
-      std::memcpy(&s[i], reinterpret_cast<const char*>(w[i]) + vb + 4 * (c0 / blk), sizeof s[i]);
-      huge = huge || too_big(w[i], s[i]);
-    }
-    for (int i = 0; i < TW; ++i) {
-      const v16 scale = v16{} + (huge ? s[i] : s[i] * folded(w[i]));
-      v16 offset = scale * -8.0f;
-      if constexpr (kOffsets<Q>) offset = v16{} + block_offset(w[i], vb, nb, c0 / blk);
-      if constexpr (kNibbles<Q>) {
-        table[i] = nibble_table(scale, offset);
-      } else if (i % 2) {
-        table[i - 1] = _mm512_mask_mov_ps(table[i - 1], 0xff00, reinterpret_cast<__m512>(scale));
-        table[i] = _mm512_mask_mov_ps(table[i], 0xff00, reinterpret_cast<__m512>(offset));
-      } else {
-        table[i] = reinterpret_cast<__m512>(scale);
-        table[i + 1] = reinterpret_cast<__m512>(offset);
+    if constexpr (kNibbles<Q>) {
+      const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      for (int i = 0; i < TW; ++i) {
+        const v16 si = reinterpret_cast<v16>(_mm512_broadcastss_ps(_mm_load_ss(held(i, k))));
+        if constexpr (kOffsets<Q>)
+          table[i] = reinterpret_cast<__m512>(fma16(
+              q, si, reinterpret_cast<v16>(_mm512_broadcastss_ps(_mm_load_ss(held(i, nb + k))))));
+        else
+          table[i] = reinterpret_cast<__m512>((q - 8.0f) * si);
+      }
+    } else if constexpr (kOffsets<Q>) {
+      for (int i = 0; i < TW; i += 2)
+        for (int t = 0; t < 2; ++t)  // scales, then offsets
+          table[i + t] = _mm512_mask_broadcastss_ps(
+              _mm512_broadcastss_ps(_mm_load_ss(held(i, t * nb + k))), 0xff00,
+              _mm_load_ss(held(i + 1, t * nb + k)));
+    } else {
+      float s[TW];
+      for (int i = 0; i < TW; ++i) {
+        std::memcpy(&s[i], held(i, k), sizeof s[i]);
+        huge = huge || too_big(w[i], s[i]);
+      }
+      for (int i = 0; i < TW; i += 2) {
+        const auto scale = [&](int r) {
+          return _mm512_set1_ps(huge ? s[r] : s[r] * folded(w[r]));
+        };
+        table[i] = _mm512_mask_mov_ps(scale(i), 0xff00, scale(i + 1));
+        table[i + 1] = _mm512_setzero_ps();  // (unused)
       }
     }
     if (huge)
