@@ -295,8 +295,8 @@ inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0,
   };
   // A cache line of values at a time, its steps unrolled: a step of eight columns each with a
   // test for the prefetch and the rows' pointers advanced one by one kept scalar operations on
-  // the vector ports (int8 rows at one input: a core's tiles 0.9x the rate from L2;
-  // docs/kernels.md, "Block tables from memory").
+  // the vector ports (int8 rows at one input: a core's tiles from L2 about 1.1x as fast without
+  // them; docs/kernels.md, "Block tables from memory").
   constexpr int64_t kLine = kNibbles<Q> ? 128 : 64;  // columns a cache line of values holds
   for (int64_t l = c0; l < c0 + blk; l += kLine) {
     // Once a cache line of values, into L1 1024 columns ahead (int4 rows 2 KiB ahead, as
@@ -331,8 +331,8 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
     // Int4: row i's block's sixteen weights, each table one operation ((q - 8) s is one
     // rounding of the exact product, as nibble_table's fma(q, s, -8 s) is of the same value).
     // Int8: pair p's scales, then its offsets, a row's in each half. Both broadcast from memory,
-    // a load each and no arithmetic (from a register, each broadcast took a shuffle: int4 and
-    // int8 calls at one row 0.92x-0.96x the time without them, docs/kernels.md, "Block tables
+    // a load each and no arithmetic (from a register, each broadcast took a shuffle: int4
+    // calls at one row took 0.92x-0.95x the time without them, docs/kernels.md, "Block tables
     // from memory"). FP8: pair p's scales (folded as scaled8 takes them, unless a scale of the
     // tile is too big: then every row's two steps, the same bits).
     __m512 table[TW];
