@@ -237,9 +237,22 @@ constexpr bool kNibbles = std::is_same_v<T, Int4> || std::is_same_v<T, Int4Z>;
 // looked up by their nibbles with a shift and a two-table permute (which reads an index's low
 // four bits only) instead of a shift, a mask, a conversion and a multiply-add. Bitwise
 // scaled8's weights. tiles.h's row_pair_dots looks up two rows' sixteen in one 512-bit permute.
-inline __m512 nibble_table(v16 scale, v16 offset) {
+// block_table: the table of block k of int4 row w (its L / blk = nb scales after its vb value
+// bytes, then Int4Z's offsets) in one operation, the scale and offset broadcast from memory (a
+// load each, where a broadcast from a register takes a shuffle); Int4's as (q - 8) s, one
+// rounding of the exact product, as fma(q, s, -8 s) is of the same exact value.
+template <typename Q>
+inline __m512 block_table(const Q* w, int64_t vb, int64_t nb, int64_t k) {
+  static_assert(kNibbles<Q>);
+  const float* at = reinterpret_cast<const float*>(reinterpret_cast<const char*>(w) + vb);
+  const auto held = [](const float* f) {
+    return reinterpret_cast<v16>(_mm512_broadcastss_ps(_mm_load_ss(f)));
+  };
   const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return reinterpret_cast<__m512>(fma16(q, scale, offset));
+  if constexpr (kOffsets<Q>)
+    return reinterpret_cast<__m512>(fma16(q, held(at + k), held(at + nb + k)));
+  else
+    return reinterpret_cast<__m512>((q - 8.0f) * held(at + k));
 }
 
 // The eight weights of an int4 row from column c, looked up in their block's table.

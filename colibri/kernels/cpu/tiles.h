@@ -328,13 +328,12 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
     for (int j = 0; j < TR; ++j) acc[p][j] = v16{};
   const int64_t vb = value_bytes(w[0], L), nb = L / blk;
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    // Int4: row i's block's sixteen weights, each table one operation ((q - 8) s is one
-    // rounding of the exact product, as nibble_table's fma(q, s, -8 s) is of the same value).
-    // Int8: pair p's scales, then its offsets, a row's in each half. Both broadcast from memory,
-    // a load each and no arithmetic (from a register, each broadcast took a shuffle: int4
-    // calls at one row took 0.92x-0.95x the time without them, docs/kernels.md, "Block tables
-    // from memory"). FP8: pair p's scales (folded as scaled8 takes them, unless a scale of the
-    // tile is too big: then every row's two steps, the same bits).
+    // Int4: row i's block's sixteen weights (block_table: one operation). Int8: pair p's
+    // scales, then its offsets, a row's in each half. Both broadcast from memory, a load each
+    // and no arithmetic (from a register, each broadcast took a shuffle: int4 calls at one row
+    // took 0.92x-0.95x the time without them, docs/kernels.md, "Block tables from memory").
+    // FP8: pair p's scales (folded as scaled8 takes them, unless a scale of the tile is too
+    // big: then every row's two steps, the same bits).
     __m512 table[TW];
     const int64_t k = c0 / blk;
     const auto held = [&](int i, int64_t at) {  // float `at` of row i's scales and offsets
@@ -342,15 +341,7 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
     };
     bool huge = false;
     if constexpr (kNibbles<Q>) {
-      const v16 q = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-      for (int i = 0; i < TW; ++i) {
-        const v16 si = reinterpret_cast<v16>(_mm512_broadcastss_ps(_mm_load_ss(held(i, k))));
-        if constexpr (kOffsets<Q>)
-          table[i] = reinterpret_cast<__m512>(fma16(
-              q, si, reinterpret_cast<v16>(_mm512_broadcastss_ps(_mm_load_ss(held(i, nb + k))))));
-        else
-          table[i] = reinterpret_cast<__m512>((q - 8.0f) * si);
-      }
+      for (int i = 0; i < TW; ++i) table[i] = block_table(w[i], vb, nb, k);
     } else if constexpr (kOffsets<Q>) {
       for (int i = 0; i < TW; i += 2)
         for (int t = 0; t < 2; ++t)  // scales, then offsets
@@ -401,8 +392,7 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
   if constexpr (kOffsets<Q>) offset = v8{} + block_offset(w, vb, nb, c0 / blk);
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   if constexpr (kNibbles<Q>) {
-    const v16 s16 = v16{} + scale[0];
-    const __m512 table = nibble_table(s16, kOffsets<Q> ? v16{} + offset[0] : s16 * -8.0f);
+    const __m512 table = block_table(w, vb, nb, c0 / blk);
     int64_t c = c0;
     for (; c + 16 <= c0 + blk; c += 16) {
       const v16 v = looked_up16(w, c, table);
