@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -98,7 +99,7 @@ float* scratch(int64_t n) {
   thread_local int64_t size = 0;
   if (n > size) {
     buf.reset(new float[n + 16]);
-    at = buf.get() + (64 - reinterpret_cast<uintptr_t>(buf.get()) % 64) % 64 / sizeof(float);
+    at = on_cache_line(buf.get());
     size = n;
   }
   return at;

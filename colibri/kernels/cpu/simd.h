@@ -16,6 +16,13 @@ namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
 
+// The first float at or after p on a 64-byte boundary (a cache line): buffers kept with 16
+// floats to spare start their rows or packed inputs there, so that no 512-bit load of them
+// straddles two lines.
+inline float* on_cache_line(float* p) {
+  return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(float);
+}
+
 inline v8 load8(const float* p) {
   v8 v;
   std::memcpy(&v, p, sizeof v);

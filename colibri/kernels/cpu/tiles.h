@@ -479,8 +479,7 @@ __attribute__((always_inline)) inline void widen_tile(const T* W, const int64_t*
 // multiple of 16.
 inline float* aligned_floats(std::vector<float>& buf, int64_t n) {
   buf.resize(n + 16);
-  const auto at = reinterpret_cast<uintptr_t>(buf.data());
-  return buf.data() + ((64 - at % 64) % 64) / sizeof(float);
+  return on_cache_line(buf.data());
 }
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
