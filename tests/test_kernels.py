@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from colibri import kernels
@@ -92,10 +92,13 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
 @given(
     rows=st.integers(1, 20),
     blocks=st.integers(1, 5),
-    block=st.sampled_from([8, 16, 32]),
+    block=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
     seed=st.integers(0, 2**16),
 )
+# Blocks of whole cache lines of values at one to four rows (row pairs a line at a time).
+@example(rows=1, blocks=2, block=128, dim_out=9, seed=1)
+@example(rows=3, blocks=1, block=128, dim_out=13, seed=2)
 def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
     rows, blocks, block, dim_out, seed
 ):
@@ -120,10 +123,12 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 @given(
     rows=st.integers(1, 20),
     groups=st.integers(1, 5),
-    group=st.sampled_from([8, 16, 32]),
+    group=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
     seed=st.integers(0, 2**16),
 )
+@example(rows=1, groups=2, group=128, dim_out=9, seed=1)
+@example(rows=3, groups=2, group=128, dim_out=13, seed=2)
 def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, seed
 ):
@@ -156,11 +161,13 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
 @given(
     rows=st.integers(1, 20),
     groups=st.integers(1, 5),
-    group=st.sampled_from([8, 16, 32]),
+    group=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
     sym=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+@example(rows=1, groups=2, group=128, dim_out=9, sym=True, seed=1)
+@example(rows=3, groups=1, group=128, dim_out=13, sym=False, seed=2)
 def test_linear_over_int8_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, sym, seed
 ):
@@ -642,6 +649,9 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             cases = [(D, (1, 2, 3, 4, 5, 16, 37), 8), (D + 520, (9, 11, 13, 16, 37), 8)]
             if f.scaled:
                 cases.append((D, (1, 2, 3, 4, 16), 32))
+                # Blocks of whole cache lines of values (row pairs take those a line at a
+                # time; int8 and FP8 rows with AVX-512 VBMI by byte permutes, tiles.h).
+                cases.append((256, (1, 2, 3, 4), 128))
             for cols, counts, block in cases:
                 w = jnp.asarray(_held_rows(f, rng, 70, cols, block))
                 for rows in counts:

@@ -262,6 +262,63 @@ inline void nibble_pair_block(const void* const* w, const float* const* x, int64
     }
   }
 }
+
+// Columns [l, l + 64) of `row_pair_dots` over int8 or FP8 rows (a cache line of values a
+// row): each pair's 32 columns at a time in one 512-bit vector (row a's bytes in the low half,
+// b's in the high), each step's sixteen bytes put into their lanes by one byte permute, where
+// row_pair_weights inserts the second row's eight bytes and then extends them. Int8: each
+// byte into the low byte of its lane, zero above (zero-extended). FP8: into the high byte,
+// then shifted arithmetically by 4: the sign in bits 31..27, exponent and mantissa in 26..20,
+// as the sign extension and shift by 20 place them, masked the same. The same lanes, the same
+// values and operations after: the same bits. One shuffle fewer for every sixteen weights, on
+// the one port that takes them: int8 calls at one row 0.89x the time, FP8 0.93-0.95x
+// (docs/kernels.md, "Bytes by permutes").
+template <bool Huge, int TP, int TR, typename Q>
+__attribute__((always_inline)) inline void byte_pair_line(const uint8_t* const* w,
+                                                          const float* const* x, int64_t l,
+                                                          const __m512* table, v16 (*acc)[TR]) {
+  constexpr bool kInt8 = std::is_same_v<Q, Int8Z>;
+  constexpr int kAt = kInt8 ? 0 : 3;  // the byte of its lane a value goes to
+  const __mmask64 at = kInt8 ? 0x1111111111111111ull : 0x8888888888888888ull;
+  __m512i pick[4];  // step s: bytes 8 s .. 8 s + 7 of each half into lanes 0-7 and 8-15
+  for (int s = 0; s < 4; ++s) {
+    alignas(64) uint8_t idx[64] = {};
+    for (int lane = 0; lane < 16; ++lane)
+      idx[4 * lane + kAt] = static_cast<uint8_t>((lane < 8 ? 0 : 32) + 8 * s + lane % 8);
+    pick[s] = _mm512_load_si512(idx);
+  }
+  for (int h = 0; h < 64; h += 32) {
+    __m512i both[TP];
+    for (int p = 0; p < TP; ++p)
+      both[p] = _mm512_inserti64x4(
+          _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * p] + l + h))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[2 * p + 1] + l + h)), 1);
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; ++s) {
+      const int64_t c = l + h + 8 * s;
+      v16 xv[TR];
+      for (int j = 0; j < TR; ++j) {
+        xv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c)));
+        in_register(xv[j]);
+      }
+      for (int p = 0; p < TP; ++p) {
+        const __m512i q = _mm512_maskz_permutexvar_epi8(at, pick[s], both[p]);
+        v16 wv;
+        if constexpr (kInt8) {
+          wv = fma16(reinterpret_cast<v16>(_mm512_cvtepi32_ps(q)),
+                     reinterpret_cast<v16>(table[2 * p]),
+                     reinterpret_cast<v16>(table[2 * p + 1]));
+        } else {
+          const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_and_si512(
+              _mm512_srai_epi32(q, 4), _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)))));
+          wv = (Huge ? e * 0x1p120f : e) * reinterpret_cast<v16>(table[2 * p]);
+        }
+        for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
+      }
+    }
+  }
+}
 #endif
 
 // Columns [c0, c0 + blk) of `row_pair_dots`: table[2 p], table[2 p + 1] as row_pair_weights
@@ -307,6 +364,13 @@ inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0,
         __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + value_bytes(w[0], 1024),
                            0, 3);
     if (l + kLine <= c0 + blk) {
+#if defined(__AVX512VBMI__)
+      if constexpr (!kNibbles<Q>) {  // int8 and FP8 rows: byte permutes
+        byte_pair_line<Huge, TP, TR, Q>(reinterpret_cast<const uint8_t* const*>(w), x, l, table,
+                                        acc);
+        continue;
+      }
+#endif
 #pragma GCC unroll 16
       for (int64_t c = 0; c < kLine; c += 8) step(l + c);
     } else {
