@@ -29,7 +29,7 @@ conversations at a time, --passes (default 2) x 24 bursts each; tokens must agre
 
 Reported: ms a step (kernel) or tok/s (engine) of each, median over passes (bursts), the median
 over pairs of quantized / float32 time, and the routed experts' bytes as held. Writes
-experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json.
+experiments/results/fp8.md (int4.md, awq4.md, int8.md) and .json (--out NAME: NAME.md and .json).
 
 --level peers (--format int8 or int4; needs the `bench` extra's llama-cpp-python, as
 experiments/bench_peers.py): colibri on the int8 (int4) checkpoint against llama.cpp on its own
@@ -44,7 +44,8 @@ before it, beside the most of that roofline the widening of its rows allows (the
 cores put them through the kernels from L2, measured in the same round) and the most the
 kernels allow while they stream (the chosen experts' bytes at the rate the expert kernel
 streams every expert's rows from memory on both cores, the rest at the probe's rate). Writes
-experiments/results/int8_peers.md (int4_peers.md) and .json (--out NAME: NAME.md and .json).
+experiments/results/int8_peers.md (int4_peers.md) and .json (--out NAME: NAME.md and .json;
+NAME_peers where other levels run too).
 """
 
 from __future__ import annotations
@@ -148,7 +149,14 @@ def write_peers(args, rows: list[dict]) -> None:
         "",
         markdown_table(pd.DataFrame(rows), floatfmt=".2f", index=False),
     ]
-    write_report(RESULTS, args.out or f"{fmt}_peers", md, {"command": cmd, "table": rows})
+    write_report(RESULTS, peers_name(args), md, {"command": cmd, "table": rows})
+
+
+def peers_name(args) -> str:
+    """The peers level's results name: --out, NAME_peers where other levels run too."""
+    if not args.out:
+        return f"{args.format}_peers"
+    return args.out if args.level == "peers" else f"{args.out}_peers"
 
 
 def main() -> None:
@@ -158,7 +166,12 @@ def main() -> None:
     ap.add_argument("--level", default="kernel,engine")
     ap.add_argument("--passes", type=int, default=0, help="default: 14 (kernel), 2 (engine)")
     ap.add_argument("--rounds", type=int, default=3, help="--level peers")
-    ap.add_argument("--out", default="", help="--level peers: results name (default FORMAT_peers)")
+    ap.add_argument(
+        "--out",
+        default="",
+        help="results name (default FORMAT_peers for --level peers, FORMAT for the others); "
+        "with peers and another level, NAME_peers and NAME",
+    )
     args = ap.parse_args()
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
@@ -206,12 +219,15 @@ def main() -> None:
                 del engines
     cmd = (
         f"python experiments/bench_quantized.py --format {fmt} --shapes {args.shapes} "
-        f"--level {','.join(levels)}" + (f" --passes {args.passes}" if args.passes else "")
+        f"--level {','.join(levels)}"
+        + (f" --passes {args.passes}" if args.passes else "")
+        + (f" --out {args.out}" if args.out else "")
     )
     md = [
         f"# {f['title']}, side by side",
         "",
         f"Command: `{cmd}`  ",
+        f"Machine: {cpu_detail()}  ",
         f"{f['note']} kernel: ms a step of the expert calls (24 greedy steps' "
         "routes, every layer), the versions taking turns step by step; outputs bitwise equal. "
         f"engine: decode tok/s on the {fmt} checkpoint, bursts of {BURST} steps taking turns, "
@@ -219,7 +235,7 @@ def main() -> None:
         "",
         markdown_table(pd.DataFrame(out), floatfmt=".3f", index=False),
     ]
-    write_report(RESULTS, fmt, md, {"table": out, "runs": raw})
+    write_report(RESULTS, args.out or fmt, md, {"command": cmd, "table": out, "runs": raw})
 
 
 if __name__ == "__main__":
