@@ -173,12 +173,27 @@ template <typename T>
 constexpr bool kRowPairs =
     kNibbles<T> || std::is_same_v<T, Int8Z> || std::is_same_v<T, uint8_t>;
 
+// Sixteen int8 or FP8 weights from their bytes placed in 32-bit lanes: int8 zero-extended,
+// converted, then n s + o (ta: each half's row's scale, tb: its offset); FP8 with the sign in
+// bit 31 and exponent and mantissa in bits 26..20 (bits 30..27 anything: masked off, as
+// e4m3x8 places them), times each half's scale (ta; Huge: times 2^120 first, as scaled8).
+template <bool Huge, typename Q>
+__attribute__((always_inline)) inline v16 byte_weights(__m512i lanes, __m512 ta, __m512 tb) {
+  if constexpr (std::is_same_v<Q, Int8Z>) {
+    return fma16(reinterpret_cast<v16>(_mm512_cvtepi32_ps(lanes)), reinterpret_cast<v16>(ta),
+                 reinterpret_cast<v16>(tb));
+  } else {
+    (void)tb;
+    const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(
+        _mm512_and_si512(lanes, _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)))));
+    return (Huge ? e * 0x1p120f : e) * reinterpret_cast<v16>(ta);
+  }
+}
+
 // Sixteen weights of rows a and b (a's in the low half) from the value byte `at` of each, made
 // as scaled8 makes them. Int4: looked up in the rows' block tables (ta, tb: formats.h) by one
 // shift, one mask (the second row's table bit) and one two-table permute. Int8: sixteen bytes
-// zero-extended and converted, then n s + o (ta: each half's row's scale, tb: its offset).
-// FP8: sixteen bytes sign-extended, shifted and masked into float32 lanes as e4m3x8 places
-// them, times each half's scale (ta; Huge: times 2^120 first, as scaled8).
+// zero-extended; FP8: sign-extended and shifted by 20; then byte_weights.
 template <bool Huge, typename Q>
 __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, const uint8_t* b,
                                                            __m512 ta, __m512 tb) {
@@ -200,17 +215,10 @@ __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, con
     std::memcpy(&ba, a, sizeof ba);
     std::memcpy(&bb, b, sizeof bb);
     const __m128i bytes = _mm_mask_set1_epi64(_mm_set1_epi64x(ba), 0x2, bb);
-    if constexpr (std::is_same_v<Q, Int8Z>) {
-      const v16 n = reinterpret_cast<v16>(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
-      return fma16(n, reinterpret_cast<v16>(ta), reinterpret_cast<v16>(tb));
-    } else {
-      // Sign in bit 31 (from the sign extension), exponent and mantissa in bits 26..20.
-      const __m512i placed =
-          _mm512_and_si512(_mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20),
-                           _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)));
-      const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(placed));
-      return (Huge ? e * 0x1p120f : e) * reinterpret_cast<v16>(ta);
-    }
+    if constexpr (std::is_same_v<Q, Int8Z>)
+      return byte_weights<Huge, Q>(_mm512_cvtepu8_epi32(bytes), ta, tb);
+    else
+      return byte_weights<Huge, Q>(_mm512_slli_epi32(_mm512_cvtepi8_epi32(bytes), 20), ta, tb);
   }
 }
 
@@ -269,8 +277,8 @@ inline void nibble_pair_block(const void* const* w, const float* const* x, int64
 // row_pair_weights inserts the second row's eight bytes and then extends them. Int8: each
 // byte into the low byte of its lane, zero above (zero-extended). FP8: into the high byte,
 // then shifted arithmetically by 4: the sign in bits 31..27, exponent and mantissa in 26..20,
-// as the sign extension and shift by 20 place them, masked the same. The same lanes, the same
-// values and operations after: the same bits. One shuffle fewer for every sixteen weights, on
+// as the sign extension and shift by 20 place them. The same lanes, then byte_weights as
+// row_pair_weights: the same bits. One shuffle fewer for every sixteen weights, on
 // the one port that takes them: int8 calls at one row 0.89x the time, FP8 0.93-0.95x
 // (docs/kernels.md, "Bytes by permutes").
 template <bool Huge, int TP, int TR, typename Q>
@@ -304,16 +312,8 @@ __attribute__((always_inline)) inline void byte_pair_line(const uint8_t* const* 
       }
       for (int p = 0; p < TP; ++p) {
         const __m512i q = _mm512_maskz_permutexvar_epi8(at, pick[s], both[p]);
-        v16 wv;
-        if constexpr (kInt8) {
-          wv = fma16(reinterpret_cast<v16>(_mm512_cvtepi32_ps(q)),
-                     reinterpret_cast<v16>(table[2 * p]),
-                     reinterpret_cast<v16>(table[2 * p + 1]));
-        } else {
-          const v16 e = reinterpret_cast<v16>(_mm512_castsi512_ps(_mm512_and_si512(
-              _mm512_srai_epi32(q, 4), _mm512_set1_epi32(static_cast<int32_t>(0x87f00000u)))));
-          wv = (Huge ? e * 0x1p120f : e) * reinterpret_cast<v16>(table[2 * p]);
-        }
+        const v16 wv = byte_weights<Huge, Q>(kInt8 ? q : _mm512_srai_epi32(q, 4), table[2 * p],
+                                             table[2 * p + 1]);
         for (int j = 0; j < TR; ++j) acc[p][j] = fma16(wv, xv[j], acc[p][j]);
       }
     }
