@@ -141,3 +141,56 @@ def test_mla_decode_in_the_latent_space_is_the_expanded_attention(family, dtype,
         want = attention.mla_attend(cfg, w, cache, q, k_nope, v, pos, slots, kv_len, k)
         got = attention.mla_attend_latent(cfg, w, cache, q, pos, slots, kv_len, k)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("interleave", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("rest", [0, 16], ids=["full", "partial"])
+def test_rope_rotates_as_transformers(interleave, rest):
+    """apply_rope on rope_cos_sin's R/2 values against transformers' rotation with its cos and
+    sin (the R/2 values twice): Llama's x cos + rotate_half(x) sin, DeepSeek-V3's on
+    interleaved pairs, within the rounding of a product (XLA may fuse one into the sum, which
+    torch rounds apart); bitwise what XLA computes for that formula as transformers
+    writes it (the engine's bits before its rotation was written in halves); dims past R pass
+    through."""
+    import jax.numpy as jnp
+    import torch
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.llama import modeling_llama
+
+    from colibri.config import RopeConfig
+    from colibri.model.layers import apply_rope, rope_cos_sin
+
+    B, T, H, R = 3, 5, 4, 32
+    rng = np.random.default_rng(7)
+    inv = tuple(float(f) for f in 1.0 / 10000.0 ** (np.arange(0, R, 2) / R))
+    rope = RopeConfig(inv_freq=inv, attention_scaling=0.75, interleave=interleave)
+    pos = rng.integers(0, 4096, (B, T)).astype(np.int32)
+    x = rng.standard_normal((B, T, H, R + rest)).astype(np.float32)
+
+    cos, sin = jax.jit(lambda p: rope_cos_sin(rope, p))(pos)
+    assert cos.shape == (B, T, R // 2)
+    got = np.asarray(jax.jit(lambda x, c, s: apply_rope(x, c, s, interleave))(x, cos, sin))
+    assert np.array_equal(got[..., R:], x[..., R:])
+    got = got[..., :R]
+
+    c2, s2 = (np.concatenate([np.asarray(a)] * 2, -1) for a in (cos, sin))  # [B, T, R]
+
+    def rotate_half_sum(x, c, s):  # transformers' formula, in XLA
+        x = x[..., :R]
+        if interleave:
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        half = jnp.concatenate([-x[..., R // 2 :], x[..., : R // 2]], axis=-1)
+        return x * c[:, :, None] + half * s[:, :, None]
+
+    before = np.asarray(jax.jit(rotate_half_sum)(x, c2, s2))
+    assert np.array_equal(got.view(np.int32), before.view(np.int32))
+
+    tx = torch.from_numpy(x[..., :R].copy()).transpose(1, 2)  # heads before positions
+    tc, ts = torch.from_numpy(c2), torch.from_numpy(s2)
+    if interleave:
+        want = modeling_deepseek_v3.apply_rotary_pos_emb_interleave(tx, tx, tc, ts)[0]
+    else:
+        want = modeling_llama.apply_rotary_pos_emb(tx, tx, tc, ts)[0]
+    want = want.transpose(1, 2).numpy()
+    assert np.abs(got - want).max() <= np.spacing(np.abs(x).max())
+    assert not np.allclose(got, x[..., :R], atol=1e-2)  # it rotated

@@ -110,32 +110,33 @@ def _native_linear_bwd(res, dy):
 _native_linear.defvjp(_native_linear_fwd, _native_linear_bwd)
 
 
-Rope = tuple[jax.Array, jax.Array]  # rotary cos and sin, [B, T, R] each
+Rope = tuple[jax.Array, jax.Array]  # rotary cos and sin of each frequency, [B, T, R/2] each
 
 
 def rope_cos_sin(rope: RopeConfig, pos: jax.Array) -> Rope:
-    """cos and sin for integer positions [...] (e.g. [B, T]) -> two [..., R] (R rotated dims
-    per head)."""
+    """cos and sin for integer positions [...] (e.g. [B, T]) -> two [..., R/2] (R rotated dims
+    per head): one value a frequency, which both dims of its pair take."""
     inv = jnp.asarray(rope.inv_freq, jnp.float32)
     freqs = pos.astype(jnp.float32)[..., None] * inv  # [B, T, R/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb) * rope.attention_scaling, jnp.sin(emb) * rope.attention_scaling
+    return jnp.cos(freqs) * rope.attention_scaling, jnp.sin(freqs) * rope.attention_scaling
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array, interleave: bool) -> jax.Array:
-    """Rotate the first R dims of each head of x [B, T, H, Dh]; the rest passes through."""
-    R = cos.shape[-1]
-    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    """Rotate the first R dims of each head of x [B, T, H, Dh] by cos and sin [B, T, R/2]; the
+    rest passes through. Each pair (x1, x2) becomes (x1 c - x2 s, x2 c + x1 s), laid out as
+    all the first then all the second: bitwise what XLA computes for transformers' x cos +
+    rotate_half(x) sin, whose cos and sin hold each value twice (tests/test_oracle.py)."""
+    half = cos.shape[-1]
+    R = 2 * half
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     rot, rest = x[..., :R], x[..., R:]
     if interleave:
         # DeepSeek pairs (x0, x1), (x2, x3), ...; the result is laid out de-interleaved,
         # as transformers does, which is harmless because q and k get the same layout.
-        c, s = cos[..., : R // 2], sin[..., : R // 2]
         x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        rot = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     else:
-        half = jnp.concatenate([-rot[..., R // 2 :], rot[..., : R // 2]], axis=-1)
-        rot = rot * cos + half * sin
+        x1, x2 = rot[..., :half], rot[..., half:]
+    rot = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
     return jnp.concatenate([rot, rest], axis=-1) if rest.shape[-1] else rot
 
 
