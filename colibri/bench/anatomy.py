@@ -103,6 +103,8 @@ def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
             label, weight = "RMSNorm", None
         elif target == "colibri_route_softmax":
             label, weight = "router's choice", None
+        elif target == "colibri_greedy":
+            label, weight = "greedy choice", None
         elif target == CUT:
             label, weight = "cut check", None
         else:

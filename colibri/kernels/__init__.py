@@ -62,6 +62,7 @@ def _targets() -> dict[str, str]:
     targets["colibri_attend_write"] = "ColibriAttendWrite"
     targets["colibri_route_softmax"] = "ColibriRouteSoftmax"
     targets["colibri_rms_norm"] = "ColibriRmsNorm"
+    targets["colibri_greedy"] = "ColibriGreedy"
     targets["colibri_cut_requested"] = "ColibriCutRequested"
     return targets
 
@@ -345,6 +346,18 @@ def route_softmax(logits: jax.Array, k: int, norm: bool) -> tuple[jax.Array, jax
         vmap_method="sequential",
     )
     return call(logits, norm=np.int32(norm))
+
+
+def greedy(logits: jax.Array) -> jax.Array:
+    """Each row's greedy token from logits [N, V] float32: int32 [N], the lowest id of the
+    largest logit, or of the first NaN where the row has one, as jnp.argmax gives it."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_greedy",
+        jax.ShapeDtypeStruct(logits.shape[:1], jnp.int32),
+        vmap_method="sequential",
+    )
+    return call(logits)
 
 
 def cut_requested(step: jax.Array) -> jax.Array:

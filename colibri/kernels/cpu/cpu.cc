@@ -14,6 +14,9 @@
 //   linear.h   colibri_linear (one target per held format)
 //   attend.h   colibri_attend
 //   cut.h      colibri_cut_requested
+//   norm.h     colibri_rms_norm
+//   route.h    colibri_route_softmax: a softmax router's top k and their weights
+//   greedy.h   colibri_greedy: each row's argmax, the greedy token
 //   peak.h     colibri_fma_peak, colibri_bf16_dot_peak and colibri_read_sum: the ceilings
 //              and the read rate the kernels are measured against
 //
@@ -38,6 +41,7 @@
 #include "cut.h"
 #include "experts.h"
 #include "formats.h"
+#include "greedy.h"
 #include "linear.h"
 #include "norm.h"
 #include "peak.h"
@@ -85,6 +89,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRmsNorm, RmsNorm,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriGreedy, Greedy,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
                               ffi::Ffi::Bind()
