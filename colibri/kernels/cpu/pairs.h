@@ -260,6 +260,21 @@ struct TwoGroups {
   static constexpr int64_t kBlock = 256;          // columns a block
   static constexpr int64_t kRun = 16;             // tiles whose sums wait at once
 
+  // acc[i][p] advanced over columns c0 .. c1 of the tile's rows, each row's cache line fetched
+  // into L2 `ahead` elements on as the tile reaches it.
+  template <typename T>
+  __attribute__((always_inline)) static void steps(const T* const* w, const float* a,
+                                                   const float* b, int64_t c0, int64_t c1,
+                                                   v16 (*acc)[TP], int64_t ahead) {
+    for (int64_t c = c0; c < c1; c += 8) {
+      if (c % (64 / sizeof(T)) == 0)
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead + c, 0, 2);
+      pair_step<TP>(w, a + (c / 8) * Packed::kFull * 16, b + (c / 8) * TP1 * 16, c, acc,
+                    std::make_index_sequence<TW>{});
+    }
+  }
+
+  // The same for a block of columns, the tile's sums coming from and going back to `sums`.
   template <typename T>
   __attribute__((always_inline)) static void block(const T* const* w, const float* a,
                                                    const float* b, int64_t c0, int64_t c1,
@@ -267,12 +282,7 @@ struct TwoGroups {
     v16 acc[TW][TP];
     for (int i = 0; i < TW; ++i)
       for (int p = 0; p < TP; ++p) acc[i][p] = sums[i * TP + p];
-    for (int64_t c = c0; c < c1; c += 8) {
-      if (c % (64 / sizeof(T)) == 0)
-        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead + c, 0, 2);
-      pair_step<TP>(w, a + (c / 8) * Packed::kFull * 16, b + (c / 8) * TP1 * 16, c, acc,
-                    std::make_index_sequence<TW>{});
-    }
+    steps(w, a, b, c0, c1, acc, ahead);
     for (int i = 0; i < TW; ++i)
       for (int p = 0; p < TP; ++p) sums[i * TP + p] = acc[i][p];
   }
@@ -285,37 +295,53 @@ struct TwoGroups {
   // stay in L1) go in tiles of rows a third apart instead, each row's stream fetched two rows
   // ahead: three long runs of rows, not a run of three short ones, kept two cores computing 16
   // inputs at 0.81-0.86 of their read against 0.75-0.79 (Intel; docs/kernels.md, "Rows a
-  // third apart in one block").
+  // third apart in one block"); their sums stay in registers from the first column to the
+  // last, not in memory between tiles (a core's tiles from L2 1.1-1.3x the rate; "A tile's
+  // sums in registers").
   template <typename T, typename Emit>
   static void walk(const T* W, int64_t gap, int64_t L, int64_t ld, const Packed& x, int64_t g,
                    Emit& emit) {
     const int64_t L8 = L / 8 * 8;
     const float *a = x.group(g), *b = x.group(g + 1);
-    thread_local std::vector<v16> sums;
-    sums.resize(kRun * TW * TP);
     const T* w[TW];
     int64_t rows[TW];
     float out[TW * 2 * TP];
-    const bool one = L8 <= 512;
-    const int64_t cols = one ? L8 : kBlock, ahead = one ? 2 * ld : 2 * TW * ld;
-    const auto row = [&](int64_t t, int i) { return one ? t + i * gap : TW * t + i; };
+    // The results of the tile of rows `rows` (w) from its sums, emitted for both groups.
+    const auto results = [&](const v16(*acc)[TP]) {
+      pair_sums<TW, TP>(acc, w, x, g * Packed::kGroup, Packed::kGroup + x.inputs(g + 1), out);
+      emit_group<TW>(rows, x, emit, g, out, 2 * TP);
+      emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
+    };
+    if (L8 <= 512) {
+      for (int64_t t = 0; t < gap; ++t) {
+        for (int i = 0; i < TW; ++i) {
+          rows[i] = t + i * gap;
+          w[i] = W + rows[i] * ld;
+        }
+        v16 acc[TW][TP];
+        for (int i = 0; i < TW; ++i)
+          for (int p = 0; p < TP; ++p) acc[i][p] = v16{};
+        steps(w, a, b, 0, L8, acc, 2 * ld);
+        results(acc);
+      }
+      return;
+    }
+    thread_local std::vector<v16> sums;
+    sums.resize(kRun * TW * TP);
     for (int64_t t0 = 0; t0 < gap; t0 += kRun) {
       const int64_t nt = std::min(kRun, gap - t0);
       std::fill(sums.begin(), sums.begin() + nt * TW * TP, v16{});
-      for (int64_t c0 = 0; c0 < L8; c0 += cols)
+      for (int64_t c0 = 0; c0 < L8; c0 += kBlock)
         for (int64_t t = 0; t < nt; ++t) {
-          for (int i = 0; i < TW; ++i) w[i] = W + row(t0 + t, i) * ld;
-          block(w, a, b, c0, std::min(L8, c0 + cols), sums.data() + t * TW * TP, ahead);
+          for (int i = 0; i < TW; ++i) w[i] = W + (TW * (t0 + t) + i) * ld;
+          block(w, a, b, c0, std::min(L8, c0 + kBlock), sums.data() + t * TW * TP, 2 * TW * ld);
         }
       for (int64_t t = 0; t < nt; ++t) {
         for (int i = 0; i < TW; ++i) {
-          rows[i] = row(t0 + t, i);
+          rows[i] = TW * (t0 + t) + i;
           w[i] = W + rows[i] * ld;
         }
-        pair_sums<TW, TP>(reinterpret_cast<const v16(*)[TP]>(sums.data() + t * TW * TP), w, x,
-                          g * Packed::kGroup, Packed::kGroup + x.inputs(g + 1), out);
-        emit_group<TW>(rows, x, emit, g, out, 2 * TP);
-        emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
+        results(reinterpret_cast<const v16(*)[TP]>(sums.data() + t * TW * TP));
       }
     }
   }
