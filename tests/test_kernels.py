@@ -353,12 +353,12 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 def test_the_registered_targets_are_those_the_formats_make():
     """An expert and a linear target per held format, attention (alone and with the cache
-    write), the softmax router's choice, RMSNorm and the cut flag: each one a handler the
-    library exports, and it exports no handler that is not registered."""
+    write), the softmax router's choice, RMSNorm, the greedy choice and the cut flag: each one
+    a handler the library exports, and it exports no handler that is not registered."""
     made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
-    made |= {"colibri_rms_norm", "colibri_cut_requested"}
+    made |= {"colibri_rms_norm", "colibri_greedy", "colibri_cut_requested"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 5
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 6
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
@@ -720,8 +720,8 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
 
 
 def _the_small_kernels_agree(lib, isa: str, rng) -> None:
-    """Attention, RMSNorm and the router's choice of an ISA level's build against the loaded
-    library's, bitwise."""
+    """Attention, RMSNorm, the router's choice and the greedy choice of an ISA level's build
+    against the loaded library's, bitwise."""
     from colibri.bench.kernel_calls import registered
 
     def call(symbol: str, out, *args, **attrs):
@@ -739,6 +739,9 @@ def _the_small_kernels_agree(lib, isa: str, rng) -> None:
     theirs = call("ColibriRouteSoftmax", out, logits, norm=np.int32(1))
     for a, b in zip(theirs, kernels.route_softmax(logits, 8, True), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ties = jnp.asarray(rng.integers(-3, 4, (16, 1001)), f32)  # ties everywhere
+    theirs = call("ColibriGreedy", jax.ShapeDtypeStruct((16,), jnp.int32), ties)
+    np.testing.assert_array_equal(np.asarray(theirs), np.asarray(jnp.argmax(ties, axis=-1)))
     # Groups of 3, 8 and 9 query heads a KV head (the paired tiles from 5 on, AVX-512 builds),
     # positions over several blocks of values, a head dimension with a tail past the tiles.
     for heads, dim in ((6, 72), (16, 128), (18, 72)):
