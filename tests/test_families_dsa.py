@@ -126,7 +126,7 @@ def test_indexer_chooses_what_transformers_does_with_no_tie_at_the_cut(family, b
     gaps = []
     for i, (x, q_lat, cos, sin, theirs) in chosen.items():
         w = model.params["layers"][i]["attn"]["indexer"]
-        half = cos.shape[-1] // 2  # transformers' cos and sin hold each frequency's twice
+        half = cos.shape[-1] // 2  # transformers' cos and sin hold each frequency's value twice
         rope = (jnp.asarray(cos[..., :half])[None], jnp.asarray(sin[..., :half])[None])
         x, q_lat = jnp.asarray(x)[None], jnp.asarray(q_lat)[None]
         keys = indexer.index_keys(cfg, w, x, rope)
