@@ -719,6 +719,41 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
             np.testing.assert_allclose(got, np.asarray(x) @ wf.T, rtol=1e-4, atol=1e-4)
 
 
+def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
+    """Rows of 768 columns met by 9 to 24 inputs two groups a pass: whole, a tile's rows a
+    third of the matrix apart (as builds for Intel cores take them: kernels.tuning), and block
+    by block of columns (the headers' default) give the same bits, float32 and bfloat16 rows,
+    linear and expert kernels; and the products they should."""
+    from colibri.bench.kernel_calls import expert_call, linear_call
+    from colibri.formats import BF16, FLOAT32
+
+    rng = np.random.default_rng(12)
+    D = F = 768
+    mats = {f: jnp.asarray(_held_rows(f, rng, 70, D)) for f in (FLOAT32, BF16)}
+    xs = {r: jnp.asarray(rng.standard_normal((r, D)).astype(np.float32)) for r in (9, 16, 24)}
+    gate, up, down = (
+        jnp.asarray(_held_rows(FLOAT32, rng, 4 * F, D).reshape(4, F, D)) for _ in "gud"
+    )
+    ids = jnp.asarray(rng.integers(0, 4, (16, 4)), jnp.int32)
+    xe = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
+    results = []
+    for n in (768, 512):
+        lib = kernels.build(tiles={"COLIBRI_TWO_GROUPS_FROM": 512, "COLIBRI_ONE_BLOCK_TO": n})
+        linear = linear_call(lib, f"colibri_one_block_{n}_linear")
+        got = [np.asarray(linear(x, w)) for w in mats.values() for x in xs.values()]
+        experts = expert_call(lib, f"colibri_one_block_{n}_experts")
+        got.append(np.asarray(experts(gate, up, down, xe, ids)))
+        results.append(got)
+    for whole, blocks in zip(*results, strict=True):
+        np.testing.assert_array_equal(whole, blocks)
+    for (f, w), k in zip(mats.items(), (0, len(xs)), strict=True):
+        wf = np.asarray(w)
+        if f is BF16:
+            wf = (wf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        for x, got in zip(xs.values(), results[0][k : k + len(xs)], strict=True):
+            np.testing.assert_allclose(got, np.asarray(x) @ wf.T, rtol=1e-4, atol=1e-4)
+
+
 def _the_small_kernels_agree(lib, isa: str, rng) -> None:
     """Attention, RMSNorm, the router's choice and the greedy choice of an ISA level's build
     against the loaded library's, bitwise."""

@@ -112,9 +112,13 @@ def _cpu_id() -> str:
 
 def tuning() -> dict[str, int]:
     """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
-    rows of 512 columns meet 9 to 16 inputs two groups a pass (COLIBRI_TWO_GROUPS_FROM,
-    pairs.h); elsewhere the headers' defaults. Results are the same bits either way."""
-    return {"COLIBRI_TWO_GROUPS_FROM": 512} if "GenuineIntel" in _cpu_id() else {}
+    rows of 512 columns meet 9 to 16 inputs two groups a pass (COLIBRI_TWO_GROUPS_FROM), and
+    rows of up to 768 columns go whole, a tile's rows a third of the matrix apart
+    (COLIBRI_ONE_BLOCK_TO; pairs.h); elsewhere the headers' defaults. Results are the same
+    bits either way."""
+    if "GenuineIntel" in _cpu_id():
+        return {"COLIBRI_TWO_GROUPS_FROM": 512, "COLIBRI_ONE_BLOCK_TO": 768}
+    return {}
 
 
 def tile_flags(tiles: dict[str, int] | None = None) -> list[str]:

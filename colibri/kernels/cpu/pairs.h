@@ -119,6 +119,16 @@ struct PackedOut {
 #endif
 constexpr bool two_groups_a_pass(int64_t L) { return L >= COLIBRI_TWO_GROUPS_FROM; }
 
+// Rows of up to this many columns meet their two groups of inputs a tile of rows a third of
+// the matrix apart at a time, each row whole (TwoGroups::walk); longer ones block by block of
+// columns. Builds for Intel cores take rows of 768 columns whole too (kernels.tuning passes
+// COLIBRI_ONE_BLOCK_TO=768): their 16 inputs fill the 48 KiB L1, yet 16-row linear calls over
+// such rows from DRAM took 0.91-0.92x the time; at 1024 columns 1.00x, at 2048 1.04x
+// (docs/kernels.md, "Rows of 768 columns whole").
+#ifndef COLIBRI_ONE_BLOCK_TO
+#define COLIBRI_ONE_BLOCK_TO 512
+#endif
+
 // Whether a call's items may be gang.h's kLongItems times their usual size where `inputs`
 // inputs meet rows of L columns held as T: where the rows stream from memory once, a tile at a
 // time, at most four inputs (one tile) or, in the paired tiles, float32 and bfloat16 rows met by
@@ -291,13 +301,13 @@ struct TwoGroups {
   // tiles of TW adjacent rows, each tile prefetching, into L2, the same columns of the rows two
   // tiles on (past the matrix for the last two tiles: prefetches never fault): adjacent rows
   // so prefetched streamed faster there than rows a third apart (1.00x against 0.93x the time
-  // at 768 columns, AMD). Rows of one block (up to 512 columns: their sixteen inputs, 32 KiB,
-  // stay in L1) go in tiles of rows a third apart instead, each row's stream fetched two rows
-  // ahead: three long runs of rows, not a run of three short ones, kept two cores computing 16
-  // inputs at 0.81-0.86 of their read against 0.75-0.79 (Intel; docs/kernels.md, "Rows a
-  // third apart in one block"); their sums stay in registers from the first column to the
-  // last, not in memory between tiles (a core's tiles from L2 1.1-1.3x the rate; "A tile's
-  // sums in registers").
+  // at 768 columns, AMD). Rows of one block (up to COLIBRI_ONE_BLOCK_TO columns: 512, whose
+  // sixteen inputs, 32 KiB, stay in L1; 768 on Intel cores) go in tiles of rows a third apart
+  // instead, each row's stream fetched two rows ahead: three long runs of rows, not a run of
+  // three short ones, kept two cores computing 16 inputs at 0.81-0.86 of their read against
+  // 0.75-0.79 (Intel; docs/kernels.md, "Rows a third apart in one block"); their sums stay in
+  // registers from the first column to the last, not in memory between tiles (a core's tiles
+  // from L2 1.1-1.3x the rate; "A tile's sums in registers").
   template <typename T, typename Emit>
   static void walk(const T* W, int64_t gap, int64_t L, int64_t ld, const Packed& x, int64_t g,
                    Emit& emit) {
@@ -312,7 +322,7 @@ struct TwoGroups {
       emit_group<TW>(rows, x, emit, g, out, 2 * TP);
       emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
     };
-    if (L8 <= 512) {
+    if (L8 <= COLIBRI_ONE_BLOCK_TO) {
       for (int64_t t = 0; t < gap; ++t) {
         for (int i = 0; i < TW; ++i) {
           rows[i] = t + i * gap;
