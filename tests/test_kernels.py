@@ -689,7 +689,6 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     block (as builds for Intel cores take them: kernels.tuning), and a group at a time (the
     headers' default) give the same bits, float32 and bfloat16 rows, linear and expert kernels;
     and the products they should."""
-    from colibri.bench.kernel_calls import expert_call, linear_call
     from colibri.formats import BF16, FLOAT32
 
     rng = np.random.default_rng(11)
@@ -701,22 +700,8 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     )
     ids = {r: jnp.asarray(rng.integers(0, 6, (r, 4)), jnp.int32) for r in (16, 40)}
     xe = {r: jnp.asarray(rng.standard_normal((r, D)).astype(np.float32)) for r in (16, 40)}
-    results = []
-    for n in (512, 513):
-        lib = kernels.build(tiles={"COLIBRI_TWO_GROUPS_FROM": n})
-        linear = linear_call(lib, f"colibri_two_groups_{n}_linear")
-        got = [np.asarray(linear(x, w)) for w in mats.values() for x in xs.values()]
-        experts = expert_call(lib, f"colibri_two_groups_{n}_experts")
-        got += [np.asarray(experts(gate, up, down, xe[r], ids[r])) for r in ids]
-        results.append(got)
-    for two, one in zip(*results, strict=True):
-        np.testing.assert_array_equal(two, one)
-    for (f, w), k in zip(mats.items(), (0, len(xs)), strict=True):
-        wf = np.asarray(w)
-        if f is BF16:
-            wf = (wf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        for x, got in zip(xs.values(), results[0][k : k + len(xs)], strict=True):
-            np.testing.assert_allclose(got, np.asarray(x) @ wf.T, rtol=1e-4, atol=1e-4)
+    tiles = [{"COLIBRI_TWO_GROUPS_FROM": n} for n in (512, 513)]
+    _builds_agree(tiles, mats, xs, [(gate, up, down, xe[r], ids[r]) for r in ids])
 
 
 def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
@@ -724,7 +709,6 @@ def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
     third of the matrix apart (as builds for Intel cores take them: kernels.tuning), and block
     by block of columns (the headers' default) give the same bits, float32 and bfloat16 rows,
     linear and expert kernels; and the products they should."""
-    from colibri.bench.kernel_calls import expert_call, linear_call
     from colibri.formats import BF16, FLOAT32
 
     rng = np.random.default_rng(12)
@@ -736,16 +720,30 @@ def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
     )
     ids = jnp.asarray(rng.integers(0, 4, (16, 4)), jnp.int32)
     xe = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
+    tiles = [{"COLIBRI_TWO_GROUPS_FROM": 512, "COLIBRI_ONE_BLOCK_TO": n} for n in (768, 512)]
+    _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
+
+
+def _builds_agree(tiles: list[dict], mats: dict, xs: dict, expert_calls: list[tuple]) -> None:
+    """Builds with each of `tiles`: the linear kernel on every matrix of `mats` (float32 and
+    bfloat16 rows) and input of `xs`, and the expert kernel on each of `expert_calls` (gate,
+    up, down, x, ids), give the same bits in all; the linear products are those of the
+    widened rows."""
+    from colibri.bench.kernel_calls import expert_call, linear_call
+    from colibri.formats import BF16
+
     results = []
-    for n in (768, 512):
-        lib = kernels.build(tiles={"COLIBRI_TWO_GROUPS_FROM": 512, "COLIBRI_ONE_BLOCK_TO": n})
-        linear = linear_call(lib, f"colibri_one_block_{n}_linear")
+    for t in tiles:
+        lib = kernels.build(tiles=t)
+        name = "colibri_tiles_" + "_".join(f"{k}_{v}" for k, v in sorted(t.items()))
+        linear = linear_call(lib, f"{name}_linear")
         got = [np.asarray(linear(x, w)) for w in mats.values() for x in xs.values()]
-        experts = expert_call(lib, f"colibri_one_block_{n}_experts")
-        got.append(np.asarray(experts(gate, up, down, xe, ids)))
+        experts = expert_call(lib, f"{name}_experts")
+        got += [np.asarray(experts(*args)) for args in expert_calls]
         results.append(got)
-    for whole, blocks in zip(*results, strict=True):
-        np.testing.assert_array_equal(whole, blocks)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
     for (f, w), k in zip(mats.items(), (0, len(xs)), strict=True):
         wf = np.asarray(w)
         if f is BF16:
