@@ -41,11 +41,10 @@ inline int32_t greedy_row(const float* l, int64_t V) {
   float m = -INFINITY;
   int32_t at = kNone;
   bool nan = false;
+  for (int k = 0; k < 8; ++k) nan |= odd[k] != 0;
   for (int a = 0; a < 4; ++a)
-    for (int k = 0; k < 8; ++k) {
-      nan |= odd[k] != 0;
+    for (int k = 0; k < 8; ++k)
       if (mv[a][k] > m || (mv[a][k] == m && best[a][k] < at)) m = mv[a][k], at = best[a][k];
-    }
   for (int64_t i = V8; i < V; ++i) {
     nan |= l[i] != l[i];
     if (l[i] > m) m = l[i], at = static_cast<int32_t>(i);
