@@ -55,12 +55,14 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
-    // Compute-heavier tiles: keep the next weights coming, 4 KiB ahead in each row's stream,
-    // into L2 (into L1 and 2 KiB ahead, these tiles took up to 1.4x the time: docs/kernels.md).
-    if constexpr (TR > 1) {
+    // Keep the next weights coming, 4 KiB ahead in each row's stream, into L2 (into L1 and
+    // 2 KiB ahead, tiles of several inputs took up to 1.4x the time; without, one input's
+    // calls over rows from DRAM 1.04-1.10x). Not one input's short rows (attention's keys,
+    // which it fetches itself: 1.035x the time with it). docs/kernels.md, "One input's rows
+    // fetched ahead".
+    if (TR > 1 || L > 256)
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
-    }
     step(w, x, c, acc, std::make_index_sequence<TW>{});
   }
   hsums<TW * TR>(&acc[0][0], out);
