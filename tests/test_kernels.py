@@ -264,6 +264,29 @@ def test_calls_shared_among_threads_equal_each_row_alone():
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
 
 
+def test_an_experts_items_on_both_threads_share_its_packed_inputs():
+    """Sixteen rows on one expert whose hidden rows take three work items: the caller and the
+    helper start on items of the same expert, and its inputs, packed by whichever item starts
+    first (the other waits for them), must be those of its rows. Each row is bitwise what it
+    gives alone (unpacked), over several calls, the two threads racing."""
+    rng = np.random.default_rng(5)
+    f32 = np.float32
+    S, F, D = 2, 1100, 130  # 504 rows of gate and up an item: three items
+    gate, up = (rng.standard_normal((S, F, D)).astype(f32) * 0.1 for _ in range(2))
+    down = rng.standard_normal((S, D, F)).astype(f32) * 0.1
+    experts = jax.jit(kernels.moe_experts)
+    for trial in range(6):
+        x = rng.standard_normal((16, D)).astype(f32)
+        ids = np.full((16, 1), trial % 2, np.int32)
+        y = np.asarray(experts(gate, up, down, x, ids))
+        h = np.einsum("nd,nkfd->nkf", x, gate[ids]), np.einsum("nd,nkfd->nkf", x, up[ids])
+        ref = np.einsum("nkf,nkdf->nkd", h[0] / (1 + np.exp(-h[0])) * h[1], down[ids])
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+        for n in (0, 15):
+            alone = experts(gate, up, down, x[n : n + 1], ids[n : n + 1])
+            np.testing.assert_array_equal(np.asarray(alone)[0], y[n])
+
+
 def test_kernels_can_be_turned_off():
     env = dict(os.environ, COLIBRI_CPU_KERNELS="0")
     code = (

@@ -150,6 +150,9 @@ struct ExpertCall : Gang {
   Problem<T> p;
   std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
   std::unique_ptr<std::atomic<int64_t>[]> hidden_done;  // per expert: phase-1 items done
+  // Per paired expert: its inputs packed and its hidden and up rows' padding cleared (2), by
+  // the first of its phase-1 items to start (1), or not yet (0).
+  std::unique_ptr<std::atomic<int>[]> packed;
   std::atomic<int64_t> arrivals{0};
 
   void drain() override {
@@ -159,6 +162,7 @@ struct ExpertCall : Gang {
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
+      if (p.xp[k / p.fitems].r) pack(k / p.fitems);
       p.hidden(k / p.fitems, k % p.fitems);
       hidden_done[k / p.fitems].fetch_add(1, std::memory_order_release);
     }
@@ -168,6 +172,21 @@ struct ExpertCall : Gang {
       const int64_t e = k / p.ditems;
       wait_until([&] { return hidden_done[e].load(std::memory_order_acquire) >= p.fitems; });
       p.output(e, k % p.ditems);
+    }
+  }
+
+  // Expert i's inputs packed for the paired tiles, by this thread unless another is at it.
+  // Packed in the work items rather than by the caller before the helpers start, both threads
+  // pack while they stream (docs/kernels.md, "Inputs packed in the items").
+  void pack(int64_t i) {
+    int state = 0;
+    if (packed[i].compare_exchange_strong(state, 1, std::memory_order_acquire)) {
+      p.xp[i].pack(&p.xrow[p.first[i]]);
+      p.hp[i].clear_padding();
+      p.upp[i].clear_padding();
+      packed[i].store(2, std::memory_order_release);
+    } else if (state != 2) {
+      wait_until([&] { return packed[i].load(std::memory_order_acquire) == 2; });
     }
   }
 
@@ -294,12 +313,9 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
       }
     }
     if (xoff[i + 1] > xoff[i]) {
-      p.xp[i] = Packed(xs + xoff[i], r, D);
-      p.xp[i].pack(&p.xrow[q0]);
+      p.xp[i] = Packed(xs + xoff[i], r, D);  // packed by the expert's first item (pack)
       p.hp[i] = Packed(p.h + hoff[i], r, F);
       p.upp[i] = Packed(p.u + hoff[i], r, F);
-      p.hp[i].clear_padding();
-      p.upp[i].clear_padding();
     }
   }
   // Slices of 512 KiB (gate and up) and 256 KiB (down): halves of these were slower. Where a
@@ -317,6 +333,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(false, false);
 
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
+  call->packed.reset(new std::atomic<int>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
   run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes);
   return ffi::Error::Success();
