@@ -190,9 +190,9 @@ inline void ball_inputs(const uint16_t* const* w, const int64_t* rows, const uin
 }
 
 // Apply the rows of W [R, L] (rows `ld` weights apart) to r inputs x[j] (bfloat16 rows of L):
-// emit(row, j, value) for every row and input. The TW rows of a tile are R / TW apart (as in
-// tiles.h): four rows for one or two inputs (four streams), three for more (3 x 8 sums, three
-// weight vectors and an input in AVX-512's 32 registers).
+// emit(row, j, value) for every row and input. The TW rows of a tile are about R / TW apart
+// (stream_gap, as in tiles.h): four rows for one or two inputs (four streams), three for more
+// (3 x 8 sums, three weight vectors and an input in AVX-512's 32 registers).
 template <typename Emit>
 void bmatvecs(const Bf16P* W, int64_t R, int64_t L, int64_t ld, const uint16_t* const* x,
               int64_t r, Emit emit) {
@@ -200,7 +200,7 @@ void bmatvecs(const Bf16P* W, int64_t R, int64_t L, int64_t ld, const uint16_t* 
   const uint16_t* base = reinterpret_cast<const uint16_t*>(W);
   auto walk = [&](auto tw) {
     constexpr int TW = decltype(tw)::value;
-    const int64_t gap = R / TW;
+    const int64_t gap = stream_gap(R, TW);
     const uint16_t* w[TW];
     int64_t rows[TW];
     for (int64_t row = 0; row < gap; ++row) {

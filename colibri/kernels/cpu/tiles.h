@@ -552,13 +552,15 @@ inline float* aligned_floats(std::vector<float>& buf, int64_t n) {
 // (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
 // quarter (or a third, or an eighth) of the matrix apart, not neighbours: streams that far
 // apart are prefetched in parallel, and short rows stream faster than from TW adjacent rows.
-// RowPairs: the tiles are row_pair_dots' (kRowPairs rows, AVX-512 builds), TW / 2 pairs.
+// RowPairs: the tiles are row_pair_dots' (kRowPairs rows, AVX-512 builds), TW / 2 pairs, an
+// eighth (or a sixth) of the matrix apart: scaled rows, whose scales make the distance no
+// power of two.
 template <int TW, int TR, bool RowPairs = false, typename T, typename Emit>
 inline void matvecs_tile(const T* W, int64_t R, int64_t L, int64_t ld, const float* const* x,
                          Emit emit, int64_t blk) {
   float out[TW * TR];
   const T* w[TW];
-  const int64_t gap = R / TW;
+  const int64_t gap = RowPairs ? R / TW : stream_gap(R, TW);
   for (int64_t row = 0; row < gap; ++row) {
     for (int i = 0; i < TW; ++i) w[i] = W + (row + i * gap) * ld;
     if constexpr (RowPairs) {
@@ -630,7 +632,7 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (r == 3) return matvecs_tile<3, 3>(W, R, L, ld, x, emit, blk);
   if (r == 2) return matvecs_tile<4, 2>(W, R, L, ld, x, emit, blk);
   if (r == 1) return matvecs_tile<4, 1>(W, R, L, ld, x, emit, blk);
-  const int64_t gap = R / 3;  // rows a third of the matrix apart, as in matvecs_tile
+  const int64_t gap = stream_gap(R, 3);  // rows a third of the matrix apart, as in matvecs_tile
   if constexpr (kScaled<T>) {
     // Scaled rows met by several tiles of inputs: each widened once, into float32 rows in L1,
     // which the float32 tiles then read (the same values, the same multiply-adds).
