@@ -19,6 +19,13 @@
 #include "formats.h"
 #include "simd.h"
 
+// Whether the tiles of one input prefetch their rows as those of several do: 0.85-0.96x the
+// time of one-row calls from DRAM on an Intel Xeon, 1.04-1.13x on AMD Zen 4 (docs/kernels.md,
+// "One input's rows fetched ahead"); kernels.tuning passes 1 for Intel cores.
+#ifndef COLIBRI_ONE_INPUT_FETCH
+#define COLIBRI_ONE_INPUT_FETCH 0
+#endif
+
 namespace {
 
 // acc[i][j] += wv_i * x[j][c .. c + 8) for the TW weight vectors of a tile, passed as
@@ -56,11 +63,11 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
     // Keep the next weights coming, 4 KiB ahead in each row's stream, into L2 (into L1 and
-    // 2 KiB ahead, tiles of several inputs took up to 1.4x the time; without, one input's
-    // calls over rows from DRAM 1.04-1.10x). Not one input's short rows (attention's keys,
-    // which it fetches itself: 1.035x the time with it). docs/kernels.md, "One input's rows
-    // fetched ahead".
-    if (TR > 1 || L > 256)
+    // 2 KiB ahead, tiles of several inputs took up to 1.4x the time). One input's rows too in
+    // builds for Intel cores (COLIBRI_ONE_INPUT_FETCH), but not short ones (attention's keys,
+    // which it fetches itself: 1.035x the time so). docs/kernels.md, "One input's rows fetched
+    // ahead".
+    if (TR > 1 || (COLIBRI_ONE_INPUT_FETCH && L > 256))
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
     step(w, x, c, acc, std::make_index_sequence<TW>{});
