@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--context 4096] [--out NAME]
+    [--prompt 256] [--context 4096] [--dram] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -19,8 +19,11 @@ quantized and held as those rows, as experiments/bench_quantized.py holds them
 (--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
 routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
 of every layer) and lm_head on --rows rows, 24 steps per pass, on huge pages as the engine
-holds its dense weights (with --held, every matrix held so). --kernel attend: decode attention
-of every layer for --rows conversations, 24 steps after a prompt of --context tokens (128),
+holds its dense weights (with --held, every matrix held so); with --dram, a copy of them a
+step, 1 GB of copies in all, so that they stream from DRAM (a step's 50-75 MB stay in a
+last-level cache of 300 MiB, which overstates what a change does where they do not).
+--kernel attend: decode attention of every layer for --rows conversations, 24 steps after a
+prompt of --context tokens (128),
 the keys and values read from DRAM as in the engine. The two versions' outputs must agree
 bitwise (the kernels' results never depend on how work is shared out). Reported: ms a step
 for each version (median of passes), GB/s of the weights (keys and values) read (for the
@@ -213,6 +216,12 @@ def linear_holds(calls: dict, fmt: str) -> dict:
     return dict.fromkeys(calls, hold)
 
 
+def linear_params(cfg) -> int:
+    """Weights of a step's linear calls: every layer's qkv and o, and lm_head."""
+    q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (q + kv + q) * cfg.hidden + cfg.vocab_size * cfg.hidden
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
@@ -241,6 +250,12 @@ def main() -> None:
         help="attend: the positions each conversation holds before the steps",
     )
     ap.add_argument(
+        "--dram",
+        action="store_true",
+        help="linear: enough copies of a step's matrices (1 GB of float32 in all), a copy a "
+        "step, that they stream from DRAM, not from a last-level cache that holds one step's",
+    )
+    ap.add_argument(
         "--out",
         help="results name (default kernel_revs[_linear|_attend][_prompt]): a run kept beside "
         "the others",
@@ -252,6 +267,8 @@ def main() -> None:
         ap.error("--held is for --kernel experts and linear")
     if args.context != 128 and args.kernel != "attend":
         ap.error("--context is for --kernel attend")
+    if args.dram and args.kernel != "linear":
+        ap.error("--dram is for --kernel linear")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -275,7 +292,10 @@ def main() -> None:
                 else:
                     res = compare(calls, cfg, routes, args.passes)
             elif args.kernel == "linear":
-                res = compare_linear(calls, cfg, rows, args.passes, linear_holds(calls, args.held))
+                copies = -(-1_000_000_000 // (linear_params(cfg) * 4)) if args.dram else 1
+                res = compare_linear(
+                    calls, cfg, rows, args.passes, linear_holds(calls, args.held), copies
+                )
             else:
                 res = compare_attend(calls, cfg, rows, args.passes, args.context)
             raw[f"{name}/{rows}"] = res
@@ -303,6 +323,7 @@ def main() -> None:
         + (f" --held {args.held}" if args.held != "float32" else "")
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
         + (f" --context {args.context}" if args.context != 128 else "")
+        + (" --dram" if args.dram else "")
         + (f" --out {args.out}" if args.out else "")
     )
     head = subprocess.run(
@@ -312,7 +333,8 @@ def main() -> None:
         "experts": f"Expert calls of a {args.prompt}-token prefill (rows: its tokens)"
         if args.prompt
         else f"Expert calls of {STEPS} greedy steps",
-        "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps",
+        "linear": f"Linear calls (qkv, o, lm_head) of {STEPS} steps"
+        + (" (a copy of the matrices a step, 1 GB of copies: from DRAM)" if args.dram else ""),
         "attend": f"Decode attention of every layer, {STEPS} steps after a {args.context}-token "
         "prompt,",
     }[args.kernel]

@@ -123,20 +123,31 @@ def dense_on_huge_pages(mats: list) -> list:
     return [jax.device_put(m) for m in hugepages.hold([np.asarray(m) for m in mats])]
 
 
-def compare_linear(calls: dict, cfg, rows: int, passes: int, hold: dict | None = None) -> dict:
+def compare_linear(
+    calls: dict, cfg, rows: int, passes: int, hold: dict | None = None, copies: int = 1
+) -> dict:
     """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating; ms a
     step per pass for each version. `hold`: for each version, what it does to the list of
     random float32 matrices to hold them (quantize them, put them somewhere); by default
     every version's as the engine holds its dense weights (dense_on_huge_pages). Versions
-    with the same `hold` share the held matrices."""
+    with the same `hold` share the held matrices. `copies`: distinct copies of a step's
+    matrices, step i reading copy i (each version from its own offset in the cycle), so that
+    they come from DRAM where one step's would stay in a large last-level cache."""
     D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
     rng = np.random.default_rng(0)
-    mats = [w for _ in range(cfg.num_layers) for w in (weights(rng, q + kv, D), weights(rng, D, q))]
-    mats.append(weights(rng, cfg.vocab_size, D))
+
+    def step_mats():
+        mats = [
+            w for _ in range(cfg.num_layers) for w in (weights(rng, q + kv, D), weights(rng, D, q))
+        ]
+        return [*mats, weights(rng, cfg.vocab_size, D)]
+
+    sets = [step_mats() for _ in range(copies)]
     hold = hold or dict.fromkeys(calls, dense_on_huge_pages)
-    by_hold = {f: f(mats) for f in set(hold.values())}
+    by_hold = {f: [f(mats) for mats in sets] for f in set(hold.values())}
     held = {v: by_hold[hold[v]] for v in calls}
+    offset = {v: k * copies // len(calls) for k, v in enumerate(calls)}
     x = jnp.asarray(rng.standard_normal((rows, D), np.float32))
     xq = jnp.asarray(rng.standard_normal((rows, q), np.float32))
 
@@ -149,8 +160,12 @@ def compare_linear(calls: dict, cfg, rows: int, passes: int, hold: dict | None =
         return jax.jit(run)
 
     steps = {v: program(f) for v, f in calls.items()}
-    same_bits({v: run(x, xq, held[v])[-1] for v, run in steps.items()})
-    ms = alternate({v: v for v in calls}, lambda v, i: steps[v](x, xq, held[v])[-1], STEPS, passes)
+    same_bits({v: run(x, xq, held[v][0])[-1] for v, run in steps.items()})
+
+    def step(v, i):
+        return steps[v](x, xq, held[v][(i + offset[v]) % copies])[-1]
+
+    ms = alternate({v: v for v in calls}, step, STEPS, passes)
     params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
-    nbytes = sum(a.nbytes for a in jax.tree.leaves(next(iter(held.values()))))
+    nbytes = sum(a.nbytes for a in jax.tree.leaves(next(iter(held.values()))[0]))
     return {"ms": ms, "gb_per_step": nbytes / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
