@@ -727,6 +727,28 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe[r], ids[r]) for r in ids])
 
 
+@pytest.mark.skipif(
+    len(kernels.isa_levels()) < 2, reason="no AVX-512: no paired tiles, one group of inputs a pass"
+)
+def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
+    """Rows of 384 columns met by 9 to 16 inputs: two groups of inputs a pass, the whole row
+    one block (as builds for Intel cores take them: kernels.tuning), and a group at a time
+    (the headers' default) give the same bits, float32 and bfloat16 rows, linear and expert
+    kernels (qwen3_moe's down projections); and the products they should."""
+    from colibri.formats import BF16, FLOAT32
+
+    rng = np.random.default_rng(13)
+    D, F = 768, 384
+    mats = {f: jnp.asarray(_held_rows(f, rng, 70, F)) for f in (FLOAT32, BF16)}
+    xs = {r: jnp.asarray(rng.standard_normal((r, F)).astype(np.float32)) for r in (9, 16)}
+    gate, up = (jnp.asarray(_held_rows(FLOAT32, rng, 4 * F, D).reshape(4, F, D)) for _ in "gu")
+    down = jnp.asarray(_held_rows(FLOAT32, rng, 4 * D, F).reshape(4, D, F))
+    ids = jnp.asarray(rng.integers(0, 4, (16, 4)), jnp.int32)
+    xe = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
+    tiles = [{"COLIBRI_TWO_GROUPS_FROM": n, "COLIBRI_ONE_BLOCK_TO": 768} for n in (384, 513)]
+    _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
+
+
 def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
     """Rows of 768 columns met by 9 to 24 inputs two groups a pass: whole, a tile's rows a
     third of the matrix apart (as builds for Intel cores take them: kernels.tuning), and block

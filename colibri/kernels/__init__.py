@@ -112,14 +112,14 @@ def _cpu_id() -> str:
 
 def tuning() -> dict[str, int]:
     """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
-    rows of 512 columns meet 9 to 16 inputs two groups a pass (COLIBRI_TWO_GROUPS_FROM), rows
-    of up to 768 columns go whole, a tile's rows a third of the matrix apart
-    (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows
+    rows of 384 columns and more meet 9 to 16 inputs two groups a pass
+    (COLIBRI_TWO_GROUPS_FROM), rows of up to 768 columns go whole, a tile's rows a third of the
+    matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows
     (COLIBRI_ONE_INPUT_FETCH; tiles.h); elsewhere the headers' defaults. Results are the same
     bits either way."""
     if "GenuineIntel" in _cpu_id():
         return {
-            "COLIBRI_TWO_GROUPS_FROM": 512,
+            "COLIBRI_TWO_GROUPS_FROM": 384,
             "COLIBRI_ONE_BLOCK_TO": 768,
             "COLIBRI_ONE_INPUT_FETCH": 1,
         }
