@@ -23,11 +23,11 @@ holds its dense weights (with --held, every matrix held so); with --dram, a copy
 step, 1 GB of copies in all, so that they stream from DRAM (a step's 50-75 MB stay in a
 last-level cache of 300 MiB, which overstates what a change does where they do not).
 --kernel attend: decode attention of every layer for --rows conversations, 24 steps after a
-prompt of --context tokens (128),
-the keys and values read from DRAM as in the engine. The two versions' outputs must agree
-bitwise (the kernels' results never depend on how work is shared out). Reported: ms a step
-for each version (median of passes), GB/s of the weights (keys and values) read (for the
-experts: the distinct ones) and GFLOP/s, and the median over passes of new / base time.
+prompt of --context tokens (128), the keys and values read from DRAM as in the engine. The
+two versions' outputs must agree bitwise (the kernels' results never depend on how work is
+shared out). Reported: ms a step for each version (median of passes), GB/s of the weights
+(keys and values) read (for the experts: the distinct ones) and GFLOP/s, and the median over
+passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
 kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json;
 with --out NAME, NAME.md and NAME.json.

@@ -195,11 +195,11 @@ inline v8 exp8(v8 x) { return exp_lanes(x); }
 // silu(g) = g / (1 + e^-g), 8 lanes.
 inline v8 silu8(v8 g) { return g / (1.0f + exp8(-g)); }
 
-// Rows between the streams of a tile of TW rows over R rows: about R / TW, and odd. Streams a
-// power of two bytes apart (a quarter of 512 rows of 2 KiB: 256 KiB; of 2048 rows of 8 KiB:
-// 4 MiB) read at 0.77-0.96x the rate of streams an odd number of rows apart on an Intel Xeon
-// (docs/kernels.md, "Streams an odd number of rows apart"). The rows after TW of these go one
-// at a time.
+// Rows between the streams of a tile of TW rows over R rows: about R / TW, and odd. Over
+// streams a power of two bytes apart (a quarter of 512 rows of 2 KiB: 256 KiB; of 2048 rows of
+// 8 KiB: 4 MiB) one-row calls took up to 1.3x the time of the same streams an odd number of
+// rows apart on an Intel Xeon (docs/kernels.md, "Streams an odd number of rows apart"). The
+// rows after TW of these go one at a time.
 inline int64_t stream_gap(int64_t R, int TW) {
   const int64_t gap = R / TW;
   return gap > 1 ? (gap - 1) | 1 : gap;

@@ -556,9 +556,10 @@ inline float* aligned_floats(std::vector<float>& buf, int64_t n) {
 }
 
 // Apply the rows w[0..R) of a [R, L] matrix (rows `ld` floats apart) to `r` inputs x[j]
-// (length L): emit(row, j, value) for every row and input. The TW rows of a tile are a
-// quarter (or a third, or an eighth) of the matrix apart, not neighbours: streams that far
-// apart are prefetched in parallel, and short rows stream faster than from TW adjacent rows.
+// (length L): emit(row, j, value) for every row and input. The TW rows of a tile are about a
+// quarter (or a third, or an eighth) of the matrix apart (an odd number of rows: stream_gap),
+// not neighbours: streams that far apart are prefetched in parallel, and short rows stream
+// faster than from TW adjacent rows.
 // RowPairs: the tiles are row_pair_dots' (kRowPairs rows, AVX-512 builds), TW / 2 pairs, an
 // eighth (or a sixth) of the matrix apart: scaled rows, whose scales make the distance no
 // power of two.
