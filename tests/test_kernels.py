@@ -244,14 +244,7 @@ def test_calls_shared_among_threads_equal_each_row_alone():
     down = rng.standard_normal((S, D, F)).astype(f32) * 0.1
     ids = rng.integers(0, S, (16, K)).astype(np.int32)
     xe = rng.standard_normal((16, D)).astype(f32)
-    experts = jax.jit(kernels.moe_experts)
-    ye = np.asarray(experts(gate, up, down, xe, ids))
-    h = np.einsum("nd,nkfd->nkf", xe, gate[ids]), np.einsum("nd,nkfd->nkf", xe, up[ids])
-    ref = np.einsum("nkf,nkdf->nkd", h[0] / (1 + np.exp(-h[0])) * h[1], down[ids])
-    np.testing.assert_allclose(ye, ref, rtol=1e-4, atol=1e-4)
-    for n in (0, 9):
-        alone = experts(gate, up, down, xe[n : n + 1], ids[n : n + 1])
-        np.testing.assert_array_equal(np.asarray(alone)[0], ye[n])
+    _experts_are_each_row_alone(gate, up, down, xe, ids, (0, 9))
 
     C, Hkv, G, Dh = 300, 2, 2, 64
     k, v = (rng.standard_normal((16, Hkv, C, Dh)).astype(f32) for _ in range(2))
@@ -274,17 +267,25 @@ def test_an_experts_items_on_both_threads_share_its_packed_inputs():
     S, F, D = 2, 1100, 130  # 504 rows of gate and up an item: three items
     gate, up = (rng.standard_normal((S, F, D)).astype(f32) * 0.1 for _ in range(2))
     down = rng.standard_normal((S, D, F)).astype(f32) * 0.1
-    experts = jax.jit(kernels.moe_experts)
     for trial in range(6):
         x = rng.standard_normal((16, D)).astype(f32)
         ids = np.full((16, 1), trial % 2, np.int32)
-        y = np.asarray(experts(gate, up, down, x, ids))
-        h = np.einsum("nd,nkfd->nkf", x, gate[ids]), np.einsum("nd,nkfd->nkf", x, up[ids])
-        ref = np.einsum("nkf,nkdf->nkd", h[0] / (1 + np.exp(-h[0])) * h[1], down[ids])
-        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
-        for n in (0, 15):
-            alone = experts(gate, up, down, x[n : n + 1], ids[n : n + 1])
-            np.testing.assert_array_equal(np.asarray(alone)[0], y[n])
+        _experts_are_each_row_alone(gate, up, down, x, ids, (0, 15))
+
+
+_experts = jax.jit(kernels.moe_experts)
+
+
+def _experts_are_each_row_alone(gate, up, down, x, ids, rows) -> None:
+    """The expert kernel on every row of x: the SwiGLU experts' products (numpy), and each of
+    `rows` bitwise what it gives alone."""
+    y = np.asarray(_experts(gate, up, down, x, ids))
+    h = np.einsum("nd,nkfd->nkf", x, gate[ids]), np.einsum("nd,nkfd->nkf", x, up[ids])
+    ref = np.einsum("nkf,nkdf->nkd", h[0] / (1 + np.exp(-h[0])) * h[1], down[ids])
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+    for n in rows:
+        alone = _experts(gate, up, down, x[n : n + 1], ids[n : n + 1])
+        np.testing.assert_array_equal(np.asarray(alone)[0], y[n])
 
 
 def test_kernels_can_be_turned_off():
