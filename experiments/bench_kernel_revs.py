@@ -58,6 +58,7 @@ from colibri.bench.replay import (
     compare,
     compare_linear,
     dense_on_huge_pages,
+    linear_params,
     on_huge_pages,
     record_routes,
     same_bits,
@@ -214,12 +215,6 @@ def linear_holds(calls: dict, fmt: str) -> dict:
         )
 
     return dict.fromkeys(calls, hold)
-
-
-def linear_params(cfg) -> int:
-    """Weights of a step's linear calls: every layer's qkv and o, and lm_head."""
-    q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
-    return cfg.num_layers * (q + kv + q) * cfg.hidden + cfg.vocab_size * cfg.hidden
 
 
 def main() -> None:

@@ -123,6 +123,12 @@ def dense_on_huge_pages(mats: list) -> list:
     return [jax.device_put(m) for m in hugepages.hold([np.asarray(m) for m in mats])]
 
 
+def linear_params(cfg) -> int:
+    """Weights of a step's linear calls: every layer's qkv and o projections, and lm_head."""
+    q, kv = cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (q + kv + q) * cfg.hidden + cfg.vocab_size * cfg.hidden
+
+
 def compare_linear(
     calls: dict, cfg, rows: int, passes: int, hold: dict | None = None, copies: int = 1
 ) -> dict:
@@ -166,6 +172,6 @@ def compare_linear(
         return steps[v](x, xq, held[v][(i + offset[v]) % copies])[-1]
 
     ms = alternate({v: v for v in calls}, step, STEPS, passes)
-    params = cfg.num_layers * (q + kv + q) * D + cfg.vocab_size * D
+    params = linear_params(cfg)
     nbytes = sum(a.nbytes for a in jax.tree.leaves(next(iter(held.values()))[0]))
     return {"ms": ms, "gb_per_step": nbytes / 1e9, "gflop_per_step": rows * params * 2 / 1e9}

@@ -162,9 +162,10 @@ struct ExpertCall : Gang {
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
     const int64_t n1 = p.phase1(), n2 = p.total() - n1;
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
-      if (p.xp[k / p.fitems].r) pack(k / p.fitems);
-      p.hidden(k / p.fitems, k % p.fitems);
-      hidden_done[k / p.fitems].fetch_add(1, std::memory_order_release);
+      const int64_t e = k / p.fitems;
+      if (p.xp[e].r) pack(e);
+      p.hidden(e, k % p.fitems);
+      hidden_done[e].fetch_add(1, std::memory_order_release);
     }
     // An expert's phase-2 items wait for its own hidden rows only, not for the other thread's
     // last phase-1 item.

@@ -360,8 +360,8 @@ struct TwoGroups {
 
 // matvecs over packed inputs, TW weight rows a tile, the rows of a tile about R / TW apart
 // (stream_gap): the row walk of tiles.h's `matvecs` (scaled rows widened into L1), over paired
-// tiles; long float32 and bfloat16 rows two groups a pass (TwoGroups). (Sharing that walk through a callback
-// measured 2-4% slower on 16-row int8 expert calls.)
+// tiles; long float32 and bfloat16 rows two groups a pass (TwoGroups). (Sharing that walk
+// through a callback measured 2-4% slower on 16-row int8 expert calls.)
 template <int TW, typename T, typename Emit>
 inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit& emit,
                          int64_t ld, int64_t blk) {
