@@ -158,13 +158,13 @@ struct AttendCall : Gang {
   }
 
   // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
-  // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs, or where
-  // the build has the paired tiles and more than four heads share the keys, those tiles over
-  // the heads packed once (into `packed`, kept from item to item), three keys a tile, every
-  // head a pass over them, the keys lead_rows ahead fetched as they go, and the values (v) of
-  // a long item too, a position for a position (the arithmetic of those tiles leaves a core's
-  // reads idle: 0.88-0.94x the time at 512 and 2048 positions). The same sums either way
-  // (cpu.cc, "Exactness").
+  // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs; in
+  // AVX-512 builds two to four heads meet the keys a pair at a time (key_pair_scores), and
+  // more than four the paired tiles over the heads packed once (into `packed`, kept from
+  // item to item), three keys a tile, every head a pass over them, the keys lead_rows ahead
+  // fetched as they go, and the values (v) of a long item too, a position for a position
+  // (the arithmetic of those tiles leaves a core's reads idle: 0.88-0.94x the time at 512
+  // and 2048 positions). The same sums either way (cpu.cc, "Exactness").
   static void scores(const float* k, const float* v, int64_t n, int64_t Dh,
                      const float* const* qs, int64_t G, float* s, int64_t ns, const Ahead& next,
                      std::vector<float>& packed) {
@@ -196,12 +196,94 @@ struct AttendCall : Gang {
     (void)packed;
     (void)v;
 #endif
+#if COLIBRI_ROW_PAIRS
+    if (G >= 2 && G <= 4 && Dh % 8 == 0) {
+      if (G == 2) return key_pair_scores<6, 2>(k, n, Dh, qs, s, ns, next);
+      if (G == 3) return key_pair_scores<4, 3>(k, n, Dh, qs, s, ns, next);
+      return key_pair_scores<3, 4>(k, n, Dh, qs, s, ns, next);
+    }
+#endif
     auto emit = [&](int64_t t, int64_t j, float d) {
       s[j * ns + t] = d;
       if (j == 0 && t < next.n) fetch(next.rows, t, t + 1, Dh);
     };
     matvecs(k, n, Dh, qs, G, emit, Dh);
   }
+
+#if COLIBRI_ROW_PAIRS
+  // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: key t + 2p in
+  // the low half of a 512-bit vector, t + 2p + 1 in the high, each head's eight columns in
+  // both, so that one multiply-add advances two keys' 8-lane sums, each half exactly the sum
+  // tiles.h's `dots` makes (and pair_hsums each half's horizontal sum, as `hsums`): the same
+  // bits, in half the multiply-adds of the 8-lane tiles. TP pairs a tile, a last odd key
+  // through `dots`; the next item's keys (or a long item's own, lead_rows ahead) fetched as
+  // the tiles go.
+  template <int TP, int G>
+  static void key_pair_scores(const float* k, int64_t n, int64_t Dh, const float* const* qs,
+                              float* s, int64_t ns, const Ahead& next) {
+    const int64_t lead = n * Dh * 4 > kAhead ? lead_rows(Dh) : n;  // (short: fetched already)
+    int64_t t = 0;
+    const auto fetches = [&](int64_t m) {
+      if (t < next.n) fetch(next.rows, t, std::min(t + m, next.n), Dh);
+      if (t + lead < n) fetch(k, t + lead, std::min(t + lead + m, n), Dh);
+    };
+    for (; t + 2 * TP <= n; t += 2 * TP) {
+      // The rows to fetch as the tile goes: the next item's (short items), else this one's
+      // lead_rows on (a long one), spread over its steps (a tile's 2 TP keys' lines at once
+      // left it waiting: 1.14x the time at 16 rows, 1.18x at 1024 positions).
+      const float* ahead = t + 2 * TP <= next.n        ? next.rows + t * Dh
+                           : t + lead + 2 * TP <= n ? k + (t + lead) * Dh
+                                                    : nullptr;
+      if (!ahead) fetches(2 * TP);
+      key_pairs<TP, G>(k, t, Dh, qs, s, ns, ahead);
+    }
+    for (; t + 2 <= n; t += 2) {
+      fetches(2);
+      key_pairs<1, G>(k, t, Dh, qs, s, ns, nullptr);
+    }
+    if (t < n) {
+      fetches(1);
+      const float* w[1] = {k + t * Dh};
+      float out[G];
+      dots<1, G>(w, qs, Dh, out);
+      for (int j = 0; j < G; ++j) s[j * ns + t] = out[j];
+    }
+  }
+
+  // s[j * ns + t + i] = q[j] . k[t + i] for the 2 TP keys from t on and the G heads; the
+  // 2 TP rows (of Dh floats) from `ahead` on, if given, fetched into L2 meanwhile.
+  template <int TP, int G>
+  __attribute__((always_inline)) static void key_pairs(const float* k, int64_t t, int64_t Dh,
+                                                       const float* const* qs, float* s,
+                                                       int64_t ns, const float* ahead) {
+    v16 acc[TP][G];
+    for (int p = 0; p < TP; ++p)
+      for (int j = 0; j < G; ++j) acc[p][j] = v16{};
+    for (int64_t c = 0; c < Dh; c += 8) {
+      v16 qv[G];
+      for (int j = 0; j < G; ++j) {
+        qv[j] = reinterpret_cast<v16>(_mm512_broadcast_f32x8(_mm256_loadu_ps(qs[j] + c)));
+        in_register(qv[j]);
+      }
+      for (int p = 0; p < TP; ++p) {
+        const float* a = k + (t + 2 * p) * Dh + c;
+        const v16 kv = reinterpret_cast<v16>(_mm512_insertf32x8(
+            _mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(a + Dh), 1));
+        for (int j = 0; j < G; ++j) acc[p][j] = fma16(kv, qv[j], acc[p][j]);
+        // 2 TP rows of `ahead` a share each step: the lines of rows 2p and 2p + 1 at c.
+        if (ahead && c % 16 == 0) {
+          __builtin_prefetch(ahead + 2 * p * Dh + c, 0, 2);
+          __builtin_prefetch(ahead + (2 * p + 1) * Dh + c, 0, 2);
+        }
+      }
+    }
+    float out[2 * TP * G];  // out[2 (p G + j) + h]: key t + 2p + h against head j
+    pair_hsums<TP * G>(&acc[0][0], out);
+    for (int p = 0; p < TP; ++p)
+      for (int j = 0; j < G; ++j)
+        for (int h = 0; h < 2; ++h) s[j * ns + t + 2 * p + h] = out[2 * (p * G + j) + h];
+  }
+#endif
 
 #if defined(__AVX512F__)
   using Vec = v16;  // the values' vectors: 512 bits where the build has them
