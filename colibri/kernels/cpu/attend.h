@@ -161,10 +161,11 @@ struct AttendCall : Gang {
   // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs; in
   // AVX-512 builds two to four heads meet the keys a pair at a time (key_pair_scores), and
   // more than four the paired tiles over the heads packed once (into `packed`, kept from
-  // item to item), three keys a tile (key_tile), every head a pass over them, the keys
-  // lead_rows ahead fetched as they go, and the values (v) of a long item too, a position for
-  // a position (the arithmetic of those tiles leaves a core's reads idle: 0.88-0.94x the time
-  // at 512 and 2048 positions). The same sums either way (cpu.cc, "Exactness").
+  // item to item), three keys a tile, every head a pass over them, the keys lead_rows ahead
+  // fetched as they go, and the next item's keys and a long item's values (v) a line a row as
+  // the tile goes (pair_dots' Fetch; the arithmetic of those tiles leaves a core's reads idle:
+  // 0.88-0.94x the time at 512 and 2048 positions). The same sums either way (cpu.cc,
+  // "Exactness").
   static void scores(const float* k, const float* v, int64_t n, int64_t Dh,
                      const float* const* qs, int64_t G, float* s, int64_t ns, const Ahead& next,
                      std::vector<float>& packed) {
@@ -185,17 +186,7 @@ struct AttendCall : Gang {
         const float* f1 = t + 3 <= vrows ? v + t * Dh : nullptr;
         if (!f0 && t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
         if (!f1 && t < vrows) fetch(v, t, std::min({t + 3, n, vrows}), Dh);
-        float out[3 * Packed::kGroup];
-        for (int64_t g = 0; g < x.groups(); ++g) {
-          switch (x.pairs(g)) {
-            case 1: key_tile<1>(w, x, g, out, f0, f1); break;
-            case 2: key_tile<2>(w, x, g, out, f0, f1); break;
-            case 3: key_tile<3>(w, x, g, out, f0, f1); break;
-            default: key_tile<4>(w, x, g, out, f0, f1); break;
-          }
-          emit_group<3>(rows, x, emit, g, out, 2 * x.pairs(g));
-          f0 = f1 = nullptr;
-        }
+        pair_tiles<3, true>(w, rows, x, emit, 0, x.groups(), f0, f1);
       }
       for (; t < n; ++t) {
         if (t < next.n) fetch(next.rows, t, t + 1, Dh);
@@ -221,35 +212,6 @@ struct AttendCall : Gang {
     };
     matvecs(k, n, Dh, qs, G, emit, Dh);
   }
-
-#if defined(__AVX512F__) && defined(__AVX512DQ__)
-  // pairs.h's pair_dots<3, TP> over three keys (w) and group g of the heads (the same sums),
-  // three rows of Dh floats from f0 and from f1 (where given: the next item's keys, a long
-  // item's values) fetched into L2 meanwhile, a line of each row every 16 columns: fetched
-  // all at once before the tile, they left it waiting on its fetch loops (a quarter of the
-  // score tiles' time with eight heads of 128 columns; docs/kernels.md, "Keys in pairs").
-  template <int TP>
-  static void key_tile(const float* const* w, const Packed& x, int64_t g, float* out,
-                       const float* f0, const float* f1) {
-    const int64_t L = x.L, L8 = L / 8 * 8;
-    const float* xg = x.group(g);
-    v16 acc[3][TP];
-    for (int i = 0; i < 3; ++i)
-      for (int p = 0; p < TP; ++p) acc[i][p] = v16{};
-    for (int64_t c = 0; c < L8; c += 8) {
-      if (c % 16 == 0) {
-        for (int i = 0; i < 3; ++i) __builtin_prefetch(w[i] + c + 1024, 0, 2);
-        if (f0)
-          for (int i = 0; i < 3; ++i) __builtin_prefetch(f0 + i * L + c, 0, 2);
-        if (f1)
-          for (int i = 0; i < 3; ++i) __builtin_prefetch(f1 + i * L + c, 0, 2);
-      }
-      const float* xc = xg + (c / 8) * TP * 16;
-      pair_step<TP>(w, xc, xc, c, acc, std::make_index_sequence<3>{});
-    }
-    pair_sums<3, TP>(acc, w, x, g * Packed::kGroup, x.inputs(g), out);
-  }
-#endif
 
 #if COLIBRI_ROW_PAIRS
   // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: key t + 2p in

@@ -201,17 +201,26 @@ __attribute__((always_inline)) inline void pair_sums(const v16 (*acc)[TP], const
 
 // out[i * 2 TP + j] = dot(w[i], input j) over L columns for the TW weight rows and the inputs
 // of one group of x (TP pairs): the 8-lane sums of tiles.h's `dots`, two a vector, then the
-// same horizontal sums and scalar tail.
-template <int TW, int TP, typename T>
-inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out) {
+// same horizontal sums and scalar tail. Fetch (attention's score tiles, attend.h): TW rows
+// of L floats from f0 and from f1, where given, fetched into L2 as the weights are, a line of
+// each row a cache line of weights (fetched all at once before the tile, their lines left it
+// waiting: docs/kernels.md, "Keys in pairs").
+template <int TW, int TP, bool Fetch = false, typename T>
+inline void pair_dots(const T* const* w, const Packed& x, int64_t g, float* out,
+                      const float* f0 = nullptr, const float* f1 = nullptr) {
   const int64_t L = x.L, L8 = L / 8 * 8;
   const float* xg = x.group(g);
   v16 acc[TW][TP];
   for (int i = 0; i < TW; ++i)
     for (int p = 0; p < TP; ++p) acc[i][p] = v16{};
   for (int64_t c = 0; c < L8; c += 8) {
-    if (c % (64 / sizeof(T)) == 0)  // once a cache line, into L2 4 KiB ahead (as tiles.h)
+    if (c % (64 / sizeof(T)) == 0) {  // once a cache line, into L2 4 KiB ahead (as tiles.h)
       for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
+      if constexpr (Fetch) {
+        for (int i = 0; i < TW && f0; ++i) __builtin_prefetch(f0 + i * L + c, 0, 2);
+        for (int i = 0; i < TW && f1; ++i) __builtin_prefetch(f1 + i * L + c, 0, 2);
+      }
+    }
     const float* xc = xg + (c / 8) * TP * 16;
     pair_step<TP>(w, xc, xc, c, acc, std::make_index_sequence<TW>{});
   }
@@ -241,15 +250,17 @@ __attribute__((always_inline)) inline void emit_group(const int64_t* rows, const
 }
 
 // Rows w[0 .. TW) (their indices `rows`) against every input of x: emit(row, j, value).
-template <int TW, typename T, typename Emit>
+// Fetch: f0 and f1 as pair_dots takes them, in group g0's pass.
+template <int TW, bool Fetch = false, typename T, typename Emit>
 inline void pair_tiles(const T* const* w, const int64_t* rows, const Packed& x, Emit& emit,
-                       int64_t g0, int64_t g1) {
+                       int64_t g0, int64_t g1, const float* f0 = nullptr,
+                       const float* f1 = nullptr) {
   float out[TW * Packed::kGroup];
-  for (int64_t g = g0; g < g1; ++g) {
+  for (int64_t g = g0; g < g1; ++g, f0 = f1 = nullptr) {
     switch (x.pairs(g)) {
-#define COLIBRI_PAIRS(n)        \
-  case n:                       \
-    pair_dots<TW, n>(w, x, g, out); \
+#define COLIBRI_PAIRS(n)                             \
+  case n:                                            \
+    pair_dots<TW, n, Fetch>(w, x, g, out, f0, f1); \
     break;
       COLIBRI_PAIRS(1) COLIBRI_PAIRS(2) COLIBRI_PAIRS(3) COLIBRI_PAIRS(4)
 #undef COLIBRI_PAIRS
