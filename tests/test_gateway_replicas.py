@@ -22,6 +22,7 @@ import pytest
 from engine_util import Reference
 from gateway_util import Gateway, wait_for
 
+from colibri.gateway.app import Gateway as Routes
 from colibri.gateway.engine_client import EngineClient
 from colibri.gateway.replicas import Replicas, Unavailable
 from colibri.gateway.slots import Affinity, QueueFull
@@ -37,7 +38,9 @@ PROMPTS = ["The quick brown fox", "jumps over the lazy", "springt über den", "f
 
 
 class StubEngine:
-    """What `Replicas` reads of an engine: whether it runs, and why not."""
+    """What `Replicas` (and `/health`) read of an engine: whether it runs, and why not."""
+
+    cancelled = restarts = 0
 
     def __init__(self) -> None:
         self.alive, self.gone = True, None
@@ -113,6 +116,35 @@ def test_a_lost_engine_is_named_until_the_next_one_serves():
         e.kill()
 
     asyncio.run(run())
+
+
+class ExitingEngine:
+    """An engine whose process exits just after its liveness is first read."""
+
+    cancelled = restarts = 0
+    why_down = "engine exited (exit status -9)"
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def alive(self) -> bool:
+        self.reads += 1
+        return self.reads == 1
+
+
+def test_health_reads_each_replica_once():
+    """An engine that exits while `/health` is built is either up or down in all of it: the
+    summary's status and the replica's agree."""
+    gw = object.__new__(Routes)  # only the replicas and the slot count are read
+    engines = [ExitingEngine(), StubEngine()]
+    gw.replicas = Replicas(engines, slots=2, max_waiting=1)  # type: ignore[arg-type]
+    gw.settings = type("Settings", (), {"kv_slots": 2})()
+    h = gw.health_json(authorized=False)
+    assert [h["status"]] + [r["status"] for r in h["replicas"]] == ["ok", "ok", "ok"]
+    h = gw.health_json(authorized=False)
+    assert [h["status"]] + [r["status"] for r in h["replicas"]] == ["degraded", "unavailable", "ok"]
+    assert h["replicas"][0]["reason"] == "engine exited (exit status -9)"
 
 
 # ---------------------------------------------------------------------------- a real gateway

@@ -204,7 +204,8 @@ class Gateway:
         the scheduler, and the tiers and host of the replica shown. With several replicas,
         `replicas` gives each one's (its engine's pid too, with `authorized`)."""
         reps = self.replicas
-        up = len(reps.alive)
+        alive = [r.engine.alive for r in reps]  # once: an engine can exit while this is built
+        up = sum(alive)
         body: dict[str, Any] = {
             "status": "ok" if up == len(reps) else "degraded" if up else "unavailable",
             "kv_slots": self.settings.kv_slots,
@@ -222,7 +223,8 @@ class Gateway:
             extras = {"tiers": tiers_json(t.tiers), "hwinfo": hwinfo_json(t.hwinfo)}
             body.update({k: v for k, v in extras.items() if v is not None})
         if len(reps) > 1:
-            body["replicas"] = [replica_json(r, authorized) for r in reps]
+            each = zip(reps, alive, strict=True)
+            body["replicas"] = [replica_json(r, a, authorized) for r, a in each]
         return body
 
     def experts_seq(self) -> int:
@@ -535,19 +537,19 @@ def scheduler_json(replicas: Iterable[Replica]) -> dict:
     }
 
 
-def replica_json(r: Replica, authorized: bool) -> dict:
-    """One replica in `/health`: its liveness, slots and queue; with `authorized`, also its
-    engine's pid, its scheduler and its tiers."""
+def replica_json(r: Replica, alive: bool, authorized: bool) -> dict:
+    """One replica in `/health`: its liveness (`alive`, as the summary counted it), slots and
+    queue; with `authorized`, also its engine's pid, its scheduler and its tiers."""
     engine = r.engine
     body: dict[str, Any] = {
         "replica": r.index,
-        "status": "ok" if engine.alive else "unavailable",
+        "status": "ok" if alive else "unavailable",
         "busy": r.pool.busy,
         "waiting": r.pool.waiting,
         "cancelled": engine.cancelled,
         "restarts": engine.restarts,
     }
-    if not engine.alive:
+    if not alive:
         body["reason"] = engine.why_down
     if authorized:
         body["pid"] = engine.proc.pid if engine.proc is not None else None
