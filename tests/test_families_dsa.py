@@ -72,6 +72,11 @@ def test_fp8_logits_match_transformers(built):
     np.testing.assert_allclose(Runner(model, capacity=128).full_logits(ids), ref, atol=1e-4, rtol=0)
 
 
+def test_a_rows_logits_are_the_same_alone_and_among_sixteen(case):
+    _, model, _ = case
+    tiny.check_rows_alone(model, model.tokenizer.encode(PROMPT))
+
+
 def test_incremental_decode_matches_full_forward(case):
     _, model, _ = case
     # the prefill already chooses; each decoded token chooses again

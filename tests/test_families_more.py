@@ -37,6 +37,11 @@ def test_full_sequence_logits_match_transformers(case):
     tiny.check_full_logits(model, hf, model.tokenizer.encode(PROMPT))
 
 
+def test_a_rows_logits_are_the_same_alone_and_among_sixteen(case):
+    _, model, _ = case
+    tiny.check_rows_alone(model, model.tokenizer.encode(PROMPT))
+
+
 def test_incremental_decode_matches_full_forward(case):
     _, model, _ = case
     tiny.check_incremental_decode(model, model.tokenizer.encode(PROMPT))

@@ -55,6 +55,72 @@ def test_linear_matches_numpy_and_rows_are_batch_invariant(rows, dim_in, dim_out
         np.testing.assert_array_equal(np.asarray(_native(x[n : n + 1], w))[0], y[n])
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    heads=st.integers(1, 5),
+    dim_in=st.integers(1, 72),
+    per_head=st.integers(1, 40),
+    data=st.data(),
+)
+# 16 rows of 512 columns (the paired tiles, two groups a pass; MLA's latents) and items of
+# part of a head (256 KiB of its rows: 192 rows of 512 columns take two).
+@example(rows=16, heads=3, dim_in=512, per_head=192, data=None)
+def test_linear_heads_is_each_heads_linear_bitwise(rows, heads, dim_in, per_head, data):
+    """kernels.linear_heads: head h's outputs bitwise kernels.linear of x[:, h] and rows
+    [first, R) of w[h], read in place; each row as it is alone."""
+    first = data.draw(st.integers(0, per_head - 1)) if data else per_head // 3
+    rng = np.random.default_rng(rows * 1000 + heads * 100 + dim_in + per_head)
+    x = rng.standard_normal((rows, heads, dim_in)).astype(np.float32)
+    w = rng.standard_normal((heads, per_head, dim_in)).astype(np.float32)
+    f = jax.jit(kernels.linear_heads, static_argnames="first")
+    y = np.asarray(f(x, w, first=first))
+    assert y.shape == (rows, heads, per_head - first)
+    each = [np.asarray(_native(x[:, h], w[h, first:])) for h in range(heads)]
+    np.testing.assert_array_equal(y, np.stack(each, axis=1))
+    np.testing.assert_array_equal(np.asarray(f(x[-1:], w, first=first))[0], y[-1])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    heads=st.integers(1, 5),
+    dim_in=st.integers(1, 40),
+    cols=st.integers(1, 140),
+    data=st.data(),
+)
+# 16 rows of MLA's shape: 128 of a head's rows of 512 columns weighed.
+@example(rows=16, heads=2, dim_in=128, cols=512, data=None)
+def test_linear_heads_t_is_each_columns_multiply_add_chain(rows, heads, dim_in, cols, data):
+    """kernels.linear_heads_t: y[m, h, c] one multiply-add chain over w's rows first .. first
+    + I of head h in order, from zero (float32 multiply-adds, modelled exactly in float64),
+    bitwise; each row as it is alone."""
+    first = data.draw(st.integers(0, 7)) if data else 3
+    rng = np.random.default_rng(rows * 1000 + heads * 100 + dim_in + cols)
+    x = rng.standard_normal((rows, heads, dim_in)).astype(np.float32)
+    w = rng.standard_normal((heads, first + dim_in + 2, cols)).astype(np.float32)
+    f = jax.jit(kernels.linear_heads_t, static_argnames="first")
+    y = np.asarray(f(x, w, first=first))
+    want = np.zeros((rows, heads, cols), np.float32)
+    for i in range(dim_in):  # a float32 product is exact in float64: one rounding, as an FMA
+        step = x[:, :, i, None].astype(np.float64) * w[None, :, first + i].astype(np.float64)
+        want = (step + want).astype(np.float32)
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(np.asarray(f(x[-1:], w, first=first))[0], y[-1])
+
+
+def test_the_heads_products_refuse_rows_past_the_heads():
+    x, w = jnp.ones((2, 3, 8)), jnp.ones((3, 5, 8))
+    with pytest.raises(Exception, match="colibri_linear_heads: shapes disagree"):
+        jax.block_until_ready(kernels.linear_heads(x, w[:, :, :4], first=0))
+    call = jax.ffi.ffi_call("colibri_linear_heads", jax.ShapeDtypeStruct((2, 3, 4), jnp.float32))
+    with pytest.raises(Exception, match="colibri_linear_heads: shapes disagree"):
+        jax.block_until_ready(call(x, w, first=np.int64(2)))  # rows 2 .. 6 of 5
+    x = jnp.ones((2, 3, 4))  # four rows of each head weighed, from row 2 on: 2 .. 6 of 5
+    with pytest.raises(Exception, match="colibri_linear_heads_t: shapes disagree"):
+        jax.block_until_ready(kernels.linear_heads_t(x, w, first=2))
+
+
 def _held_linear_is_widened_linear(x: np.ndarray, held: np.ndarray, wide: np.ndarray) -> None:
     """Up to NATIVE_ROWS rows (the native kernel) the linear over weights `held` as bf16 bits,
     FP8 or int4 rows is bitwise the linear over `wide`, the float32 they stand for, each row as
@@ -376,13 +442,15 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 
 def test_the_registered_targets_are_those_the_formats_make():
-    """An expert and a linear target per held format, attention (alone and with the cache
-    write), the softmax router's choice, RMSNorm, the greedy choice and the cut flag: each one
-    a handler the library exports, and it exports no handler that is not registered."""
+    """An expert and a linear target per held format, MLA's two per-head products, attention
+    (alone and with the cache write), the softmax router's choice, RMSNorm, the greedy choice
+    and the cut flag: each one a handler the library exports, and it exports no handler that
+    is not registered."""
     made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
     made |= {"colibri_rms_norm", "colibri_greedy", "colibri_cut_requested"}
+    made |= {"colibri_linear_heads", "colibri_linear_heads_t"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 6
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 8
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())

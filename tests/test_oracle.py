@@ -78,24 +78,9 @@ def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
         np.testing.assert_allclose(run(model), run(separate), rtol=0, atol=1e-4)
 
 
-def test_a_rows_decode_logits_are_the_same_alone_and_among_sixteen(case):
-    """Batch invariance through the whole model: a row's logits are bitwise what it gets
-    decoded alone, whatever rows it meets (the kernels' and XLA's ops alike; on a GPU, within
-    float32 rounding)."""
+def test_a_rows_logits_are_the_same_alone_and_among_sixteen(case):
     _, model, _ = case
-    ids = model.tokenizer.encode(PROMPT)
-    runner = Runner(model, slots=16, capacity=64)
-    rows = []
-    for s in range(16):
-        prompt = ids[: 4 + s]
-        runner.prefill(s, prompt)
-        rows.append(Row(s, ids[(7 * s) % len(ids)], len(prompt)))
-    together = runner.decode(rows)[0]  # (each decode writes the same keys and values again)
-    alone = np.stack([runner.decode([r])[0][0] for r in rows[::5]])
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(alone, together[::5])
-    else:
-        np.testing.assert_allclose(alone, together[::5], rtol=0, atol=1e-4)
+    tiny.check_rows_alone(model, model.tokenizer.encode(PROMPT))
 
 
 def test_incremental_decode_matches_full_forward(case):

@@ -54,6 +54,14 @@ operand_layout_constraints={s32[1]{0}}, api_version=API_VERSION_TYPED_FFI
   %add.4 = f32[1,64]{1,0} add(%p, %q)
 """
 
+HEADS = """  %ffi_call.5 = f32[2,4,16]{2,1,0} custom-call(%o, %kv), custom_call_target=\
+"colibri_linear_heads", operand_layout_constraints={f32[2,4,64]{2,1,0}, f32[4,40,64]{2,1,0}}, \
+api_version=API_VERSION_TYPED_FFI, backend_config={first = 24 : i64}
+  %ffi_call.6 = f32[2,4,64]{2,1,0} custom-call(%q, %kv), custom_call_target=\
+"colibri_linear_heads_t", operand_layout_constraints={f32[2,4,24]{2,1,0}, f32[4,40,64]{2,1,0}}, \
+api_version=API_VERSION_TYPED_FFI, backend_config={first = 0 : i64}
+"""
+
 
 def test_kernel_calls_name_each_kernel_and_its_weights():
     calls = anatomy.kernel_calls(HLO)
@@ -67,6 +75,18 @@ def test_kernel_calls_name_each_kernel_and_its_weights():
     # One row, two chosen experts, each 32 x 64 gate and up rows and 64 x 32 down rows.
     assert experts.flops == 2 * 2 * 3 * 32 * 64
     assert calls["ffi_call.3"].target == anatomy.CUT
+
+
+def test_kernel_calls_name_the_mla_heads_products_and_the_rows_they_read():
+    """MLA's per-head products read rows first .. of each head's kv_b rows: 16 a head of the
+    value rows (40 - 24), the query's 24 (its inputs)."""
+    calls = anatomy.kernel_calls(HEADS)
+    out, into = calls["ffi_call.5"], calls["ffi_call.6"]
+    assert out == anatomy.Kernel(
+        "colibri_linear_heads", "linear_heads [4 x 16, 64]", 4 * 16 * 64 * 4, 2 * 2 * 4 * 16 * 64
+    )
+    assert into.label == "linear_heads_t [4 x 24, 64]"
+    assert (into.weight_bytes, into.flops) == (4 * 24 * 64 * 4, 2 * 2 * 4 * 24 * 64)
 
 
 def op(ts, dur, name, run):

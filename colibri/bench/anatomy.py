@@ -85,7 +85,14 @@ def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
                 held = f" ({held} rows)" if held else ""
                 break
         flops = None
-        if target.startswith("colibri_linear"):
+        if target.startswith("colibri_linear_heads"):  # MLA's per-head products of kv_b's rows
+            (rows, heads, inputs), (dtype, (_, per_head, cols)) = ops[0][1], ops[1]
+            first = re.search(r"first = (\d+)", line)
+            read = inputs if target.endswith("_t") else per_head - int(first[1] if first else 0)
+            label = f"{target.removeprefix('colibri_')} [{heads} x {read}, {cols}]"
+            weight = float(_nbytes(dtype, (heads, read, cols)))
+            flops = 2.0 * rows * heads * read * cols
+        elif target.startswith("colibri_linear"):
             dtype, dims = ops[1]
             rows, inputs = ops[0][1]
             label = f"linear [{dims[0]}, {inputs}]{held}"

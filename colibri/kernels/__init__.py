@@ -51,13 +51,16 @@ def symbol_suffix(suffix: str) -> str:
 
 def _targets() -> dict[str, str]:
     """XLA target -> the library's handler symbol: an expert and a linear kernel for each held
-    format of colibri/formats.py, then attention and the cut flag."""
+    format of colibri/formats.py, then MLA's per-head products, attention, the small kernels
+    and the cut flag."""
     kernels = {"colibri_moe_experts": "ColibriMoeExperts", "colibri_linear": "ColibriLinear"}
     targets = {
         target + f.suffix: handler + symbol_suffix(f.suffix)
         for target, handler in kernels.items()
         for f in formats.FORMATS
     }
+    targets["colibri_linear_heads"] = "ColibriLinearHeads"
+    targets["colibri_linear_heads_t"] = "ColibriLinearHeadsT"
     targets["colibri_attend"] = "ColibriAttend"
     targets["colibri_attend_write"] = "ColibriAttendWrite"
     targets["colibri_route_softmax"] = "ColibriRouteSoftmax"
@@ -282,6 +285,34 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
         vmap_method="sequential",
     )
     return call(rows, w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def linear_heads(x: jax.Array, w: jax.Array, first: int = 0) -> jax.Array:
+    """Head by head, x [M, H, I] @ w[h, first:].T for float32 w [H, R, I]: [M, H, R - first]
+    float32, each head's bitwise `linear(x[:, h], w[h, first:])` (each row's as it is alone).
+    The rows from `first` on are read where they lie (no slice of w is made)."""
+    _require()
+    M, H, _ = x.shape
+    call = jax.ffi.ffi_call(
+        "colibri_linear_heads",
+        jax.ShapeDtypeStruct((M, H, w.shape[1] - first), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x, w, first=np.int64(first))
+
+
+def linear_heads_t(x: jax.Array, w: jax.Array, first: int = 0) -> jax.Array:
+    """Head by head, x [M, H, I] @ w[h, first:first + I] for float32 w [H, R, C]: [M, H, C]
+    float32, each output one multiply-add chain over i in order from zero (as attention sums
+    its values), so each row's bits as it is alone. The rows are read where they lie."""
+    _require()
+    M, H, _ = x.shape
+    call = jax.ffi.ffi_call(
+        "colibri_linear_heads_t",
+        jax.ShapeDtypeStruct((M, H, w.shape[2]), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x, w, first=np.int64(first))
 
 
 def attend(

@@ -285,7 +285,15 @@ def mla_attend_latent(
     kv_b = widen_rows(w["kv_b"], r).reshape(H, Dn + Dv, r)
     lat = _read(cache["lat"], slots, kv_len)  # [B, S, r]
     kr = _read(cache["kr"], slots, kv_len)  # [B, S, R]
-    q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
+    # Through the kernels on CPU: kv_b's rows read where they lie (XLA copied each half out
+    # first), each row's bits as it is alone (XLA's dot sums in an order that moves with the
+    # rows); docs/kernels.md, "MLA's per-head products".
+    native = kernels.usable(q, kv_b)
+    if native:
+        q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b)
+        q_lat = q_lat.reshape(B, T, H, r)
+    else:
+        q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
     # Scores position-major, [B, S, T, H]: the latents the left operand of both products as
     # they lie in the cache (head-major scores had XLA transpose the latents twice a layer:
     # 5x the time of the products at 4096 positions).
@@ -299,7 +307,10 @@ def mla_attend_latent(
     scores = jnp.where(visible[..., None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=1)
     o_lat = jnp.einsum("bsth,bsr->bthr", probs, lat, precision=EXACT)
-    out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
+    if native:
+        out = kernels.linear_heads(o_lat.reshape(B * T, H, r), kv_b, first=Dn)
+    else:
+        out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
     return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
 
 

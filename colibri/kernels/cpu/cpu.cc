@@ -12,6 +12,7 @@
 //   gang.h     a call's work shared out among XLA's intra-op threads
 //   experts.h  colibri_moe_experts (one target per held format)
 //   linear.h   colibri_linear (one target per held format)
+//   heads.h    colibri_linear_heads, colibri_linear_heads_t
 //   attend.h   colibri_attend
 //   cut.h      colibri_cut_requested
 //   norm.h     colibri_rms_norm
@@ -42,6 +43,7 @@
 #include "experts.h"
 #include "formats.h"
 #include "greedy.h"
+#include "heads.h"
 #include "linear.h"
 #include "norm.h"
 #include "peak.h"
@@ -122,6 +124,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
                                     .Arg<ffi::Buffer<ffi::F32>>()                  \
                                     .Arg<ffi::Buffer<ffi::S32>>()                  \
                                     .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeads, LinearHeads,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("first"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeadsT, LinearHeadsT,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("first"));
 
 COLIBRI_HELD_FORMATS(COLIBRI_LINEAR_HANDLER)
 COLIBRI_HELD_FORMATS(COLIBRI_EXPERTS_HANDLER)
