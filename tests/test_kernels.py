@@ -443,14 +443,14 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 def test_the_registered_targets_are_those_the_formats_make():
     """An expert and a linear target per held format, MLA's two per-head products, attention
-    (alone and with the cache write), the softmax router's choice, RMSNorm, the greedy choice
-    and the cut flag: each one a handler the library exports, and it exports no handler that
-    is not registered."""
+    (alone, with the cache write, and MLA's over the latents), the softmax router's choice,
+    RMSNorm, the greedy choice and the cut flag: each one a handler the library exports, and
+    it exports no handler that is not registered."""
     made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
     made |= {"colibri_rms_norm", "colibri_greedy", "colibri_cut_requested"}
-    made |= {"colibri_linear_heads", "colibri_linear_heads_t"}
+    made |= {"colibri_linear_heads", "colibri_linear_heads_t", "colibri_mla_attend"}
     made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 8
+    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 9
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())
@@ -498,6 +498,57 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity
             p = np.exp(s - s.max())
             np.testing.assert_allclose(got[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5)
         alone = kernels.attend(q[b : b + 1], k, v, slots[b : b + 1], pos[b : b + 1], scale)
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    heads=st.sampled_from([1, 3, 8, 16, 32]),
+    latent=st.one_of(st.integers(1, 40), st.sampled_from([64, 512])),
+    rope=st.sampled_from([1, 8, 16, 64]),
+    capacity=st.integers(1, 60),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+# DeepSeek-V3's latents and roped keys, 16 heads (a row's heads in two groups of eight).
+@example(rows=1, heads=16, latent=512, rope=64, capacity=40, masked=True, seed=1)
+def test_mla_attend_matches_masked_softmax(rows, heads, latent, rope, capacity, masked, seed):
+    """Latent attention from the cache in place: each head's scores its latent query against
+    the latents plus its roped query against the roped keys, over positions 0..pos of the
+    row's slot (those `keep` keeps, where given), weighing the latents; padding rows (slot out
+    of range) give zeros; each row alone is bitwise the same."""
+    rng = np.random.default_rng(seed)
+    S, C = 4, capacity
+    lat = rng.standard_normal((S, C, latent)).astype(np.float32)
+    kr = rng.standard_normal((S, C, rope)).astype(np.float32)
+    q = rng.standard_normal((rows, heads, latent)).astype(np.float32)
+    qr = rng.standard_normal((rows, heads, rope)).astype(np.float32)
+    slots = rng.integers(0, S + 1, rows).astype(np.int32)  # S: a padding row
+    pos = rng.integers(0, C, rows).astype(np.int32)
+    keep = rng.random((rows, C)) < 0.5 if masked else None
+    if masked:
+        keep[np.arange(rows), pos] = True
+    scale = 1 / np.sqrt(latent + rope)
+    f = jax.jit(kernels.mla_attend, static_argnums=6)
+    got = np.asarray(f(q, qr, lat, kr, slots, pos, scale, keep))
+    for b in range(rows):
+        if slots[b] == S:
+            assert not got[b].any()
+            continue
+        n = pos[b] + 1
+        lats, keys = lat[slots[b], :n].astype(np.float64), kr[slots[b], :n].astype(np.float64)
+        s = (lats @ q[b].T.astype(np.float64) + keys @ qr[b].T.astype(np.float64)) * scale
+        if masked:
+            s = np.where(keep[b, :n, None], s, -np.inf)
+        p = np.exp(s - s.max(axis=0))
+        np.testing.assert_allclose(
+            got[b], (p.T @ lats) / p.sum(axis=0)[:, None], rtol=1e-4, atol=1e-5
+        )
+        one = keep[b : b + 1] if masked else None
+        alone = f(
+            q[b : b + 1], qr[b : b + 1], lat, kr, slots[b : b + 1], pos[b : b + 1], scale, one
+        )
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
 
 

@@ -104,7 +104,7 @@ def kernel_calls(hlo_text: str) -> dict[str, Kernel]:
             (rows, hidden), (_, chosen) = ops[3][1], ops[4][1]
             ff = ops[0][1][1]  # gate [E, F, D as held]: F rows of D inputs
             flops = 2.0 * rows * chosen * 3 * ff * hidden
-        elif target in ("colibri_attend", "colibri_attend_write"):
+        elif target in ("colibri_attend", "colibri_attend_write", "colibri_mla_attend"):
             label, weight = "attention", None
         elif target == "colibri_rms_norm":
             label, weight = "RMSNorm", None

@@ -63,6 +63,7 @@ def _targets() -> dict[str, str]:
     targets["colibri_linear_heads_t"] = "ColibriLinearHeadsT"
     targets["colibri_attend"] = "ColibriAttend"
     targets["colibri_attend_write"] = "ColibriAttendWrite"
+    targets["colibri_mla_attend"] = "ColibriMlaAttend"
     targets["colibri_route_softmax"] = "ColibriRouteSoftmax"
     targets["colibri_rms_norm"] = "ColibriRmsNorm"
     targets["colibri_greedy"] = "ColibriGreedy"
@@ -329,6 +330,33 @@ def attend(
     )
     i32 = jnp.int32
     return call(q, k, v, slots.astype(i32), pos.astype(i32), scale=np.float32(scale))
+
+
+def mla_attend(
+    q: jax.Array,
+    q_rope: jax.Array,
+    lat: jax.Array,
+    kr: jax.Array,
+    slots: jax.Array,
+    pos: jax.Array,
+    scale: float,
+    keep: jax.Array | None = None,
+) -> jax.Array:
+    """Multi-head latent attention of one new token per row: q [B, H, r] and its roped part
+    q_rope [B, H, R] against positions 0..pos[b] of slot slots[b] of the latent cache lat
+    [S, C, r] and the roped keys kr [S, C, R] (the new ones written already); the softmax of
+    scale (q . lat + q_rope . kr) weighing the latents: [B, H, r]. `keep` [B, L] (bool): the
+    positions t < L a row attends to (DSA's selection), every one where None. Rows whose slot
+    is outside [0, S) give zeros; every row's result is bitwise what it gets alone."""
+    _require()
+    call = jax.ffi.ffi_call(
+        "colibri_mla_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential"
+    )
+    keep = jnp.zeros((q.shape[0], 0), jnp.uint8) if keep is None else keep.astype(jnp.uint8)
+    i32 = jnp.int32
+    return call(
+        q, q_rope, lat, kr, slots.astype(i32), pos.astype(i32), keep, scale=np.float32(scale)
+    )
 
 
 def attend_write(

@@ -283,35 +283,62 @@ def mla_attend_latent(
     B, T, H = q.shape[0], q.shape[1], cfg.num_heads
     Dn, Dv, r = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
     kv_b = widen_rows(w["kv_b"], r).reshape(H, Dn + Dv, r)
-    lat = _read(cache["lat"], slots, kv_len)  # [B, S, r]
-    kr = _read(cache["kr"], slots, kv_len)  # [B, S, R]
     # Through the kernels on CPU: kv_b's rows read where they lie (XLA copied each half out
-    # first), each row's bits as it is alone (XLA's dot sums in an order that moves with the
-    # rows); docs/kernels.md, "MLA's per-head products".
-    native = kernels.usable(q, kv_b)
+    # first), the cache's latents and roped keys read in place (XLA gathered each row's), and
+    # each row's bits as it is alone (XLA's dots sum in orders that move with the rows);
+    # docs/kernels.md, "MLA's per-head products", "MLA's attention over the latents".
+    native = kernels.usable(q, kv_b, cache["lat"], cache["kr"])
     if native:
         q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b)
         q_lat = q_lat.reshape(B, T, H, r)
     else:
         q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
+    if native and T == 1:
+        o_lat = kernels.mla_attend(
+            q_lat[:, 0],
+            q[:, 0, :, Dn:],
+            cache["lat"],
+            cache["kr"],
+            slots,
+            pos[:, 0],
+            cfg.attn_scale,
+            None if keep is None else keep[:, 0],
+        )[:, None]
+    else:
+        o_lat = _latent_attend(cfg, cache, q[..., Dn:], q_lat, pos, slots, kv_len, keep)
+    if native:
+        out = kernels.linear_heads(o_lat.reshape(B * T, H, r), kv_b, first=Dn)
+    else:
+        out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
+    return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
+
+
+def _latent_attend(
+    cfg: ModelConfig,
+    cache: Cache,
+    q_rope: jax.Array,
+    q_lat: jax.Array,
+    pos: jax.Array,
+    slots: jax.Array,
+    kv_len: int,
+    keep: jax.Array | None,
+) -> jax.Array:
+    """`mla_attend_latent`'s attention in XLA: the latents [B, T, H, r] the softmax weighs."""
+    lat = _read(cache["lat"], slots, kv_len)  # [B, S, r]
+    kr = _read(cache["kr"], slots, kv_len)  # [B, S, R]
     # Scores position-major, [B, S, T, H]: the latents the left operand of both products as
     # they lie in the cache (head-major scores had XLA transpose the latents twice a layer:
     # 5x the time of the products at 4096 positions).
     scores = (
         jnp.einsum("bsr,bthr->bsth", lat, q_lat, precision=EXACT)
-        + jnp.einsum("bsd,bthd->bsth", kr, q[..., Dn:], precision=EXACT)
+        + jnp.einsum("bsd,bthd->bsth", kr, q_rope, precision=EXACT)
     ) * cfg.attn_scale
     visible = jnp.arange(kv_len)[None, :, None] <= pos[:, None, :]  # [B, S, T]
     if keep is not None:
         visible = visible & keep.swapaxes(1, 2)
     scores = jnp.where(visible[..., None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=1)
-    o_lat = jnp.einsum("bsth,bsr->bthr", probs, lat, precision=EXACT)
-    if native:
-        out = kernels.linear_heads(o_lat.reshape(B * T, H, r), kv_b, first=Dn)
-    else:
-        out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
-    return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
+    return jnp.einsum("bsth,bsr->bthr", probs, lat, precision=EXACT)
 
 
 def mla_attend_cached(

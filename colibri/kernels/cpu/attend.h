@@ -39,6 +39,15 @@ struct AttendCall : Gang {
   float* out;
   int64_t B, H, Hkv, Dh, S, C;
   float scale;
+  // Multi-head latent attention (colibri_mla_attend): the cache's heads (1: every group of
+  // query heads reads the one latent cache, k = v), each score plus the query's roped part
+  // `qr` [B, H, R] against the roped keys `kr` [S, C, R], and the positions a row keeps
+  // (`keep` [B, keep_len], 0: not kept, scored -inf; none where keep_len is 0).
+  int64_t cache_heads = 0;  // 0: Hkv
+  const float *qr = nullptr, *kr = nullptr;
+  int64_t R = 0;
+  const uint8_t* keep = nullptr;
+  int64_t keep_len = 0;
   std::vector<int64_t> first;  // the rows of item group i: first[i] .. first[i + 1]
   std::atomic<int64_t> next{0};
 
@@ -76,7 +85,8 @@ struct AttendCall : Gang {
     if (item >= items()) return {};
     const int64_t last = first[item / Hkv + 1] - 1, n = positions(last);
     if (n == 0) return {};
-    const int64_t at = (slot[last] * Hkv + item % Hkv) * C * Dh;
+    const int64_t ch = cache_heads ? cache_heads : Hkv;
+    const int64_t at = (slot[last] * ch + item % Hkv % ch) * C * Dh;
     return {k + at, v + at, n};
   }
 
@@ -105,8 +115,8 @@ struct AttendCall : Gang {
 
   void drain() override {
     const int64_t G = H / Hkv, items = this->items();
-    std::vector<float> p, packed, sums;
-    std::vector<const float*> qs;
+    std::vector<float> p, packed, sums, pr;
+    std::vector<const float*> qs, qrs;
     // Items are claimed one ahead, and the next one's keys and values, where they are short
     // (kAhead), are fetched as this one's are read, a position for a position: a core
     // otherwise computes an item and then waits on DRAM for the first rows of the next (short
@@ -120,7 +130,7 @@ struct AttendCall : Gang {
       const Block after = ahead;
       if (ahead.n * Dh * static_cast<int64_t>(sizeof(float)) > kAhead) ahead = {};
       const int64_t b = first[item / Hkv], rows = first[item / Hkv + 1] - b, g = item % Hkv;
-      const int64_t n = here.n, heads = rows * G;
+      const int64_t n = here.n, heads = rows * G, item_was = item;
       item = following;
       // One row's heads are written in place; several rows' are summed in `sums`, then copied.
       float* o = out + (b * H + g * G) * Dh;
@@ -140,6 +150,15 @@ struct AttendCall : Gang {
       p.resize(heads * np);
       scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
              packed);
+      if (kr) rope_scores(b, first[item_was / Hkv + 1] - 1, g, heads, n, np, p, pr, qrs, packed);
+      if (keep) {
+        for (int64_t j = 0; j < heads; ++j) {
+          const uint8_t* kept = keep + (b + j / G) * keep_len;
+          const int64_t m = std::min(positions(b + j / G), keep_len);
+          for (int64_t t = 0; t < m; ++t)
+            if (!kept[t]) p[j * np + t] = -INFINITY;
+        }
+      }
       fetch(ahead.k, n, ahead.n, Dh);
       const int64_t lead = lead_rows(Dh);
       fetch(here.v, 0, std::min(n, lead), Dh);
@@ -155,6 +174,22 @@ struct AttendCall : Gang {
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(out + ((b + r) * H + g * G) * Dh, o + r * G * Dh, sizeof(float) * G * Dh);
     }
+  }
+
+  // MLA: each head's score at the n positions of the item (rows b .., its last row `last`,
+  // group g) plus its roped query against the slot's roped keys, as `scores` computes them
+  // (the sum of the two products, then the scale in the softmax).
+  void rope_scores(int64_t b, int64_t last, int64_t g, int64_t heads, int64_t n, int64_t np,
+                   std::vector<float>& p, std::vector<float>& pr, std::vector<const float*>& qrs,
+                   std::vector<float>& packed) const {
+    const int64_t G = H / Hkv;
+    const float* keys = kr + slot[last] * C * R;
+    qrs.resize(heads);
+    for (int64_t j = 0; j < heads; ++j) qrs[j] = qr + ((b + j / G) * H + g * G + j % G) * R;
+    pr.resize(heads * np);
+    scores(keys, keys, n, R, qrs.data(), heads, pr.data(), np, {nullptr, 0, R}, packed);
+    for (int64_t j = 0; j < heads; ++j)
+      for (int64_t t = 0; t < n; ++t) p[j * np + t] += pr[j * np + t];
   }
 
   // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
@@ -464,6 +499,56 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                   ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out, float scale) {
   return attend_into(pool, q, k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
                      slots, pos, out->typed_data(), out->dimensions(), scale);
+}
+
+// colibri_mla_attend: multi-head latent attention of one new token per row over the latent
+// cache (attention.mla_attend_latent): out[b, h] = softmax_t(scale (q[b, h] . lat[s, t] +
+// qr[b, h] . kr[s, t])) . lat[s, t] over t = 0 .. pos[b] of slot s = slots[b] that keep[b, t]
+// (where keep [B, L] has columns: t < L), for q and out [B, H, r], qr [B, H, R], lat [S, C, r]
+// and kr [S, C, R]. colibri_attend's items with every query head reading the one latent cache
+// (its keys and its values); a row's heads in groups of eight or more where there are fewer
+// rows than twice the threads, so that one row's attention is shared out too.
+ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> qr,
+                     ffi::Buffer<ffi::F32> lat, ffi::Buffer<ffi::F32> kr,
+                     ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos,
+                     ffi::Buffer<ffi::U8> keep, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), rd = qr.dimensions(), ld = lat.dimensions(),
+             kd = kr.dimensions(), md = keep.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || rd.size() != 3 || ld.size() != 3 || kd.size() != 3 || md.size() != 2 ||
+      od.size() != 3 || slots.dimensions().size() != 1 || pos.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("colibri_mla_attend: wrong ranks");
+  const int64_t B = qd[0], H = qd[1], r = qd[2], R = rd[2], S = ld[0], C = ld[1];
+  if (rd[0] != B || rd[1] != H || ld[2] != r || kd[0] != S || kd[1] != C || kd[2] != R ||
+      md[0] != B || !(od == qd) || slots.dimensions()[0] != B || pos.dimensions()[0] != B ||
+      H == 0)
+    return ffi::Error::InvalidArgument("colibri_mla_attend: shapes disagree");
+  auto call = std::make_shared<AttendCall>();
+  call->q = q.typed_data();
+  call->k = call->v = lat.typed_data();
+  call->slot = slots.typed_data();
+  call->pos = pos.typed_data();
+  call->out = out->typed_data();
+  call->B = B;
+  call->H = H;
+  call->Dh = r;
+  call->S = S;
+  call->C = C;
+  call->scale = scale;
+  call->cache_heads = 1;
+  call->qr = qr.typed_data();
+  call->kr = kr.typed_data();
+  call->R = R;
+  call->keep = md[1] ? keep.typed_data() : nullptr;
+  call->keep_len = md[1];
+  int64_t groups = 1;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  while (B * groups < 2 * threads && H % (2 * groups) == 0 && H / (2 * groups) >= 8) groups *= 2;
+  call->Hkv = groups;
+  call->group();
+  int64_t bytes = 0;  // latents and roped keys read
+  for (int64_t b = 0; b < B; ++b) bytes += call->positions(b) * (r + R) * 4;
+  run(pool, call, call->items(), bytes * H);
+  return ffi::Error::Success();
 }
 
 // colibri_attend_write: the new keys and values k_new, v_new [B, Hkv, Dh] written into the

@@ -13,7 +13,7 @@
 //   experts.h  colibri_moe_experts (one target per held format)
 //   linear.h   colibri_linear (one target per held format)
 //   heads.h    colibri_linear_heads, colibri_linear_heads_t
-//   attend.h   colibri_attend
+//   attend.h   colibri_attend, colibri_attend_write, colibri_mla_attend
 //   cut.h      colibri_cut_requested
 //   norm.h     colibri_rms_norm
 //   route.h    colibri_route_softmax: a softmax router's top k and their weights
@@ -82,6 +82,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriAttendWrite, AttendWrite,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriMlaAttend, MlaAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
 
