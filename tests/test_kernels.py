@@ -109,6 +109,32 @@ def test_linear_heads_t_is_each_columns_multiply_add_chain(rows, heads, dim_in, 
     np.testing.assert_array_equal(np.asarray(f(x[-1:], w, first=first))[0], y[-1])
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if not f.bf16_inputs], ids=lambda f: f.name)
+def test_the_heads_products_over_held_rows_are_those_over_the_widened_rows(fmt):
+    """MLA's kv_b as checkpoints hold it: both per-head products over held rows (FP8 with
+    scales of 2^8 and more among them, int4, int8 and bfloat16) bitwise the same products
+    over the rows widened to float32 beforehand (layers.widen_rows)."""
+    rng = np.random.default_rng(7)
+    heads, per_head, cols, rows = 3, 24, 64, 16
+    held = _held_rows(fmt, rng, heads * per_head, cols)
+    if fmt.zero_points:  # offsets -z s, exact products, as checkpoints' rows are made
+        values = rng.integers(0, 256, (heads * per_head, cols * fmt.value_bits // 8), np.uint8)
+        scales = (rng.integers(1, 64, (heads * per_head, cols // 8)) / 1024).astype(np.float32)
+        zeros = rng.integers(0, 2**fmt.value_bits, scales.shape).astype(np.float32)
+        held = fmt.pack(values, scales, -zeros * scales).reshape(heads * per_head, -1)
+    if fmt.name == "fp8":  # some blocks' scales huge: widened in two exact steps
+        scales = held.view(np.uint8)[:, cols:].view(np.float32)
+        scales[::5] *= 4096.0
+    wide = np.asarray(layers.widen_rows(jnp.asarray(held), cols)).reshape(heads, per_head, cols)
+    held = held.reshape(heads, per_head, -1)
+    x = rng.standard_normal((rows, heads, cols)).astype(np.float32)
+    xt = rng.standard_normal((rows, heads, 10)).astype(np.float32)
+    for f, args in ((kernels.linear_heads, (x, 9)), (kernels.linear_heads_t, (xt, 5))):
+        kw = {} if f is kernels.linear_heads else {"cols": cols}
+        got = f(args[0], jnp.asarray(held), first=args[1], **kw)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(f(args[0], wide, first=args[1])))
+
+
 def test_the_heads_products_refuse_rows_past_the_heads():
     x, w = jnp.ones((2, 3, 8)), jnp.ones((3, 5, 8))
     with pytest.raises(Exception, match="colibri_linear_heads: shapes disagree"):
@@ -442,15 +468,16 @@ def test_the_kernels_hold_the_formats_colibri_formats_lists():
 
 
 def test_the_registered_targets_are_those_the_formats_make():
-    """An expert and a linear target per held format, MLA's two per-head products, attention
+    """An expert, a linear and MLA's two per-head products' targets per held format, attention
     (alone, with the cache write, and MLA's over the latents), the softmax router's choice,
     RMSNorm, the greedy choice and the cut flag: each one a handler the library exports, and
     it exports no handler that is not registered."""
     made = {"colibri_attend", "colibri_attend_write", "colibri_route_softmax"}
     made |= {"colibri_rms_norm", "colibri_greedy", "colibri_cut_requested"}
-    made |= {"colibri_linear_heads", "colibri_linear_heads_t", "colibri_mla_attend"}
-    made |= {k + f.suffix for f in FORMATS for k in ("colibri_moe_experts", "colibri_linear")}
-    assert set(kernels._TARGETS) == made and len(made) == 2 * len(FORMATS) + 9
+    made.add("colibri_mla_attend")
+    per_format = ("colibri_moe_experts", "colibri_linear", "colibri_linear_heads")
+    made |= {k + f.suffix for f in FORMATS for k in (*per_format, "colibri_linear_heads_t")}
+    assert set(kernels._TARGETS) == made and len(made) == 4 * len(FORMATS) + 7
     lib = kernels._library()
     assert lib is not None
     assert all(hasattr(lib, symbol) for symbol in kernels._TARGETS.values())

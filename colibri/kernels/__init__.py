@@ -50,17 +50,20 @@ def symbol_suffix(suffix: str) -> str:
 
 
 def _targets() -> dict[str, str]:
-    """XLA target -> the library's handler symbol: an expert and a linear kernel for each held
-    format of colibri/formats.py, then MLA's per-head products, attention, the small kernels
-    and the cut flag."""
-    kernels = {"colibri_moe_experts": "ColibriMoeExperts", "colibri_linear": "ColibriLinear"}
+    """XLA target -> the library's handler symbol: an expert kernel, a linear one and MLA's two
+    per-head products for each held format of colibri/formats.py, then attention, the small
+    kernels and the cut flag."""
+    kernels = {
+        "colibri_moe_experts": "ColibriMoeExperts",
+        "colibri_linear": "ColibriLinear",
+        "colibri_linear_heads": "ColibriLinearHeads",
+        "colibri_linear_heads_t": "ColibriLinearHeadsT",
+    }
     targets = {
         target + f.suffix: handler + symbol_suffix(f.suffix)
         for target, handler in kernels.items()
         for f in formats.FORMATS
     }
-    targets["colibri_linear_heads"] = "ColibriLinearHeads"
-    targets["colibri_linear_heads_t"] = "ColibriLinearHeadsT"
     targets["colibri_attend"] = "ColibriAttend"
     targets["colibri_attend_write"] = "ColibriAttendWrite"
     targets["colibri_mla_attend"] = "ColibriMlaAttend"
@@ -289,28 +292,31 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def linear_heads(x: jax.Array, w: jax.Array, first: int = 0) -> jax.Array:
-    """Head by head, x [M, H, I] @ w[h, first:].T for float32 w [H, R, I]: [M, H, R - first]
-    float32, each head's bitwise `linear(x[:, h], w[h, first:])` (each row's as it is alone).
-    The rows from `first` on are read where they lie (no slice of w is made)."""
+    """Head by head, x [M, H, I] @ w[h, first:].T for w [H, R, ...] rows of I weights in any
+    held format but bfloat16 products' (as `linear` takes them): [M, H, R - first] float32,
+    each head's bitwise `linear(x[:, h], w[h, first:])` (each row's as it is alone). The rows
+    from `first` on are read where they lie (no slice of w is made)."""
     _require()
     M, H, _ = x.shape
     call = jax.ffi.ffi_call(
-        "colibri_linear_heads",
+        "colibri_linear_heads" + formats.of(w.dtype).suffix,
         jax.ShapeDtypeStruct((M, H, w.shape[1] - first), jnp.float32),
         vmap_method="sequential",
     )
     return call(x, w, first=np.int64(first))
 
 
-def linear_heads_t(x: jax.Array, w: jax.Array, first: int = 0) -> jax.Array:
-    """Head by head, x [M, H, I] @ w[h, first:first + I] for float32 w [H, R, C]: [M, H, C]
-    float32, each output one multiply-add chain over i in order from zero (as attention sums
-    its values), so each row's bits as it is alone. The rows are read where they lie."""
+def linear_heads_t(x: jax.Array, w: jax.Array, first: int = 0, cols: int | None = None):
+    """Head by head, x [M, H, I] @ w[h, first:first + I] for w [H, R, ...] rows of `cols`
+    weights (default: w's last axis, float32) in any held format but bfloat16 products':
+    [M, H, cols] float32, each output one multiply-add chain over i in order from zero (as
+    attention sums its values) of the weights as they widen, so each row's bits as it is
+    alone. The rows are read where they lie."""
     _require()
     M, H, _ = x.shape
     call = jax.ffi.ffi_call(
-        "colibri_linear_heads_t",
-        jax.ShapeDtypeStruct((M, H, w.shape[2]), jnp.float32),
+        "colibri_linear_heads_t" + formats.of(w.dtype).suffix,
+        jax.ShapeDtypeStruct((M, H, w.shape[2] if cols is None else cols), jnp.float32),
         vmap_method="sequential",
     )
     return call(x, w, first=np.int64(first))

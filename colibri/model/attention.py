@@ -282,16 +282,23 @@ def mla_attend_latent(
     assert m is not None
     B, T, H = q.shape[0], q.shape[1], cfg.num_heads
     Dn, Dv, r = m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
-    kv_b = widen_rows(w["kv_b"], r).reshape(H, Dn + Dv, r)
-    # Through the kernels on CPU: kv_b's rows read where they lie (XLA copied each half out
-    # first), the cache's latents and roped keys read in place (XLA gathered each row's), and
-    # each row's bits as it is alone (XLA's dots sum in orders that move with the rows);
-    # docs/kernels.md, "MLA's per-head products", "MLA's attention over the latents".
-    native = kernels.usable(q, kv_b, cache["lat"], cache["kr"])
+    # Through the kernels on CPU: kv_b's rows read where they lie, as held (XLA widened them
+    # and copied each half out first), the cache's latents and roped keys read in place (XLA
+    # gathered each row's), and each row's bits as it is alone (XLA's dots sum in orders that
+    # move with the rows); docs/kernels.md, "MLA's per-head products", "MLA's attention over
+    # the latents".
+    held = w["kv_b"]
+    native = (
+        kernels.usable_weights(q, held)
+        and kernels.usable(cache["lat"], cache["kr"])
+        and not formats.bf16_inputs(held.dtype)
+    )
     if native:
-        q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b)
+        kv_b = held.reshape(H, Dn + Dv, -1)  # as held: rows of r weights
+        q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b, cols=r)
         q_lat = q_lat.reshape(B, T, H, r)
     else:
+        kv_b = widen_rows(held, r).reshape(H, Dn + Dv, r)
         q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
     if native and T == 1:
         o_lat = kernels.mla_attend(

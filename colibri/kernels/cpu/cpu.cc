@@ -12,7 +12,7 @@
 //   gang.h     a call's work shared out among XLA's intra-op threads
 //   experts.h  colibri_moe_experts (one target per held format)
 //   linear.h   colibri_linear (one target per held format)
-//   heads.h    colibri_linear_heads, colibri_linear_heads_t
+//   heads.h    colibri_linear_heads, colibri_linear_heads_t (one target per held format)
 //   attend.h   colibri_attend, colibri_attend_write, colibri_mla_attend
 //   cut.h      colibri_cut_requested
 //   norm.h     colibri_rms_norm
@@ -138,24 +138,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
                                     .Arg<ffi::Buffer<ffi::S32>>()                  \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeads, LinearHeads,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("first"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeadsT, LinearHeadsT,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("first"));
+// ColibriLinearHeads##Name, ColibriLinearHeadsT##Name: x float32, w held as the format says
+// (bfloat16 products refused).
+#define COLIBRI_HEADS_HANDLERS(Name, suffix, WT, T)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeads##Name, (LinearHeads<ffi::WT, T>), \
+                                ffi::Ffi::Bind()                                   \
+                                    .Ctx<ffi::ThreadPool>()                        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                  \
+                                    .Arg<ffi::Buffer<ffi::WT>>()                   \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                  \
+                                    .Attr<int64_t>("first"));                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeadsT##Name, (LinearHeadsT<ffi::WT, T>), \
+                                ffi::Ffi::Bind()                                     \
+                                    .Ctx<ffi::ThreadPool>()                          \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                    \
+                                    .Arg<ffi::Buffer<ffi::WT>>()                     \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                    \
+                                    .Attr<int64_t>("first"));
 
 COLIBRI_HELD_FORMATS(COLIBRI_LINEAR_HANDLER)
+COLIBRI_HELD_FORMATS(COLIBRI_HEADS_HANDLERS)
 COLIBRI_HELD_FORMATS(COLIBRI_EXPERTS_HANDLER)
 
 #undef COLIBRI_LINEAR_HANDLER
+#undef COLIBRI_HEADS_HANDLERS
 #undef COLIBRI_EXPERTS_HANDLER

@@ -1,9 +1,12 @@
 // colibri_linear_heads and colibri_linear_heads_t: products of float32 rows x [M, H, I] with
-// a matrix of their own for each head h, rows first .. of w [H, R, C] (C columns), as
-// multi-head latent attention takes each head's query into the latent space and its latents
-// out (attention.mla_attend_latent: the rows of kv_b, read where they lie). Each row's
-// outputs are the same bits whatever rows it meets, as the other kernels' are (XLA's dot
-// sums in an order that changes with the rows).
+// a matrix of their own for each head h, rows first .. of w [H, R, C] (C columns, held in any
+// format but bfloat16 products'), as multi-head latent attention takes each head's query into
+// the latent space and its latents out (attention.mla_attend_latent: the rows of kv_b, read
+// where they lie). Held rows are widened an item at a time into the thread's own float32
+// (formats.h, tiles.h's widen_row: the float32 the checkpoint dequantizes to), then computed
+// as float32 rows are: bitwise what the rows widened beforehand give. Each row's outputs are
+// the same bits whatever rows it meets, as the other kernels' are (XLA's dot sums in an order
+// that changes with the rows).
 
 #pragma once
 
@@ -12,9 +15,12 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "attend.h"
+#include "formats.h"
 #include "gang.h"
 #include "pairs.h"
 #include "tiles.h"
@@ -24,20 +30,46 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Rows [0, n) of held rows w (ld elements apart, L values each, blk their block width) as
+// float32, L apart, into wide (resized to fit); float32 rows are not copied: their own
+// pointer comes back.
+template <typename T>
+const float* widened(const T* w, int64_t n, int64_t L, int64_t ld, int64_t blk,
+                     std::vector<float>& wide) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w;
+  } else if constexpr (kProducts<T>) {  // (refused by held_rows)
+    return nullptr;
+  } else {
+    wide.resize(n * L);
+    for (int64_t i = 0; i < n; ++i) {
+      if constexpr (kScaled<T>)
+        widen_row(w + i * ld, L, blk, wide.data() + i * L);
+      else
+        for (int64_t c = 0; c < L; ++c) wide[i * L + c] = widen(w[i * ld + c]);
+    }
+    return wide.data();
+  }
+}
+
 // colibri_linear_heads: y [M, H, O] = x [M, H, I] . w[h, first .. first + O)^T head by head
 // (MLA's value rows of kv_b taking each head's latents out). Each head's outputs are those
 // colibri_linear computes for x[:, h] and those rows, the same bits. Items of up to ~256 KiB
 // of a head's rows, shared out among the threads; the thread that takes a head's first item
 // packs its inputs for the paired tiles in its own scratch, its next items of that head
 // reusing them.
+template <typename T>
 struct HeadsCall : Gang {
-  const float *x, *w;
+  const float* x;
+  const T* w;
   float* y;
-  int64_t M, H, R, first, O, I, chunk, per_head, items;
+  int64_t M, H, R, first, O, I, ld, blk, chunk, per_head, items;
   std::atomic<int64_t> next{0};
 
   void drain() override {
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     std::vector<const float*> xrow(M);
+    std::vector<float> wide;
     Packed packed;
     for (int64_t k, h = -1; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       if (k / per_head != h) {
@@ -49,7 +81,7 @@ struct HeadsCall : Gang {
         }
       }
       const int64_t o0 = k % per_head * chunk, no = std::min(chunk, O - o0);
-      const float* rows = w + (h * R + first + o0) * I;
+      const float* rows = widened(w + (h * R + first + o0) * ld, no, I, ld, blk, wide);
       auto apply = [&](auto emit) {
         if (packed.r)
           matvecs(rows, no, I, packed, emit, I, 0);
@@ -63,17 +95,41 @@ struct HeadsCall : Gang {
   }
 };
 
-ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+// The rows' element distance ld and block width blk of w [H, R, held] (buffer elements of
+// WT) holding rows of L values as T, or an error naming `target`.
+template <ffi::DataType WT, typename T>
+ffi::Error held_rows(ffi::Buffer<WT>& w, int64_t L, const char* target, int64_t& ld,
+                     int64_t& blk) {
+  if constexpr (kProducts<T>)
+    return ffi::Error::InvalidArgument(std::string(target) + ": not for bfloat16 products");
+  const int64_t unit = sizeof(*w.typed_data()) / sizeof(T);  // T a buffer element (Int4Z: 4)
+  ld = w.dimensions()[2] * unit;
+  blk = 0;
+  if constexpr (kScaled<T>) {
+    blk = scale_width(static_cast<const T*>(nullptr), L, ld);
+    if (blk == 0)
+      return ffi::Error::InvalidArgument(std::string(target) +
+                                         ": rows are not their values and block scales");
+  } else if (ld != L) {
+    return ffi::Error::InvalidArgument(std::string(target) + ": shapes disagree");
+  }
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType WT, typename T>
+ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                        ffi::ResultBuffer<ffi::F32> y, int64_t first) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 3 || wd.size() != 3 || yd.size() != 3)
     return ffi::Error::InvalidArgument("colibri_linear_heads: wrong ranks");
   const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], O = yd[2];
-  if (wd[0] != H || wd[2] != I || yd[0] != M || yd[1] != H || first < 0 || first + O > R)
+  if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + O > R)
     return ffi::Error::InvalidArgument("colibri_linear_heads: shapes disagree");
-  auto call = std::make_shared<HeadsCall>();
+  auto call = std::make_shared<HeadsCall<T>>();
+  if (auto e = held_rows<WT, T>(w, I, "colibri_linear_heads", call->ld, call->blk); e.failure())
+    return e;
   call->x = x.typed_data();
-  call->w = w.typed_data();
+  call->w = reinterpret_cast<const T*>(w.typed_data());
   call->y = y->typed_data();
   call->M = M;
   call->H = H;
@@ -93,35 +149,42 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // order of i from zero, as attention sums its values (attend.h's `values`, whose tiles this
 // takes: its probabilities are x's rows, its positions w's rows). An item a head, its sums
 // in the thread's scratch, then copied out.
+template <typename T>
 struct HeadsTCall : Gang {
-  const float *x, *w;
+  const float* x;
+  const T* w;
   float* y;
-  int64_t M, H, R, first, C, I;
+  int64_t M, H, R, first, C, I, ld, blk;
   std::atomic<int64_t> next{0};
 
   void drain() override {
-    std::vector<float> o(M * C);
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
+    std::vector<float> o(M * C), wide;
     for (int64_t h; (h = next.fetch_add(1, std::memory_order_relaxed)) < H;) {
       std::fill(o.begin(), o.end(), 0.0f);
-      AttendCall::values(x + h * I, H * I, w + (h * R + first) * C, 0, I, C, M, o.data(),
-                         nullptr, 0);
+      const float* rows = widened(w + (h * R + first) * ld, I, C, ld, blk, wide);
+      AttendCall::values(x + h * I, H * I, rows, 0, I, C, M, o.data(), nullptr, 0);
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(y + (m * H + h) * C, o.data() + m * C, sizeof(float) * C);
     }
   }
 };
 
-ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT, typename T>
+ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                         ffi::ResultBuffer<ffi::F32> y, int64_t first) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 3 || wd.size() != 3 || yd.size() != 3)
     return ffi::Error::InvalidArgument("colibri_linear_heads_t: wrong ranks");
-  const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], C = wd[2];
-  if (wd[0] != H || yd[0] != M || yd[1] != H || yd[2] != C || first < 0 || first + I > R)
+  const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], C = yd[2];
+  if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + I > R)
     return ffi::Error::InvalidArgument("colibri_linear_heads_t: shapes disagree");
-  auto call = std::make_shared<HeadsTCall>();
+  auto call = std::make_shared<HeadsTCall<T>>();
+  if (auto e = held_rows<WT, T>(w, C, "colibri_linear_heads_t", call->ld, call->blk);
+      e.failure())
+    return e;
   call->x = x.typed_data();
-  call->w = w.typed_data();
+  call->w = reinterpret_cast<const T*>(w.typed_data());
   call->y = y->typed_data();
   call->M = M;
   call->H = H;
