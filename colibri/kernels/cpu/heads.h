@@ -4,7 +4,7 @@
 // the latent space and its latents out (attention.mla_attend_latent: the rows of kv_b, read
 // where they lie). Held rows are widened an item at a time into the thread's own float32
 // (formats.h, tiles.h's widen_row: the float32 the checkpoint dequantizes to), then computed
-// as float32 rows are: bitwise what the rows widened beforehand give. Each row's outputs are
+// as float32 rows are, by the same code: bitwise what the rows widened beforehand give. Each row's outputs are
 // the same bits whatever rows it meets, as the other kernels' are (XLA's dot sums in an order
 // that changes with the rows).
 
@@ -30,17 +30,23 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Rows [0, n) of held rows w (ld elements apart, L values each, blk their block width) as
-// float32, L apart, into wide (resized to fit); float32 rows are not copied: their own
-// pointer comes back.
+// Rows [row, row + n) of held rows w (T; ld elements apart, L values each, blk their block
+// width) as float32, L apart, into wide (resized to fit); float32 rows are not copied: their
+// own pointer comes back. The calls below take it by pointer: their arithmetic is float32's,
+// compiled once, whatever the format.
+using Widen = const float* (*)(const void* w, int64_t row, int64_t n, int64_t L, int64_t ld,
+                               int64_t blk, std::vector<float>& wide);
+
 template <typename T>
-const float* widened(const T* w, int64_t n, int64_t L, int64_t ld, int64_t blk,
-                     std::vector<float>& wide) {
+const float* widened(const void* base, int64_t row, int64_t n, int64_t L, int64_t ld,
+                     int64_t blk, std::vector<float>& wide) {
+  const T* w = static_cast<const T*>(base) + row * ld;
   if constexpr (std::is_same_v<T, float>) {
     return w;
   } else if constexpr (kProducts<T>) {  // (refused by held_rows)
     return nullptr;
   } else {
+    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     wide.resize(n * L);
     for (int64_t i = 0; i < n; ++i) {
       if constexpr (kScaled<T>)
@@ -58,16 +64,15 @@ const float* widened(const T* w, int64_t n, int64_t L, int64_t ld, int64_t blk,
 // of a head's rows, shared out among the threads; the thread that takes a head's first item
 // packs its inputs for the paired tiles in its own scratch, its next items of that head
 // reusing them.
-template <typename T>
 struct HeadsCall : Gang {
   const float* x;
-  const T* w;
+  const void* w;
+  Widen widen;
   float* y;
   int64_t M, H, R, first, O, I, ld, blk, chunk, per_head, items;
   std::atomic<int64_t> next{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     std::vector<const float*> xrow(M);
     std::vector<float> wide;
     Packed packed;
@@ -81,7 +86,7 @@ struct HeadsCall : Gang {
         }
       }
       const int64_t o0 = k % per_head * chunk, no = std::min(chunk, O - o0);
-      const float* rows = widened(w + (h * R + first + o0) * ld, no, I, ld, blk, wide);
+      const float* rows = widen(w, h * R + first + o0, no, I, ld, blk, wide);
       auto apply = [&](auto emit) {
         if (packed.r)
           matvecs(rows, no, I, packed, emit, I, 0);
@@ -125,11 +130,12 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], O = yd[2];
   if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + O > R)
     return ffi::Error::InvalidArgument("colibri_linear_heads: shapes disagree");
-  auto call = std::make_shared<HeadsCall<T>>();
+  auto call = std::make_shared<HeadsCall>();
   if (auto e = held_rows<WT, T>(w, I, "colibri_linear_heads", call->ld, call->blk); e.failure())
     return e;
   call->x = x.typed_data();
-  call->w = reinterpret_cast<const T*>(w.typed_data());
+  call->w = w.typed_data();
+  call->widen = &widened<T>;
   call->y = y->typed_data();
   call->M = M;
   call->H = H;
@@ -149,20 +155,19 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // order of i from zero, as attention sums its values (attend.h's `values`, whose tiles this
 // takes: its probabilities are x's rows, its positions w's rows). An item a head, its sums
 // in the thread's scratch, then copied out.
-template <typename T>
 struct HeadsTCall : Gang {
   const float* x;
-  const T* w;
+  const void* w;
+  Widen widen;
   float* y;
   int64_t M, H, R, first, C, I, ld, blk;
   std::atomic<int64_t> next{0};
 
   void drain() override {
-    [[maybe_unused]] std::conditional_t<kScaled<T>, KeepSubnormals, int> keep{};
     std::vector<float> o(M * C), wide;
     for (int64_t h; (h = next.fetch_add(1, std::memory_order_relaxed)) < H;) {
       std::fill(o.begin(), o.end(), 0.0f);
-      const float* rows = widened(w + (h * R + first) * ld, I, C, ld, blk, wide);
+      const float* rows = widen(w, h * R + first, I, C, ld, blk, wide);
       AttendCall::values(x + h * I, H * I, rows, 0, I, C, M, o.data(), nullptr, 0);
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(y + (m * H + h) * C, o.data() + m * C, sizeof(float) * C);
@@ -179,12 +184,13 @@ ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], C = yd[2];
   if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + I > R)
     return ffi::Error::InvalidArgument("colibri_linear_heads_t: shapes disagree");
-  auto call = std::make_shared<HeadsTCall<T>>();
+  auto call = std::make_shared<HeadsTCall>();
   if (auto e = held_rows<WT, T>(w, C, "colibri_linear_heads_t", call->ld, call->blk);
       e.failure())
     return e;
   call->x = x.typed_data();
-  call->w = reinterpret_cast<const T*>(w.typed_data());
+  call->w = w.typed_data();
+  call->widen = &widened<T>;
   call->y = y->typed_data();
   call->M = M;
   call->H = H;
