@@ -58,18 +58,66 @@ const float* widened(const void* base, int64_t row, int64_t n, int64_t L, int64_
   }
 }
 
+// The rows' element distance ld and block width blk of w [H, R, held] (buffer elements of
+// WT) holding rows of L values as T, or an error naming `target`.
+template <ffi::DataType WT, typename T>
+ffi::Error held_rows(ffi::Buffer<WT>& w, int64_t L, const char* target, int64_t& ld,
+                     int64_t& blk) {
+  if constexpr (kProducts<T>)
+    return ffi::Error::InvalidArgument(std::string(target) + ": not for bfloat16 products");
+  const int64_t unit = sizeof(*w.typed_data()) / sizeof(T);  // T a buffer element (Int4Z: 4)
+  ld = w.dimensions()[2] * unit;
+  blk = 0;
+  if constexpr (kScaled<T>) {
+    blk = scale_width(static_cast<const T*>(nullptr), L, ld);
+    if (blk == 0)
+      return ffi::Error::InvalidArgument(std::string(target) +
+                                         ": rows are not their values and block scales");
+  } else if (ld != L) {
+    return ffi::Error::InvalidArgument(std::string(target) + ": shapes disagree");
+  }
+  return ffi::Error::Success();
+}
+
+// What both targets' calls hold: x [M, H, I], y, and w [H, R, ...]: its rows first .. of each
+// head, held (ld elements apart, blk their block width) and widened by `widen`.
+struct HeadsOperands {
+  const float* x;
+  const void* w;
+  Widen widen;
+  float* y;
+  int64_t M, H, I, R, first, ld, blk;
+};
+
+// The operands of `target` checked into `op`: x [M, H, I], w [H, R, held], y [M, H, out], and
+// of each head `read` rows from `first` on of L values each (colibri_linear_heads: out rows of
+// I values; colibri_linear_heads_t: I rows of out values).
+template <ffi::DataType WT, typename T>
+ffi::Error heads_operands(const char* target, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                          ffi::ResultBuffer<ffi::F32>& y, int64_t first, bool rows_are_inputs,
+                          HeadsOperands& op) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 3 || wd.size() != 3 || yd.size() != 3)
+    return ffi::Error::InvalidArgument(std::string(target) + ": wrong ranks");
+  op.M = xd[0], op.H = xd[1], op.I = xd[2], op.R = wd[1], op.first = first;
+  const int64_t out = yd[2], read = rows_are_inputs ? op.I : out;
+  if (wd[0] != op.H || yd[0] != op.M || yd[1] != op.H || first < 0 || first + read > op.R)
+    return ffi::Error::InvalidArgument(std::string(target) + ": shapes disagree");
+  op.x = x.typed_data();
+  op.w = w.typed_data();
+  op.widen = &widened<T>;
+  op.y = y->typed_data();
+  return held_rows<WT, T>(w, rows_are_inputs ? out : op.I, target, op.ld, op.blk);
+}
+
 // colibri_linear_heads: y [M, H, O] = x [M, H, I] . w[h, first .. first + O)^T head by head
 // (MLA's value rows of kv_b taking each head's latents out). Each head's outputs are those
 // colibri_linear computes for x[:, h] and those rows, the same bits. Items of up to ~256 KiB
 // of a head's rows, shared out among the threads; the thread that takes a head's first item
 // packs its inputs for the paired tiles in its own scratch, its next items of that head
 // reusing them.
-struct HeadsCall : Gang {
-  const float* x;
-  const void* w;
-  Widen widen;
-  float* y;
-  int64_t M, H, R, first, O, I, ld, blk, chunk, per_head, items;
+struct HeadsCall : Gang, HeadsOperands {
+  int64_t O, chunk, per_head, items;
   std::atomic<int64_t> next{0};
 
   void drain() override {
@@ -100,53 +148,18 @@ struct HeadsCall : Gang {
   }
 };
 
-// The rows' element distance ld and block width blk of w [H, R, held] (buffer elements of
-// WT) holding rows of L values as T, or an error naming `target`.
-template <ffi::DataType WT, typename T>
-ffi::Error held_rows(ffi::Buffer<WT>& w, int64_t L, const char* target, int64_t& ld,
-                     int64_t& blk) {
-  if constexpr (kProducts<T>)
-    return ffi::Error::InvalidArgument(std::string(target) + ": not for bfloat16 products");
-  const int64_t unit = sizeof(*w.typed_data()) / sizeof(T);  // T a buffer element (Int4Z: 4)
-  ld = w.dimensions()[2] * unit;
-  blk = 0;
-  if constexpr (kScaled<T>) {
-    blk = scale_width(static_cast<const T*>(nullptr), L, ld);
-    if (blk == 0)
-      return ffi::Error::InvalidArgument(std::string(target) +
-                                         ": rows are not their values and block scales");
-  } else if (ld != L) {
-    return ffi::Error::InvalidArgument(std::string(target) + ": shapes disagree");
-  }
-  return ffi::Error::Success();
-}
-
 template <ffi::DataType WT, typename T>
 ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                        ffi::ResultBuffer<ffi::F32> y, int64_t first) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 3 || wd.size() != 3 || yd.size() != 3)
-    return ffi::Error::InvalidArgument("colibri_linear_heads: wrong ranks");
-  const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], O = yd[2];
-  if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + O > R)
-    return ffi::Error::InvalidArgument("colibri_linear_heads: shapes disagree");
   auto call = std::make_shared<HeadsCall>();
-  if (auto e = held_rows<WT, T>(w, I, "colibri_linear_heads", call->ld, call->blk); e.failure())
+  if (auto e = heads_operands<WT, T>("colibri_linear_heads", x, w, y, first, false, *call);
+      e.failure())
     return e;
-  call->x = x.typed_data();
-  call->w = w.typed_data();
-  call->widen = &widened<T>;
-  call->y = y->typed_data();
-  call->M = M;
-  call->H = H;
-  call->R = R;
-  call->first = first;
-  call->O = O;
-  call->I = I;
+  const int64_t O = call->O = y->dimensions()[2], I = call->I;
   call->chunk = chunk_rows(I * int64_t{sizeof(float)}, O, 256 << 10);
   call->per_head = O ? (O + call->chunk - 1) / call->chunk : 0;
-  call->items = H * call->per_head;
-  run(pool, call, call->items, H * O * I * int64_t{sizeof(float)} * ((M + 3) / 4));
+  call->items = call->H * call->per_head;
+  run(pool, call, call->items, call->H * O * I * int64_t{sizeof(float)} * ((call->M + 3) / 4));
   return ffi::Error::Success();
 }
 
@@ -155,12 +168,8 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
 // order of i from zero, as attention sums its values (attend.h's `values`, whose tiles this
 // takes: its probabilities are x's rows, its positions w's rows). An item a head, its sums
 // in the thread's scratch, then copied out.
-struct HeadsTCall : Gang {
-  const float* x;
-  const void* w;
-  Widen widen;
-  float* y;
-  int64_t M, H, R, first, C, I, ld, blk;
+struct HeadsTCall : Gang, HeadsOperands {
+  int64_t C;
   std::atomic<int64_t> next{0};
 
   void drain() override {
@@ -178,27 +187,12 @@ struct HeadsTCall : Gang {
 template <ffi::DataType WT, typename T>
 ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                         ffi::ResultBuffer<ffi::F32> y, int64_t first) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 3 || wd.size() != 3 || yd.size() != 3)
-    return ffi::Error::InvalidArgument("colibri_linear_heads_t: wrong ranks");
-  const int64_t M = xd[0], H = xd[1], I = xd[2], R = wd[1], C = yd[2];
-  if (wd[0] != H || yd[0] != M || yd[1] != H || first < 0 || first + I > R)
-    return ffi::Error::InvalidArgument("colibri_linear_heads_t: shapes disagree");
   auto call = std::make_shared<HeadsTCall>();
-  if (auto e = held_rows<WT, T>(w, C, "colibri_linear_heads_t", call->ld, call->blk);
+  if (auto e = heads_operands<WT, T>("colibri_linear_heads_t", x, w, y, first, true, *call);
       e.failure())
     return e;
-  call->x = x.typed_data();
-  call->w = w.typed_data();
-  call->widen = &widened<T>;
-  call->y = y->typed_data();
-  call->M = M;
-  call->H = H;
-  call->R = R;
-  call->first = first;
-  call->C = C;
-  call->I = I;
-  run(pool, call, H, H * I * C * int64_t{sizeof(float)} * ((M + 3) / 4));
+  const int64_t C = call->C = y->dimensions()[2], H = call->H;
+  run(pool, call, H, H * call->I * C * int64_t{sizeof(float)} * ((call->M + 3) / 4));
   return ffi::Error::Success();
 }
 
