@@ -291,19 +291,24 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return call(rows, w).reshape(*x.shape[:-1], w.shape[0])
 
 
+def _heads_call(target: str, x: jax.Array, w: jax.Array, first: int, out: int) -> jax.Array:
+    """The per-head products' call of `target` for w's held format: [M, H, out] float32."""
+    _require()
+    M, H, _ = x.shape
+    call = jax.ffi.ffi_call(
+        target + formats.of(w.dtype).suffix,
+        jax.ShapeDtypeStruct((M, H, out), jnp.float32),
+        vmap_method="sequential",
+    )
+    return call(x, w, first=np.int64(first))
+
+
 def linear_heads(x: jax.Array, w: jax.Array, first: int = 0) -> jax.Array:
     """Head by head, x [M, H, I] @ w[h, first:].T for w [H, R, ...] rows of I weights in any
     held format but bfloat16 products' (as `linear` takes them): [M, H, R - first] float32,
     each head's bitwise `linear(x[:, h], w[h, first:])` (each row's as it is alone). The rows
     from `first` on are read where they lie (no slice of w is made)."""
-    _require()
-    M, H, _ = x.shape
-    call = jax.ffi.ffi_call(
-        "colibri_linear_heads" + formats.of(w.dtype).suffix,
-        jax.ShapeDtypeStruct((M, H, w.shape[1] - first), jnp.float32),
-        vmap_method="sequential",
-    )
-    return call(x, w, first=np.int64(first))
+    return _heads_call("colibri_linear_heads", x, w, first, w.shape[1] - first)
 
 
 def linear_heads_t(x: jax.Array, w: jax.Array, first: int = 0, cols: int | None = None):
@@ -312,14 +317,7 @@ def linear_heads_t(x: jax.Array, w: jax.Array, first: int = 0, cols: int | None 
     [M, H, cols] float32, each output one multiply-add chain over i in order from zero (as
     attention sums its values) of the weights as they widen, so each row's bits as it is
     alone. The rows are read where they lie."""
-    _require()
-    M, H, _ = x.shape
-    call = jax.ffi.ffi_call(
-        "colibri_linear_heads_t" + formats.of(w.dtype).suffix,
-        jax.ShapeDtypeStruct((M, H, w.shape[2] if cols is None else cols), jnp.float32),
-        vmap_method="sequential",
-    )
-    return call(x, w, first=np.int64(first))
+    return _heads_call("colibri_linear_heads_t", x, w, first, w.shape[2] if cols is None else cols)
 
 
 def attend(

@@ -297,25 +297,24 @@ def mla_attend_latent(
         kv_b = held.reshape(H, Dn + Dv, -1)  # as held: rows of r weights
         q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b, cols=r)
         q_lat = q_lat.reshape(B, T, H, r)
+        if T == 1:
+            o_lat = kernels.mla_attend(
+                q_lat[:, 0],
+                q[:, 0, :, Dn:],
+                cache["lat"],
+                cache["kr"],
+                slots,
+                pos[:, 0],
+                cfg.attn_scale,
+                None if keep is None else keep[:, 0],
+            )[:, None]
+        else:
+            o_lat = _latent_attend(cfg, cache, q[..., Dn:], q_lat, pos, slots, kv_len, keep)
+        out = kernels.linear_heads(o_lat.reshape(B * T, H, r), kv_b, first=Dn)
     else:
         kv_b = widen_rows(held, r).reshape(H, Dn + Dv, r)
         q_lat = jnp.einsum("bthd,hdr->bthr", q[..., :Dn], kv_b[:, :Dn], precision=EXACT)
-    if native and T == 1:
-        o_lat = kernels.mla_attend(
-            q_lat[:, 0],
-            q[:, 0, :, Dn:],
-            cache["lat"],
-            cache["kr"],
-            slots,
-            pos[:, 0],
-            cfg.attn_scale,
-            None if keep is None else keep[:, 0],
-        )[:, None]
-    else:
         o_lat = _latent_attend(cfg, cache, q[..., Dn:], q_lat, pos, slots, kv_len, keep)
-    if native:
-        out = kernels.linear_heads(o_lat.reshape(B * T, H, r), kv_b, first=Dn)
-    else:
         out = jnp.einsum("bthr,hvr->bthv", o_lat, kv_b[:, Dn:], precision=EXACT)
     return linear(out.reshape(B, T, H * Dv), w["o"], w.get("o_bias"))
 

@@ -130,7 +130,7 @@ struct AttendCall : Gang {
       const Block after = ahead;
       if (ahead.n * Dh * static_cast<int64_t>(sizeof(float)) > kAhead) ahead = {};
       const int64_t b = first[item / Hkv], rows = first[item / Hkv + 1] - b, g = item % Hkv;
-      const int64_t n = here.n, heads = rows * G, item_was = item;
+      const int64_t n = here.n, heads = rows * G;
       item = following;
       // One row's heads are written in place; several rows' are summed in `sums`, then copied.
       float* o = out + (b * H + g * G) * Dh;
@@ -150,7 +150,7 @@ struct AttendCall : Gang {
       p.resize(heads * np);
       scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
              packed);
-      if (kr) rope_scores(b, first[item_was / Hkv + 1] - 1, g, heads, n, np, p, pr, qrs, packed);
+      if (kr) rope_scores(b, b + rows - 1, g, heads, n, np, p, pr, qrs, packed);
       if (keep) {
         for (int64_t j = 0; j < heads; ++j) {
           const uint8_t* kept = keep + (b + j / G) * keep_len;
@@ -457,21 +457,15 @@ struct AttendCall : Gang {
   }
 };
 
-// Attention over caches k, v (written already) into out: the shapes checked, the work run.
-ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const float* k,
-                       const float* v, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
-                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, float* out,
-                       ffi::Span<const int64_t> od, float scale) {
-  const auto qd = q.dimensions(), sd = slots.dimensions(), pd = pos.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
-      od.size() != 3)
-    return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
-  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], Hkv = kd[1], C = kd[2];
-  if (kd[3] != Dh || vd[0] != S || vd[1] != Hkv || vd[2] != C || vd[3] != Dh || sd[0] != B ||
-      pd[0] != B || od[0] != B || od[1] != H || od[2] != Dh || Hkv == 0 || H % Hkv != 0)
-    return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
+// A call over caches k and v (rows of Dh floats, C positions a slot and cache head) for q
+// [B, H, Dh] into out, its rows grouped (what both targets' calls start from).
+std::shared_ptr<AttendCall> attend_call(const float* q, const float* k, const float* v,
+                                        ffi::Buffer<ffi::S32>& slots,
+                                        ffi::Buffer<ffi::S32>& pos, float* out, int64_t B,
+                                        int64_t H, int64_t Hkv, int64_t Dh, int64_t S,
+                                        int64_t C, float scale) {
   auto call = std::make_shared<AttendCall>();
-  call->q = q.typed_data();
+  call->q = q;
   call->k = k;
   call->v = v;
   call->slot = slots.typed_data();
@@ -485,6 +479,23 @@ ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const floa
   call->C = C;
   call->scale = scale;
   call->group();
+  return call;
+}
+
+// Attention over caches k, v (written already) into out: the shapes checked, the work run.
+ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const float* k,
+                       const float* v, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd,
+                       ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos, float* out,
+                       ffi::Span<const int64_t> od, float scale) {
+  const auto qd = q.dimensions(), sd = slots.dimensions(), pd = pos.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || vd.size() != 4 || sd.size() != 1 || pd.size() != 1 ||
+      od.size() != 3)
+    return ffi::Error::InvalidArgument("colibri_attend: wrong ranks");
+  const int64_t B = qd[0], H = qd[1], Dh = qd[2], S = kd[0], Hkv = kd[1], C = kd[2];
+  if (kd[3] != Dh || vd[0] != S || vd[1] != Hkv || vd[2] != C || vd[3] != Dh || sd[0] != B ||
+      pd[0] != B || od[0] != B || od[1] != H || od[2] != Dh || Hkv == 0 || H % Hkv != 0)
+    return ffi::Error::InvalidArgument("colibri_attend: shapes disagree");
+  auto call = attend_call(q.typed_data(), k, v, slots, pos, out, B, H, Hkv, Dh, S, C, scale);
   int64_t bytes = 0;  // keys and values read
   for (int64_t b = 0; b < B; ++b) bytes += call->positions(b) * Hkv * Dh * 8;
   // Work: the keys and values once for each query head that reads them, as the linear
@@ -522,29 +533,18 @@ ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
       md[0] != B || !(od == qd) || slots.dimensions()[0] != B || pos.dimensions()[0] != B ||
       H == 0)
     return ffi::Error::InvalidArgument("colibri_mla_attend: shapes disagree");
-  auto call = std::make_shared<AttendCall>();
-  call->q = q.typed_data();
-  call->k = call->v = lat.typed_data();
-  call->slot = slots.typed_data();
-  call->pos = pos.typed_data();
-  call->out = out->typed_data();
-  call->B = B;
-  call->H = H;
-  call->Dh = r;
-  call->S = S;
-  call->C = C;
-  call->scale = scale;
+  int64_t groups = 1;  // of a row's heads, each an item
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  while (B * groups < 2 * threads && H % (2 * groups) == 0 && H / (2 * groups) >= 8) groups *= 2;
+  const float* latents = lat.typed_data();
+  auto call = attend_call(q.typed_data(), latents, latents, slots, pos, out->typed_data(), B, H,
+                          groups, r, S, C, scale);
   call->cache_heads = 1;
   call->qr = qr.typed_data();
   call->kr = kr.typed_data();
   call->R = R;
   call->keep = md[1] ? keep.typed_data() : nullptr;
   call->keep_len = md[1];
-  int64_t groups = 1;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  while (B * groups < 2 * threads && H % (2 * groups) == 0 && H / (2 * groups) >= 8) groups *= 2;
-  call->Hkv = groups;
-  call->group();
   int64_t bytes = 0;  // latents and roped keys read
   for (int64_t b = 0; b < B; ++b) bytes += call->positions(b) * (r + R) * 4;
   run(pool, call, call->items(), bytes * H);
