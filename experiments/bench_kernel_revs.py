@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--context 4096] [--dram] [--out NAME]
+    [--prompt 256] [--context 4096] [--dram] [--rounding] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -23,14 +23,16 @@ holds its dense weights (with --held, every matrix held so); with --dram, a copy
 step, 1 GB of copies in all, so that they stream from DRAM (a step's 50-75 MB stay in a
 last-level cache of 300 MiB, which overstates what a change does where they do not).
 --kernel attend: decode attention of every layer for --rows conversations, 24 steps after a
-prompt of --context tokens (128), the keys and values read from DRAM as in the engine. The
-two versions' outputs must agree bitwise (the kernels' results never depend on how work is
-shared out). Reported: ms a step for each version (median of passes), GB/s of the weights
-(keys and values) read (for the experts: the distinct ones) and GFLOP/s, and the median over
-passes of new / base time.
+prompt of --context tokens (128), the keys and values read from DRAM as in the engine.
+--kernel mla: the same for multi-head latent attention (colibri_mla_attend) over the latent
+and roped-key caches (run it on --shapes mla). The two versions' outputs must agree bitwise
+(the kernels' results never depend on how work is shared out); with --rounding, where a
+change reorders sums on purpose, to float32 rounding (rtol 1e-4). Reported: ms a step for
+each version (median of passes), GB/s of the weights (keys and values, latents) read (for the
+experts: the distinct ones) and GFLOP/s, and the median over passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
-kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md and .json;
-with --out NAME, NAME.md and NAME.json.
+kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md /
+kernel_revs_mla.md and .json; with --out NAME, NAME.md and NAME.json.
 """
 
 from __future__ import annotations
@@ -109,6 +111,21 @@ def attend_call(lib_path: Path, name: str):
     return call
 
 
+def mla_call(lib_path: Path, name: str):
+    """The library's MLA decode attention, registered with XLA as `name`: f(q, qr, lat, kr,
+    slots, pos, scale) (not jitted), every position kept."""
+    registered(lib_path, "ColibriMlaAttend", name)
+
+    def call(q, qr, lat, kr, slots, pos, scale):
+        out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        keep = jnp.zeros((q.shape[0], 0), jnp.uint8)
+        return jax.ffi.ffi_call(name, out, vmap_method="sequential")(
+            q, qr, lat, kr, slots, pos, keep, scale=np.float32(scale)
+        )
+
+    return call
+
+
 def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     """[1, layers, tokens, top_k]: the routes of one prefill of `tokens` (at most one prefill
     chunk) as one step: what the expert calls of a prompt meet."""
@@ -123,7 +140,56 @@ def record_prompt_routes(ckpt: Path, tokens: int) -> np.ndarray:
     return np.asarray(routes)[None]
 
 
-def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128) -> dict:
+def check_outputs(outputs: dict, rounding: bool) -> None:
+    """The versions' outputs bitwise equal (to float32 rounding where `rounding`)."""
+    if not rounding:
+        return same_bits(outputs)
+    ref = np.asarray(next(iter(outputs.values())))
+    for v, y in outputs.items():
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-7, err_msg=v)
+
+
+def compare_mla(
+    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+) -> dict:
+    """compare_attend for MLA: every layer's latents [rows, C, r] and roped keys [rows, C, R]
+    read from DRAM (sets of caches taking 256 MB in all), H query heads a row."""
+    H, L, m = cfg.num_heads, cfg.num_layers, cfg.mla
+    r, R = m.kv_lora_rank, m.qk_rope_head_dim
+    cap = prompt_len + STEPS + 8
+    rng = np.random.default_rng(0)
+    set_bytes = L * rows * cap * (r + R) * 4
+    sets = [
+        [(weights(rng, rows, cap, r), weights(rng, rows, cap, R)) for _ in range(L)]
+        for _ in range(max(3, -(-256_000_000 // set_bytes)))
+    ]
+    q = jnp.asarray(rng.standard_normal((rows, H, r), np.float32))
+    qr = jnp.asarray(rng.standard_normal((rows, H, R), np.float32))
+    slots = jnp.arange(rows, dtype=jnp.int32)
+
+    def program(f):
+        def run(q, caches, pos):
+            out = q
+            for lat, kr in caches:
+                out = f(out, qr, lat, kr, slots, pos, cfg.attn_scale)
+            return out
+
+        return jax.jit(run)
+
+    steps = {v: program(f) for v, f in calls.items()}
+    at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
+    check_outputs({v: run(q, sets[0], at[-1]) for v, run in steps.items()}, rounding)
+    turn = itertools.count()
+    ms = alternate(steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes)
+    positions = prompt_len + (STEPS + 1) / 2  # mean latents a row reads
+    gb = L * rows * positions * (r + R) * 4 / 1e9
+    gflop = L * rows * H * positions * (2 * r + R) * 2 / 1e9
+    return {"ms": ms, "gb_per_step": gb, "gflop_per_step": gflop}
+
+
+def compare_attend(
+    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+) -> dict:
     """Decode attention of every layer for `rows` conversations at positions prompt_len + i for
     step i < STEPS, alternating. Each layer has a cache of its own, and steps take turns among
     sets of caches that together take 256 MB (three sets at least): as in the engine (whose
@@ -151,7 +217,7 @@ def compare_attend(calls: dict, cfg, rows: int, passes: int, prompt_len: int = 1
 
     steps = {v: program(f) for v, f in calls.items()}
     at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
-    same_bits({v: run(q, sets[0], at[-1]) for v, run in steps.items()})
+    check_outputs({v: run(q, sets[0], at[-1]) for v, run in steps.items()}, rounding)
     # Every call the next set: neither version reads what the other has just read.
     turn = itertools.count()
     ms = alternate(steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes)
@@ -220,7 +286,7 @@ def linear_holds(calls: dict, fmt: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
-    ap.add_argument("--kernel", choices=("experts", "linear", "attend"), default="experts")
+    ap.add_argument("--kernel", choices=("experts", "linear", "attend", "mla"), default="experts")
     ap.add_argument("--passes", type=int, default=10)
     ap.add_argument("--rows", default="1,16")
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -251,6 +317,12 @@ def main() -> None:
         "step, that they stream from DRAM, not from a last-level cache that holds one step's",
     )
     ap.add_argument(
+        "--rounding",
+        action="store_true",
+        help="the versions' outputs may differ by float32 rounding (a change that reorders sums "
+        "on purpose): checked to rtol 1e-4 instead of bitwise (attend and mla)",
+    )
+    ap.add_argument(
         "--out",
         help="results name (default kernel_revs[_linear|_attend][_prompt]): a run kept beside "
         "the others",
@@ -258,17 +330,21 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompt and args.kernel != "experts":
         ap.error("--prompt is for --kernel experts")
-    if args.kernel == "attend" and args.held != "float32":
+    attention = args.kernel in ("attend", "mla")
+    if attention and args.held != "float32":
         ap.error("--held is for --kernel experts and linear")
-    if args.context != 128 and args.kernel != "attend":
-        ap.error("--context is for --kernel attend")
+    if args.context != 128 and not attention:
+        ap.error("--context is for --kernel attend and mla")
+    if args.rounding and not attention:
+        ap.error("--rounding is for --kernel attend and mla")
     if args.dram and args.kernel != "linear":
         ap.error("--dram is for --kernel linear")
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     with tempfile.TemporaryDirectory() as tmp:
         base_lib = kernels.build(source_at(args.base, Path(tmp)))
-    make = {"experts": expert_call, "linear": linear_call, "attend": attend_call}[args.kernel]
+    make = {"experts": expert_call, "linear": linear_call, "attend": attend_call, "mla": mla_call}
+    make = make[args.kernel]
     calls = {
         args.base: make(base_lib, f"colibri_{args.kernel}_base"),
         "working tree": make(kernels.build(), f"colibri_{args.kernel}_new"),
@@ -291,8 +367,10 @@ def main() -> None:
                 res = compare_linear(
                     calls, cfg, rows, args.passes, linear_holds(calls, args.held), copies
                 )
+            elif args.kernel == "attend":
+                res = compare_attend(calls, cfg, rows, args.passes, args.context, args.rounding)
             else:
-                res = compare_attend(calls, cfg, rows, args.passes, args.context)
+                res = compare_mla(calls, cfg, rows, args.passes, args.context, args.rounding)
             raw[f"{name}/{rows}"] = res
             base, new = (np.asarray(res["ms"][v]) for v in calls)
             for v, t in zip(calls, (base, new), strict=True):
@@ -319,6 +397,7 @@ def main() -> None:
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
         + (f" --context {args.context}" if args.context != 128 else "")
         + (" --dram" if args.dram else "")
+        + (" --rounding" if args.rounding else "")
         + (f" --out {args.out}" if args.out else "")
     )
     head = subprocess.run(
@@ -332,13 +411,15 @@ def main() -> None:
         + (" (a copy of the matrices a step, 1 GB of copies: from DRAM)" if args.dram else ""),
         "attend": f"Decode attention of every layer, {STEPS} steps after a {args.context}-token "
         "prompt,",
+        "mla": f"MLA decode attention of every layer, {STEPS} steps after a {args.context}-token "
+        "prompt,",
     }[args.kernel]
     md = [
         f"# The {args.kernel} kernel of two revisions, side by side",
         "",
         f"Command: `{cmd}` (working tree at {head}, base `{args.base}`)  ",
         f"{what} per pass, the versions alternating over {args.passes} passes; outputs "
-        "bitwise equal.",
+        + ("equal to float32 rounding." if args.rounding else "bitwise equal."),
         "",
         markdown_table(table, index=False, floatfmt=".3f"),
         "",

@@ -531,20 +531,23 @@ def test_attend_matches_masked_softmax(rows, kv_heads, group, head_dim, capacity
 @settings(max_examples=12, deadline=None)
 @given(
     rows=st.integers(1, 6),
-    heads=st.sampled_from([1, 3, 8, 16, 32]),
-    latent=st.one_of(st.integers(1, 40), st.sampled_from([64, 512])),
-    rope=st.sampled_from([1, 8, 16, 64]),
+    heads=st.sampled_from([1, 3, 8, 12, 16, 24, 32]),
+    latent=st.sampled_from([8, 16, 24, 32, 40, 64, 512]),
+    rope=st.sampled_from([8, 16, 64]),
     capacity=st.integers(1, 60),
     masked=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-# DeepSeek-V3's latents and roped keys, 16 heads (a row's heads in two groups of eight).
+# DeepSeek-V3's latents and roped keys: a row's 16 heads an item (one row, two threads), and
+# 32 heads over more than one block of keys and of the values' strips (several rows).
 @example(rows=1, heads=16, latent=512, rope=64, capacity=40, masked=True, seed=1)
+@example(rows=3, heads=32, latent=512, rope=64, capacity=130, masked=False, seed=2)
 def test_mla_attend_matches_masked_softmax(rows, heads, latent, rope, capacity, masked, seed):
     """Latent attention from the cache in place: each head's scores its latent query against
     the latents plus its roped query against the roped keys, over positions 0..pos of the
     row's slot (those `keep` keeps, where given), weighing the latents; padding rows (slot out
-    of range) give zeros; each row alone is bitwise the same."""
+    of range) give zeros; each row alone is bitwise the same (heads in more than one group of
+    the paired tiles: two groups a tile, a last odd one alone)."""
     rng = np.random.default_rng(seed)
     S, C = 4, capacity
     lat = rng.standard_normal((S, C, latent)).astype(np.float32)
@@ -577,6 +580,18 @@ def test_mla_attend_matches_masked_softmax(rows, heads, latent, rope, capacity, 
             q[b : b + 1], qr[b : b + 1], lat, kr, slots[b : b + 1], pos[b : b + 1], scale, one
         )
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
+def test_mla_attend_refuses_widths_off_the_vectors():
+    """The latents' and roped keys' widths are multiples of 8 (every MLA model's: 512 and 64);
+    others are refused, naming the kernel (mla_attend_latent takes them through XLA)."""
+    f32 = np.float32
+    for r, R in ((20, 8), (32, 6)):
+        q, qr = np.zeros((1, 4, r), f32), np.zeros((1, 4, R), f32)
+        lat, kr = np.zeros((1, 8, r), f32), np.zeros((1, 8, R), f32)
+        one = np.zeros(1, np.int32)
+        with pytest.raises(Exception, match="colibri_mla_attend: the latents' and roped"):
+            kernels.mla_attend(q, qr, lat, kr, one, one, 0.1)
 
 
 @settings(max_examples=10, deadline=None)
@@ -985,6 +1000,29 @@ def _the_small_kernels_agree(lib, isa: str, rng) -> None:
             scale=np.float32(0.125),
         )
         want = kernels.attend(q, k, v, slots, pos, 0.125)
+        np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
+    # MLA: one group of heads, a group and a half (two groups a tile), four groups; the
+    # latents over several blocks of keys and of the values' strips.
+    for heads, r, R in ((4, 32, 8), (12, 64, 16), (32, 512, 64)):
+        lat = jnp.asarray(rng.standard_normal((3, 130, r)), f32)
+        kr = jnp.asarray(rng.standard_normal((3, 130, R)), f32)
+        q = jnp.asarray(rng.standard_normal((4, heads, r)), f32)
+        qr = jnp.asarray(rng.standard_normal((4, heads, R)), f32)
+        slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([129, 5, 60, 0], jnp.int32)
+        keep = jnp.asarray(rng.random((4, 130)) < 0.7, jnp.uint8)
+        theirs = call(
+            "ColibriMlaAttend",
+            jax.ShapeDtypeStruct(q.shape, f32),
+            q,
+            qr,
+            lat,
+            kr,
+            slots,
+            pos,
+            keep,
+            scale=np.float32(0.05),
+        )
+        want = kernels.mla_attend(q, qr, lat, kr, slots, pos, 0.05, keep)
         np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
 
 

@@ -297,7 +297,7 @@ def mla_attend_latent(
         kv_b = held.reshape(H, Dn + Dv, -1)  # as held: rows of r weights
         q_lat = kernels.linear_heads_t(q[..., :Dn].reshape(B * T, H, Dn), kv_b, cols=r)
         q_lat = q_lat.reshape(B, T, H, r)
-        if T == 1:
+        if T == 1 and r % 8 == 0 and m.qk_rope_head_dim % 8 == 0:  # (every MLA model's)
             o_lat = kernels.mla_attend(
                 q_lat[:, 0],
                 q[:, 0, :, Dn:],

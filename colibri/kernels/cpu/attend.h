@@ -48,6 +48,9 @@ struct AttendCall : Gang {
   int64_t R = 0;
   const uint8_t* keep = nullptr;
   int64_t keep_len = 0;
+  // Whether a thread claims its next item as it starts one (to fetch that item's keys and
+  // values as it goes): as many items as threads would otherwise go two to one thread.
+  bool claim_ahead = true;
   std::vector<int64_t> first;  // the rows of item group i: first[i] .. first[i + 1]
   std::atomic<int64_t> next{0};
 
@@ -82,7 +85,7 @@ struct AttendCall : Gang {
   };
 
   Block block(int64_t item) const {
-    if (item >= items()) return {};
+    if (item < 0 || item >= items()) return {};
     const int64_t last = first[item / Hkv + 1] - 1, n = positions(last);
     if (n == 0) return {};
     const int64_t ch = cache_heads ? cache_heads : Hkv;
@@ -115,16 +118,17 @@ struct AttendCall : Gang {
 
   void drain() override {
     const int64_t G = H / Hkv, items = this->items();
-    std::vector<float> p, packed, sums, pr;
+    std::vector<float> p, packed, sums;
     std::vector<const float*> qs, qrs;
-    // Items are claimed one ahead, and the next one's keys and values, where they are short
-    // (kAhead), are fetched as this one's are read, a position for a position: a core
-    // otherwise computes an item and then waits on DRAM for the first rows of the next (short
-    // streams, which the prefetchers start on late), its arithmetic and its reads one after
-    // the other. Longer ones are fetched lead_rows ahead only (fetching them whole made a
-    // long-context call slower).
-    for (int64_t item = next.fetch_add(1, std::memory_order_relaxed); item < items;) {
-      const int64_t following = next.fetch_add(1, std::memory_order_relaxed);
+    const auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    // Items are claimed one ahead (claim_ahead), and the next one's keys and values, where
+    // they are short (kAhead), are fetched as this one's are read, a position for a position:
+    // a core otherwise computes an item and then waits on DRAM for the first rows of the next
+    // (short streams, which the prefetchers start on late), its arithmetic and its reads one
+    // after the other. Longer ones are fetched lead_rows ahead only (fetching them whole made
+    // a long-context call slower).
+    for (int64_t item = claim(); item < items; item = item >= 0 ? item : claim()) {
+      const int64_t following = claim_ahead ? claim() : -1;
       const Block here = block(item);
       Block ahead = block(following);
       const Block after = ahead;
@@ -146,11 +150,16 @@ struct AttendCall : Gang {
       }
       qs.resize(heads);
       for (int64_t j = 0; j < heads; ++j) qs[j] = q + ((b + j / G) * H + g * G + j % G) * Dh;
-      const int64_t np = (n + 7) / 8 * 8;  // score rows padded to whole vectors
+      // Score rows padded to whole vectors, and off a multiple of 256 floats: rows a power of
+      // two bytes apart put every head's probabilities of a position in one set of the L1.
+      const int64_t np = (n + 7) / 8 * 8 + ((n + 7) / 8 * 8 % 256 == 0 ? 16 : 0);
       p.resize(heads * np);
-      scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
-             packed);
-      if (kr) rope_scores(b, b + rows - 1, g, heads, n, np, p, pr, qrs, packed);
+      if (kr)
+        latent_scores(b, b + rows - 1, g, heads, here.k, n, qs, qrs, p.data(), np, packed,
+                      {ahead.k, ahead.n, Dh});
+      else
+        scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
+               packed);
       if (keep) {
         for (int64_t j = 0; j < heads; ++j) {
           const uint8_t* kept = keep + (b + j / G) * keep_len;
@@ -176,20 +185,89 @@ struct AttendCall : Gang {
     }
   }
 
-  // MLA: each head's score at the n positions of the item (rows b .., its last row `last`,
-  // group g) plus its roped query against the slot's roped keys, as `scores` computes them
-  // (the sum of the two products, then the scale in the softmax).
-  void rope_scores(int64_t b, int64_t last, int64_t g, int64_t heads, int64_t n, int64_t np,
-                   std::vector<float>& p, std::vector<float>& pr, std::vector<const float*>& qrs,
-                   std::vector<float>& packed) const {
+  // MLA: s[j * ns + t] = [q_j | qr_j] . [lat_t | kr_t], each score one dot product over the
+  // r + R columns of a latent and its roped key (one 8-lane sum over the latent's columns and
+  // on over the roped key's, then the fixed horizontal sum), for the item's heads (rows b ..,
+  // its last row `last`, group g) and the n latents `lat` of its slot. AVX-512 builds: the
+  // heads packed, the latents in key_blocks' blocks; others in tiles of three latents and
+  // four heads (tiles.h's steps): the same bits. (Two dot products and their sum spent 0.83
+  // ms of a 5.35 ms call on the roped keys' 64 columns, 16 rows of 32 heads at 1024 positions:
+  // as many horizontal sums and stores as the latents' 512 columns, for an eighth the work.)
+  void latent_scores(int64_t b, int64_t last, int64_t g, int64_t heads, const float* lat,
+                     int64_t n, std::vector<const float*>& qs, std::vector<const float*>& qrs,
+                     float* s, int64_t ns, std::vector<float>& packed, const Ahead& next) const {
     const int64_t G = H / Hkv;
-    const float* keys = kr + slot[last] * C * R;
+    const KeyRows keys{lat, Dh, kr + slot[last] * C * R, R};
     qrs.resize(heads);
     for (int64_t j = 0; j < heads; ++j) qrs[j] = qr + ((b + j / G) * H + g * G + j % G) * R;
-    pr.resize(heads * np);
-    scores(keys, keys, n, R, qrs.data(), heads, pr.data(), np, {nullptr, 0, R}, packed);
-    for (int64_t j = 0; j < heads; ++j)
-      for (int64_t t = 0; t < n; ++t) p[j * np + t] += pr[j * np + t];
+    auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    const Packed x(aligned_floats(packed, Packed::floats(heads, Dh + R)), heads, Dh + R);
+    for (int64_t j = 0; j < heads; ++j) {  // (Dh and R are multiples of 8: MlaAttend)
+      for (int64_t c = 0; c < Dh; c += 8) std::memcpy(x.at(j, c), qs[j] + c, sizeof(float) * 8);
+      for (int64_t c = 0; c < R; c += 8)
+        std::memcpy(x.at(j, Dh + c), qrs[j] + c, sizeof(float) * 8);
+    }
+    x.clear_padding();
+    key_blocks(keys, nullptr, n, x, emit, next);
+#else
+    (void)packed;
+    int64_t t = 0;
+    for (; t + 3 <= n; t += 3) {
+      if (t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
+      latent_tiles<3>(keys, t, qs.data(), qrs.data(), heads, emit);
+    }
+    for (; t < n; ++t) {
+      if (t < next.n) fetch(next.rows, t, t + 1, Dh);
+      latent_tiles<1>(keys, t, qs.data(), qrs.data(), heads, emit);
+    }
+#endif
+  }
+
+  // Keys as the score tiles read them: rows of `ld` floats from k and, where k2 is given (MLA's
+  // roped keys), each key's columns going on in a row of ld2 floats from k2.
+  struct KeyRows {
+    const float* k;
+    int64_t ld;
+    const float* k2 = nullptr;
+    int64_t ld2 = 0;
+  };
+
+  // latent_scores' tiles where the build has no paired ones: keys t .. t + TW against the
+  // heads four at a time.
+  template <int TW, typename Emit>
+  static void latent_tiles(const KeyRows& keys, int64_t t, const float* const* qs,
+                           const float* const* qrs, int64_t heads, Emit& emit) {
+    int64_t j = 0;
+    for (; j + 4 <= heads; j += 4) latent_tile<TW, 4>(keys, t, qs + j, qrs + j, j, emit);
+    switch (heads - j) {
+      case 3:
+        return latent_tile<TW, 3>(keys, t, qs + j, qrs + j, j, emit);
+      case 2:
+        return latent_tile<TW, 2>(keys, t, qs + j, qrs + j, j, emit);
+      case 1:
+        return latent_tile<TW, 1>(keys, t, qs + j, qrs + j, j, emit);
+    }
+  }
+
+  template <int TW, int TR, typename Emit>
+  static void latent_tile(const KeyRows& keys, int64_t t, const float* const* qs,
+                          const float* const* qrs, int64_t j0, Emit& emit) {
+    const float *w[TW], *w2[TW];
+    for (int i = 0; i < TW; ++i) {
+      w[i] = keys.k + (t + i) * keys.ld;
+      w2[i] = keys.k2 + (t + i) * keys.ld2;
+    }
+    v8 acc[TW][TR];
+    for (int i = 0; i < TW; ++i)
+      for (int r = 0; r < TR; ++r) acc[i][r] = v8{};
+    for (int64_t c = 0; c < keys.ld; c += 8) step(w, qs, c, acc, std::make_index_sequence<TW>{});
+    for (int64_t c = 0; c < keys.ld2; c += 8)
+      step(w2, qrs, c, acc, std::make_index_sequence<TW>{});
+    float out[TW * TR];
+    hsums<TW * TR>(&acc[0][0], out);
+    for (int i = 0; i < TW; ++i)
+      for (int r = 0; r < TR; ++r) emit(t + i, j0 + r, out[i * TR + r]);
   }
 
   // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
@@ -209,6 +287,7 @@ struct AttendCall : Gang {
       const Packed x(aligned_floats(packed, Packed::floats(G, Dh)), G, Dh);
       x.pack(qs);
       auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
+      if (x.groups() > 1) return key_blocks({k, Dh}, v, n, x, emit, next);
       const int64_t lead = lead_rows(Dh);
       // The values too, as many as half an L2 takes, where no item before fetched them.
       const int64_t vrows = n * Dh * 4 > kAhead ? (512 << 10) / (Dh * 4) : 0;
@@ -247,6 +326,97 @@ struct AttendCall : Gang {
     };
     matvecs(k, n, Dh, qs, G, emit, Dh);
   }
+
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  static constexpr int64_t kKeyBlock = 48;  // keys a block of key_blocks (96 KiB at Dh 512)
+
+  // Scores of the heads packed in x (more than eight of them, or MLA's) against n keys: block
+  // by block of kKeyBlock keys, each two groups of heads over the block's keys in tiles of
+  // three keys against both (24 sums), a last odd group in tiles of three keys against it:
+  // the block's keys, in L2, meet every group, and two groups' heads, in L1, every key of the
+  // block. Every group over every key of a tile in turn instead read all the heads from L2 at
+  // every tile (64 KiB at MLA's 32 heads of 512 columns, 43 bytes a cycle: the score tiles at
+  // half the cores' multiply-adds; docs/kernels.md, "MLA's attention at the cores' ceiling").
+  // The first two groups fetch the next block's keys into L2 as they go (a line of each key a
+  // cache line of its columns), and the next item's keys and a long item's values v (where
+  // given) a key a key, as `scores` does. The sums of pairs.h's tiles.
+  template <typename Emit>
+  static void key_blocks(const KeyRows& keys, const float* v, int64_t n, const Packed& x,
+                         Emit& emit, const Ahead& next) {
+    const int64_t Dh = keys.ld;
+    const int64_t vrows = v && n * Dh * 4 > kAhead ? (512 << 10) / (Dh * 4) : 0;
+    for (int64_t t0 = 0; t0 < n; t0 += kKeyBlock) {
+      const int64_t t1 = std::min(n, t0 + kKeyBlock), whole = t0 + (t1 - t0) / 3 * 3;
+      for (int64_t g = 0; g < x.groups(); g += 2) {
+        const bool first = g == 0;
+        const int64_t pairs = x.pairs(g) + (g + 1 < x.groups() ? x.pairs(g + 1) : 0);
+        for (int64_t t = t0; t < whole; t += 3) {
+          if (first && t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
+          if (first && t < vrows) fetch(v, t, std::min({t + 3, n, vrows}), Dh);
+          switch (pairs) {
+#define COLIBRI_KEYS(p)                                              \
+  case p:                                                            \
+    key_tile<3, p>(keys, t, x, g, emit, first ? kKeyBlock : 0);      \
+    break;
+            COLIBRI_KEYS(1) COLIBRI_KEYS(2) COLIBRI_KEYS(3) COLIBRI_KEYS(4) COLIBRI_KEYS(5)
+            COLIBRI_KEYS(6) COLIBRI_KEYS(7) COLIBRI_KEYS(8)
+#undef COLIBRI_KEYS
+          }
+        }
+      }
+      for (int64_t t = whole; t < t1; ++t) {  // a last key or two, against every group
+        if (t < next.n) fetch(next.rows, t, t + 1, Dh);
+        if (t < vrows) fetch(v, t, t + 1, Dh);
+        for (int64_t g = 0; g < x.groups(); ++g) switch (x.pairs(g)) {
+#define COLIBRI_KEY(p)                          \
+  case p:                                       \
+    key_tile<1, p>(keys, t, x, g, emit, 0);     \
+    break;
+            COLIBRI_KEY(1) COLIBRI_KEY(2) COLIBRI_KEY(3) COLIBRI_KEY(4)
+#undef COLIBRI_KEY
+          }
+      }
+    }
+  }
+
+  // Keys t .. t + TW against TP pairs of heads: group g's, and group g + 1's past four (where
+  // TP > 4), the columns of k and then of k2 (MLA), each key's lines `ahead` keys on fetched
+  // into L2 as the tile reaches them (none where 0).
+  template <int TW, int TP, typename Emit>
+  static void key_tile(const KeyRows& keys, int64_t t, const Packed& x, int64_t g, Emit& emit,
+                       int64_t ahead) {
+    constexpr int64_t sa = std::min(TP, 4) * 16, sb = std::max(TP - 4, 0) * 16;
+    const float *w[TW], *w2[TW];
+    int64_t rows[TW];
+    for (int i = 0; i < TW; ++i) {
+      rows[i] = t + i;
+      w[i] = keys.k + (t + i) * keys.ld;
+      w2[i] = keys.k2 + (t + i) * keys.ld2;
+    }
+    v16 acc[TW][TP];
+    for (int i = 0; i < TW; ++i)
+      for (int p = 0; p < TP; ++p) acc[i][p] = v16{};
+    const float *a = x.group(g), *b = x.group(g + 1);
+    const auto pass = [&](const float* const* rows, int64_t L, int64_t ld) {
+      for (int64_t c = 0; c < L; c += 8) {
+        if (ahead && c % 16 == 0)
+          for (int i = 0; i < TW; ++i) __builtin_prefetch(rows[i] + ahead * ld + c, 0, 2);
+        pair_step<TP>(rows, a + (c / 8) * sa, b + (c / 8) * sb, c, acc,
+                      std::make_index_sequence<TW>{});
+      }
+    };
+    const int64_t L8 = keys.ld / 8 * 8;  // (with k2, L8 is ld: MlaAttend)
+    pass(w, L8, keys.ld);
+    a += L8 / 8 * sa;
+    b += L8 / 8 * sb;
+    if (keys.k2) pass(w2, keys.ld2, keys.ld2);
+    float out[TW * 2 * TP];
+    pair_sums<TW, TP>(acc, w, x, g * Packed::kGroup, x.inputs(g) + (TP > 4 ? x.inputs(g + 1) : 0),
+                      out);
+    emit_group<TW>(rows, x, emit, g, out, 2 * TP);
+    if constexpr (TP > 4) emit_group<TW>(rows, x, emit, g + 1, out + Packed::kGroup, 2 * TP);
+  }
+#endif
 
 #if COLIBRI_ROW_PAIRS
   // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: key t + 2p in
@@ -340,12 +510,18 @@ struct AttendCall : Gang {
   // order of t from o's values: block by block of positions (block_rows), tiles of kHeads
   // heads by kVecs vectors of columns (the columns a tile loads serve its kHeads heads), the
   // sums waiting in o between blocks; the columns past the last whole tile eight at a time,
-  // then one by one.
+  // then one by one. Many heads' sums over whole tiles of columns go strip by strip instead
+  // (values_by_strips).
   // Each block fetches the next block's values as it starts, and its first tile positions
   // [0, ahead_n) of `ahead` (the next item's values), a position a position.
   static void values(const float* p, int64_t np, const float* v, int64_t from, int64_t n,
                      int64_t Dh, int64_t G, float* o, const float* ahead, int64_t ahead_n) {
     const int64_t wide = Dh / (kLanes * kVecs) * (kLanes * kVecs), eights = Dh / 8 * 8;
+    if (G >= kHeads && Dh == wide && G * Dh * 4 >= kStripFrom) {
+      values_by_strips(p, np, v, from, n, Dh, G, o);
+      if (0 < ahead_n) fetch(ahead, 0, ahead_n, Dh);
+      return;
+    }
     const bool one_tile = G <= kHeads && Dh == wide && wide == kLanes * kVecs;
     const int64_t rows = one_tile ? n : block_rows(Dh);  // (one tile reads the values once)
     for (int64_t t0 = from; t0 < n; t0 += rows) {
@@ -357,7 +533,8 @@ struct AttendCall : Gang {
         int64_t j = 0;
         for (; j + kHeads <= G; j += kHeads, next.n = 0)
           tile<Vec, kHeads, kVecs>(p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, Dh, next);
-        if (j < G) last_heads(G - j, p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, next);
+        if (j < G)
+          last_heads(G - j, p + j * np, np, v + d, Dh, t0, t1, o + j * Dh + d, Dh, next);
         next.n = 0;
       }
       for (int64_t d = wide; d < eights; d += 8)
@@ -374,17 +551,64 @@ struct AttendCall : Gang {
     if (n < ahead_n) fetch(ahead, n, ahead_n, Dh);
   }
 
-  // `tile` for the last heads of a group, fewer than kHeads, in one tile.
+  // The heads' sums a call of `values` may keep (G Dh floats) below which they go through its
+  // blocks of positions whole, and from which strip by strip (values_by_strips).
+  static constexpr int64_t kStripFrom = 32 << 10;
+  static constexpr int64_t kStrip = kLanes * kVecs;  // columns a strip: a tile's
+  static constexpr int64_t kStripRows = 32;          // positions a block of a strip
+
+  // `values` where G heads' sums over Dh columns would not stay in L1 while the blocks pass
+  // (MLA's query heads over 512 latent columns: 64 KiB at 32 heads, loaded from L2 and stored
+  // back at every block of eight positions, the tiles at under half the cores' multiply-adds;
+  // docs/kernels.md, "MLA's attention at the cores' ceiling"): strip by strip of kStrip columns,
+  // every head's sums of the strip in `sums` (G kStrip floats, in L1 between blocks), block
+  // by block of kStripRows positions, each block's tiles fetching the next block's rows of the
+  // strip (or the next strip's first block), a share of its rows a tile. The same
+  // multiply-adds in the same order as block by block of positions.
+  static void values_by_strips(const float* p, int64_t np, const float* v, int64_t from,
+                               int64_t n, int64_t Dh, int64_t G, float* o) {
+    thread_local std::vector<float> buf;
+    float* sums = aligned_floats(buf, G * kStrip);
+    const int64_t tiles = (G + kHeads - 1) / kHeads;
+    const int64_t share = (kStripRows + tiles - 1) / tiles;  // rows a tile fetches
+    for (int64_t d = 0; d < Dh; d += kStrip) {
+      for (int64_t j = 0; j < G; ++j)
+        std::memcpy(sums + j * kStrip, o + j * Dh + d, sizeof(float) * kStrip);
+      for (int64_t t0 = from; t0 < n; t0 += kStripRows) {
+        const int64_t t1 = std::min(n, t0 + kStripRows);
+        // The block after this one: the strip's next rows, else the next strip's first.
+        const bool last = t1 == n;
+        const float* next = v + (last ? d + kStrip : d);
+        const int64_t f0 = last ? from : t1, f1 = std::min(n, f0 + kStripRows);
+        for (int64_t j = 0, q = 0; j < G; j += kHeads, ++q) {
+          if (!last || d + kStrip < Dh)
+            for (int64_t t = f0 + q * share; t < std::min(f1, f0 + (q + 1) * share); ++t)
+              for (int64_t c = 0; c < kStrip; c += 16) __builtin_prefetch(next + t * Dh + c, 0, 2);
+          const Ahead none{nullptr, 0, Dh};
+          if (j + kHeads <= G)
+            tile<Vec, kHeads, kVecs>(p + j * np, np, v + d, Dh, t0, t1, sums + j * kStrip,
+                                     kStrip, none);
+          else
+            last_heads(G - j, p + j * np, np, v + d, Dh, t0, t1, sums + j * kStrip, kStrip,
+                       none);
+        }
+      }
+      for (int64_t j = 0; j < G; ++j)
+        std::memcpy(o + j * Dh + d, sums + j * kStrip, sizeof(float) * kStrip);
+    }
+  }
+
+  // `tile` for the last heads of a group, fewer than kHeads, in one tile (sums ldo apart).
   static void last_heads(int64_t heads, const float* p, int64_t np, const float* v, int64_t Dh,
-                         int64_t t0, int64_t t1, float* o, const Ahead& next) {
+                         int64_t t0, int64_t t1, float* o, int64_t ldo, const Ahead& next) {
     switch (heads) {
       case 1:
-        return tile<Vec, 1, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
+        return tile<Vec, 1, kVecs>(p, np, v, Dh, t0, t1, o, ldo, next);
       case 2:
-        return tile<Vec, 2, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
+        return tile<Vec, 2, kVecs>(p, np, v, Dh, t0, t1, o, ldo, next);
       default:
         static_assert(kHeads <= 4, "last_heads tiles up to three heads");
-        return tile<Vec, 3, kVecs>(p, np, v, Dh, t0, t1, o, Dh, next);
+        return tile<Vec, 3, kVecs>(p, np, v, Dh, t0, t1, o, ldo, next);
     }
   }
 
@@ -407,7 +631,7 @@ struct AttendCall : Gang {
         in_register(x[i]);
       }
       for (int h = 0; h < HB; ++h) {
-        const V w = V{} + p[h * np + t];
+        const V w = splat(V{}, p + h * np + t);
         for (int i = 0; i < NV; ++i) acc[h][i] = fma_lanes(w, x[i], acc[h][i]);
       }
     }
@@ -516,9 +740,12 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 // cache (attention.mla_attend_latent): out[b, h] = softmax_t(scale (q[b, h] . lat[s, t] +
 // qr[b, h] . kr[s, t])) . lat[s, t] over t = 0 .. pos[b] of slot s = slots[b] that keep[b, t]
 // (where keep [B, L] has columns: t < L), for q and out [B, H, r], qr [B, H, R], lat [S, C, r]
-// and kr [S, C, R]. colibri_attend's items with every query head reading the one latent cache
-// (its keys and its values); a row's heads in groups of eight or more where there are fewer
-// rows than twice the threads, so that one row's attention is shared out too.
+// and kr [S, C, R], r and R multiples of 8. colibri_attend's items with every query head
+// reading the one latent cache (its keys and its values), each score one dot product over a
+// latent and its roped key (latent_scores); a row's heads in groups of sixteen or more where
+// there are fewer rows than threads, so that one row's attention is shared out too, each
+// thread claiming an item at a time (two claimed at once would leave a thread of a one-row
+// call idle).
 ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> qr,
                      ffi::Buffer<ffi::F32> lat, ffi::Buffer<ffi::F32> kr,
                      ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> pos,
@@ -533,13 +760,17 @@ ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
       md[0] != B || !(od == qd) || slots.dimensions()[0] != B || pos.dimensions()[0] != B ||
       H == 0)
     return ffi::Error::InvalidArgument("colibri_mla_attend: shapes disagree");
+  if (r % 8 || R % 8)
+    return ffi::Error::InvalidArgument(
+        "colibri_mla_attend: the latents' and roped keys' widths must be multiples of 8");
   int64_t groups = 1;  // of a row's heads, each an item
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  while (B * groups < 2 * threads && H % (2 * groups) == 0 && H / (2 * groups) >= 8) groups *= 2;
+  while (B * groups < threads && H % (2 * groups) == 0 && H / (2 * groups) >= 16) groups *= 2;
   const float* latents = lat.typed_data();
   auto call = attend_call(q.typed_data(), latents, latents, slots, pos, out->typed_data(), B, H,
                           groups, r, S, C, scale);
   call->cache_heads = 1;
+  call->claim_ahead = false;
   call->qr = qr.typed_data();
   call->kr = kr.typed_data();
   call->R = R;

@@ -74,6 +74,21 @@ inline float hsum(v8 v) {
 
 inline v8 max8(v8 a, v8 b) { return a > b ? a : b; }
 
+// *p in every lane of a V (splat(V{}, p)), loaded straight into the vector: a broadcast from
+// memory, a load's work, where `V{} + *p` is an add to zero and a shuffle, the shuffle on a
+// multiply-add's port.
+inline v8 splat(v8, const float* p) {
+#if defined(__AVX__)
+  return reinterpret_cast<v8>(_mm256_broadcast_ss(p));
+#else
+  return v8{} + *p;
+#endif
+}
+
+#if defined(__AVX512F__)
+inline v16 splat(v16, const float* p) { return reinterpret_cast<v16>(_mm512_set1_ps(*p)); }
+#endif
+
 // out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
 // eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
 // instead of lane by lane through memory, which cost as much as the products of a short dot.
