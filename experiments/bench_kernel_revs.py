@@ -350,6 +350,9 @@ def main() -> None:
         "working tree": make(kernels.build(), f"colibri_{args.kernel}_new"),
     }
     rows_out, raw = [], {}
+    # Attention's bound is arithmetic (MLA: 16 FLOP a byte of latents at 32 heads): the cores'
+    # multiply-add ceiling, probed before the runs (512-bit vectors where the build has them).
+    ceiling = (kernels.fma_peak(16) or kernels.fma_peak(8)) if attention else 0.0
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name)["colibri"]
         cfg = load_config(ckpt)
@@ -387,6 +390,8 @@ def main() -> None:
                         "time / base (median of passes)": float(np.median(t / base)),
                     }
                 )
+                if ceiling:
+                    rows_out[-1]["of the FMA ceiling"] = rows_out[-1]["GFLOP/s"] / ceiling
             print(pd.DataFrame(rows_out[-2:]).to_string(index=False), flush=True)
     table = pd.DataFrame(rows_out)
     cmd = (
@@ -420,6 +425,11 @@ def main() -> None:
         f"Command: `{cmd}` (working tree at {head}, base `{args.base}`)  ",
         f"{what} per pass, the versions alternating over {args.passes} passes; outputs "
         + ("equal to float32 rounding." if args.rounding else "bitwise equal."),
+        *(
+            [f"The cores' multiply-add ceiling, probed before the runs: {ceiling:.0f} GFLOP/s."]
+            if ceiling
+            else []
+        ),
         "",
         markdown_table(table, index=False, floatfmt=".3f"),
         "",
