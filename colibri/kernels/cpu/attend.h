@@ -399,8 +399,11 @@ struct AttendCall : Gang {
     const float *a = x.group(g), *b = x.group(g + 1);
     const auto pass = [&](const float* const* rows, int64_t L, int64_t ld) {
       for (int64_t c = 0; c < L; c += 8) {
-        if (ahead && c % 16 == 0)
-          for (int i = 0; i < TW; ++i) __builtin_prefetch(rows[i] + ahead * ld + c, 0, 2);
+        if (c % 16 == 0)  // (into L1 two lines ahead too: 0.97-0.98x the time)
+          for (int i = 0; i < TW; ++i) {
+            __builtin_prefetch(rows[i] + c + 128, 0, 3);
+            if (ahead) __builtin_prefetch(rows[i] + ahead * ld + c, 0, 2);
+          }
         pair_step<TP>(rows, a + (c / 8) * sa, b + (c / 8) * sb, c, acc,
                       std::make_index_sequence<TW>{});
       }
