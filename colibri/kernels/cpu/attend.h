@@ -558,7 +558,7 @@ struct AttendCall : Gang {
   // blocks of positions whole, and from which strip by strip (values_by_strips).
   static constexpr int64_t kStripFrom = 32 << 10;
   static constexpr int64_t kStrip = kLanes * kVecs;  // columns a strip: a tile's
-  static constexpr int64_t kStripRows = 32;          // positions a block of a strip
+  static constexpr int64_t kStripRows = 64;          // positions a block of a strip
 
   // `values` where G heads' sums over Dh columns would not stay in L1 while the blocks pass
   // (MLA's query heads over 512 latent columns: 64 KiB at 32 heads, loaded from L2 and stored
