@@ -582,6 +582,46 @@ def test_mla_attend_matches_masked_softmax(rows, heads, latent, rope, capacity, 
         np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
 
 
+def test_mla_attend_over_chunks_of_positions():
+    """Past one chunk of positions (256), each head's softmax runs chunk by chunk: the sums so
+    far rescaled where a later chunk holds a larger score, chunks whose positions DSA's
+    selection drops all left out; the result a softmax over every position kept, each row
+    bitwise as alone."""
+    rng = np.random.default_rng(5)
+    S, C, H, r, R = 3, 700, 16, 64, 16
+    lat = rng.standard_normal((S, C, r)).astype(np.float32)
+    kr = rng.standard_normal((S, C, R)).astype(np.float32)
+    lat[1, 600] *= 3  # row 1's largest scores in its third chunk
+    q = rng.standard_normal((3, H, r)).astype(np.float32)
+    qr = rng.standard_normal((3, H, R)).astype(np.float32)
+    slots, pos = np.array([0, 1, 2], np.int32), np.array([699, 650, 300], np.int32)
+    keep = rng.random((3, C)) < 0.5
+    keep[0, :256] = False  # row 0: its first chunk dropped whole
+    keep[1] = True
+    keep[np.arange(3), pos] = True
+    scale = 0.3
+    got = np.asarray(kernels.mla_attend(q, qr, lat, kr, slots, pos, scale, keep))
+    for b in range(3):
+        n = pos[b] + 1
+        lats, keys = lat[slots[b], :n].astype(np.float64), kr[slots[b], :n].astype(np.float64)
+        sc = (lats @ q[b].T.astype(np.float64) + keys @ qr[b].T.astype(np.float64)) * scale
+        sc = np.where(keep[b, :n, None], sc, -np.inf)
+        w = np.exp(sc - sc.max(axis=0))
+        want = (w.T @ lats) / w.sum(axis=0)[:, None]
+        np.testing.assert_allclose(got[b], want, rtol=1e-4, atol=1e-5)
+        alone = kernels.mla_attend(
+            q[b : b + 1],
+            qr[b : b + 1],
+            lat,
+            kr,
+            slots[b : b + 1],
+            pos[b : b + 1],
+            scale,
+            keep[b : b + 1],
+        )
+        np.testing.assert_array_equal(np.asarray(alone)[0], got[b])
+
+
 def test_mla_attend_refuses_widths_off_the_vectors():
     """The latents' and roped keys' widths are multiples of 8 (every MLA model's: 512 and 64);
     others are refused, naming the kernel (mla_attend_latent takes them through XLA)."""
@@ -1002,14 +1042,14 @@ def _the_small_kernels_agree(lib, isa: str, rng) -> None:
         want = kernels.attend(q, k, v, slots, pos, 0.125)
         np.testing.assert_array_equal(np.asarray(theirs), np.asarray(want))
     # MLA: one group of heads, a group and a half (two groups a tile), four groups; the
-    # latents over several blocks of keys and of the values' strips.
+    # latents over several blocks of keys, of the values' strips and chunks of positions.
     for heads, r, R in ((4, 32, 8), (12, 64, 16), (32, 512, 64)):
-        lat = jnp.asarray(rng.standard_normal((3, 130, r)), f32)
-        kr = jnp.asarray(rng.standard_normal((3, 130, R)), f32)
+        lat = jnp.asarray(rng.standard_normal((3, 600, r)), f32)
+        kr = jnp.asarray(rng.standard_normal((3, 600, R)), f32)
         q = jnp.asarray(rng.standard_normal((4, heads, r)), f32)
         qr = jnp.asarray(rng.standard_normal((4, heads, R)), f32)
-        slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([129, 5, 60, 0], jnp.int32)
-        keep = jnp.asarray(rng.random((4, 130)) < 0.7, jnp.uint8)
+        slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([599, 5, 300, 0], jnp.int32)
+        keep = jnp.asarray(rng.random((4, 600)) < 0.7, jnp.uint8)
         theirs = call(
             "ColibriMlaAttend",
             jax.ShapeDtypeStruct(q.shape, f32),

@@ -54,8 +54,9 @@ struct AttendCall : Gang {
   std::vector<int64_t> first;  // the rows of item group i: first[i] .. first[i + 1]
   std::atomic<int64_t> next{0};
 
-  // Rows an item may hold: about sixteen query heads (two groups of the paired tiles).
-  static int64_t group_rows(int64_t G) { return std::max<int64_t>(1, 16 / G); }
+  // Rows an item may hold: about sixteen query heads (two groups of the paired tiles); MLA's
+  // one (latent_item).
+  int64_t group_rows(int64_t G) const { return cache_heads ? 1 : std::max<int64_t>(1, 16 / G); }
 
   // Rows b in groups: each row with the one before it where they share a slot in the cache
   // and b's position is the next one (rows of no slot, padding, each alone: zeros in place).
@@ -150,24 +151,16 @@ struct AttendCall : Gang {
       }
       qs.resize(heads);
       for (int64_t j = 0; j < heads; ++j) qs[j] = q + ((b + j / G) * H + g * G + j % G) * Dh;
+      if (kr) {  // (one row an item: MlaAttend)
+        latent_item(b, g, heads, here.k, n, o, qs, qrs, p, packed);
+        continue;
+      }
       // Score rows padded to whole vectors, and off a multiple of 256 floats: rows a power of
       // two bytes apart put every head's probabilities of a position in one set of the L1.
       const int64_t np = (n + 7) / 8 * 8 + ((n + 7) / 8 * 8 % 256 == 0 ? 16 : 0);
       p.resize(heads * np);
-      if (kr)
-        latent_scores(b, b + rows - 1, g, heads, here.k, n, qs, qrs, p.data(), np, packed,
-                      {ahead.k, ahead.n, Dh});
-      else
-        scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
-               packed);
-      if (keep) {
-        for (int64_t j = 0; j < heads; ++j) {
-          const uint8_t* kept = keep + (b + j / G) * keep_len;
-          const int64_t m = std::min(positions(b + j / G), keep_len);
-          for (int64_t t = 0; t < m; ++t)
-            if (!kept[t]) p[j * np + t] = -INFINITY;
-        }
-      }
+      scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
+             packed);
       fetch(ahead.k, n, ahead.n, Dh);
       const int64_t lead = lead_rows(Dh);
       fetch(here.v, 0, std::min(n, lead), Dh);
@@ -185,21 +178,115 @@ struct AttendCall : Gang {
     }
   }
 
+  // Positions a chunk of MLA's attention (latent_item): 590 KiB of latents and roped keys at
+  // DeepSeek-V3's widths, in L2 from their scores to their values.
+  static constexpr int64_t kChunk = 256;
+
+  // MLA's work item: one row's heads (from b's head g G on) over its n latents `lat`, into o
+  // (zeros), the positions chunk by chunk of kChunk from the first (flash attention's online
+  // softmax): each chunk's scores (latent_scores, the positions DSA's selection drops -inf),
+  // every head's running maximum M of scale times its scores so far and the sum l of their
+  // e^(x - M), o and l rescaled by e^(M_before - M) where a chunk raised M, then o advanced
+  // over the chunk's latents weighed by e^(x_t - M) (`values`: every sum one multiply-add chain
+  // in order of position); at the end o / l. A chunk's latents are read from memory once, for
+  // its scores, and again from L2 for its values: a softmax over all the positions first read
+  // them twice from memory, the second time past L2 from 2 MiB on (1024 positions), 2x the
+  // bytes of a long context. The chunks are the same for a row alone and among others, so
+  // its bits are.
+  void latent_item(int64_t b, int64_t g, int64_t heads, const float* lat, int64_t n, float* o,
+                   std::vector<const float*>& qs, std::vector<const float*>& qrs,
+                   std::vector<float>& p, std::vector<float>& packed) const {
+    const int64_t np = kChunk + 16;  // (rows of probabilities off a power of two bytes apart)
+    p.resize(heads * np);
+    thread_local std::vector<float> state;
+    state.assign(3 * heads, 0.0f);
+    float *M = state.data(), *l = M + heads, *alpha = l + heads;
+    std::fill(M, M + heads, -INFINITY);
+    const float* keys = kr + slot[b] * C * R;
+    for (int64_t t0 = 0; t0 < n; t0 += kChunk) {
+      const int64_t m = std::min(kChunk, n - t0);
+      latent_scores(b, g, heads, lat + t0 * Dh, keys + t0 * R, m, qs, qrs, p.data(), np,
+                    packed);
+      if (keep && t0 < keep_len) {
+        const uint8_t* kept = keep + b * keep_len + t0;
+        for (int64_t j = 0; j < heads; ++j)
+          for (int64_t t = 0; t < std::min(m, keep_len - t0); ++t)
+            if (!kept[t]) p[j * np + t] = -INFINITY;
+      }
+      bool rescale = false;
+      for (int64_t j = 0; j < heads; ++j) {
+        alpha[j] = online_softmax(p.data() + j * np, m, scale, M[j], l[j]);
+        rescale |= alpha[j] != 1.0f;
+      }
+      if (rescale)
+        for (int64_t j = 0; j < heads; ++j)
+          if (alpha[j] != 1.0f)
+            for (int64_t d = 0; d < Dh; ++d) o[j * Dh + d] *= alpha[j];
+      values(p.data(), np, lat + t0 * Dh, 0, m, Dh, heads, o, nullptr, 0);
+    }
+    for (int64_t j = 0; j < heads; ++j) {
+      const float inv = l[j] > 0 ? 1.0f / l[j] : 0.0f;  // (no position kept: zeros)
+      for (int64_t d = 0; d < Dh; ++d) o[j * Dh + d] *= inv;
+    }
+  }
+
+  // One head's chunk of scores s[0 .. m) made e^(scale s_t - M') in place, where M' is the
+  // larger of its running maximum M and the chunk's maximum of scale s_t, M and l (the sum of
+  // e^(x - M) so far, in eight lanes in order of position, then the fixed horizontal sum,
+  // added to l e^(M - M')) brought up to M': returns e^(M - M'), the factor for the sums so
+  // far (1 where M' is M; 0 where M was -inf). A chunk of dropped positions only (-inf):
+  // zeros, M and l as they were. The e^x of `softmax` (simd.h's exp_lanes).
+  static float online_softmax(float* s, int64_t m, float scale, float& M, float& l) {
+    const int64_t mp = (m + 15) / 16 * 16;
+    std::fill(s + m, s + mp, -INFINITY);
+    const v8 sc = v8{} + scale;
+    v8 mv = v8{} - INFINITY;
+    for (int64_t t = 0; t < mp; t += 8) mv = max8(mv, load8(s + t) * sc);
+    float mc = mv[0];
+    for (int i = 1; i < 8; ++i) mc = std::max(mc, mv[i]);
+    const float top = std::max(M, mc);
+    if (top == -INFINITY) {  // nothing kept yet
+      std::fill(s, s + mp, 0.0f);
+      return 1.0f;
+    }
+    const v8 mm = v8{} + top;
+    v8 sum{};
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= mp; t += 16) {
+      const v16 e = exp_lanes(load16(s + t) * (v16{} + scale) - (v16{} + top));
+      std::memcpy(s + t, &e, sizeof e);
+      sum += load8(s + t);
+      sum += load8(s + t + 8);
+    }
+#endif
+    for (; t < mp; t += 8) {
+      const v8 e = exp8(load8(s + t) * sc - mm);
+      std::memcpy(s + t, &e, sizeof e);
+      sum += e;
+    }
+    const float alpha = M == top ? 1.0f : exp8(v8{} + (M - top))[0];
+    l = l * alpha + hsum(sum);
+    M = top;
+    return alpha;
+  }
+
   // MLA: s[j * ns + t] = [q_j | qr_j] . [lat_t | kr_t], each score one dot product over the
   // r + R columns of a latent and its roped key (one 8-lane sum over the latent's columns and
-  // on over the roped key's, then the fixed horizontal sum), for the item's heads (rows b ..,
-  // its last row `last`, group g) and the n latents `lat` of its slot. AVX-512 builds: the
+  // on over the roped key's, then the fixed horizontal sum), for the item's heads (row b's,
+  // group g) and n latents `lat` and their roped keys `keys`. AVX-512 builds: the
   // heads packed, the latents in key_blocks' blocks; others in tiles of three latents and
   // four heads (tiles.h's steps): the same bits. (Two dot products and their sum spent 0.83
   // ms of a 5.35 ms call on the roped keys' 64 columns, 16 rows of 32 heads at 1024 positions:
   // as many horizontal sums and stores as the latents' 512 columns, for an eighth the work.)
-  void latent_scores(int64_t b, int64_t last, int64_t g, int64_t heads, const float* lat,
+  void latent_scores(int64_t b, int64_t g, int64_t heads, const float* lat, const float* roped,
                      int64_t n, std::vector<const float*>& qs, std::vector<const float*>& qrs,
-                     float* s, int64_t ns, std::vector<float>& packed, const Ahead& next) const {
+                     float* s, int64_t ns, std::vector<float>& packed) const {
     const int64_t G = H / Hkv;
-    const KeyRows keys{lat, Dh, kr + slot[last] * C * R, R};
+    const KeyRows keys{lat, Dh, roped, R};
+    const Ahead next{nullptr, 0, Dh};
     qrs.resize(heads);
-    for (int64_t j = 0; j < heads; ++j) qrs[j] = qr + ((b + j / G) * H + g * G + j % G) * R;
+    for (int64_t j = 0; j < heads; ++j) qrs[j] = qr + (b * H + g * G + j) * R;
     auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     const Packed x(aligned_floats(packed, Packed::floats(heads, Dh + R)), heads, Dh + R);
@@ -774,6 +861,7 @@ ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
                           groups, r, S, C, scale);
   call->cache_heads = 1;
   call->claim_ahead = false;
+  call->group();  // (again, one row an item: group_rows)
   call->qr = qr.typed_data();
   call->kr = kr.typed_data();
   call->R = R;
