@@ -616,9 +616,13 @@ struct AttendCall : Gang {
     const int64_t rows = one_tile ? n : block_rows(Dh);  // (one tile reads the values once)
     for (int64_t t0 = from; t0 < n; t0 += rows) {
       const int64_t t1 = std::min(n, t0 + rows);
-      if (t1 < n) fetch(v, t1, std::min(n, t1 + rows), Dh);
-      // The first tile of the block fetches the next item's values, a position a position.
+      // The first tile of the block fetches the next item's values, a position a position, or
+      // where there are none, this item's next block.
       Ahead next{ahead, std::min(t1, ahead_n), Dh};
+      if (t1 < n && ahead_n == 0)
+        next = {v + (t1 - t0) * Dh, std::min(t1, n - (t1 - t0)), Dh};
+      else if (t1 < n)
+        fetch(v, t1, std::min(n, t1 + rows), Dh);
       for (int64_t d = 0; d < wide; d += kLanes * kVecs) {
         int64_t j = 0;
         for (; j + kHeads <= G; j += kHeads, next.n = 0)
