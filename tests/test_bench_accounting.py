@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from colibri.bench.accounting import kv_bytes, step_bytes, step_flops
+from colibri.bench.accounting import attention_flops, kv_bytes, step_bytes, step_flops
 from colibri.config import load_config
 from colibri.synth import SynthSpec, synthesize
 
@@ -90,3 +90,17 @@ def test_held_step_bytes_are_the_arrays_one_row_reads(tmp_path, dtype):
     else:  # gate, up: F rows of D values; down: D rows of F; 8 bytes a group beside them
         row_bytes = 2 * F * (D + 8 * D // 128) + D * (F + 8 * F // 128)
         assert held - dense == cfg.num_layers * k * row_bytes
+
+
+def test_mla_reads_its_latent_cache_and_computes_the_absorbed_form(tmp_path):
+    """MLA's step reads the cache the engine holds, a latent and a roped key a position
+    (DeepSeek-V3), not the keys and values transformers expands them to; its attention
+    computes each head's scores over both and its weighted latents."""
+    spec = SynthSpec(
+        family="deepseek_v3", layers=2, experts=8, top_k=2, hidden=128, moe_ff=64, vocab=384
+    )
+    cfg = load_config(synthesize(spec, tmp_path / "mla", progress=False))
+    r, R = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    assert kv_bytes(cfg, ROWS, PROMPT, tokens=1) == ROWS * (PROMPT + 1) * 2 * (r + R) * 4
+    per_position = 2 * cfg.num_heads * (2 * r + R) * 2  # two layers, a multiply-add 2 FLOP
+    assert attention_flops(cfg, ROWS, PROMPT, tokens=1) == ROWS * (PROMPT + 1) * per_position

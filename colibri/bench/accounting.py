@@ -1,6 +1,6 @@
 """The roofline's accounting: the bytes of weights, and of keys and values, one decode step
 reads, and the FLOPs it computes (tests/test_bench_accounting.py checks them against
-transformers)."""
+transformers, and MLA's cache against the engine's)."""
 
 from __future__ import annotations
 
@@ -59,14 +59,35 @@ def step_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
     m = cfg.moe
     per_row = L * (D * q + D * kv + q * D + D * m.num_experts + m.top_k * 3 * D * m.moe_ff)
     per_row += V * D
-    per_row += L * 2 * q * mean_context(prompt, tokens)  # scores and weighted values
+    return 2.0 * rows * per_row + attention_flops(cfg, rows, prompt, tokens)
+
+
+def attention_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
+    """FLOPs of one decode step's attention over the mean context: each query head's scores
+    and weighted values; MLA's in the absorbed form the engine decodes in (scores over a
+    latent and its roped key, the latents weighed: 2 r + R a head and position; DSA's
+    indexer left out)."""
+    per_head = 2 * cfg.head_dim
+    if cfg.mla is not None:
+        per_head = 2 * cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    per_row = cfg.num_layers * cfg.num_heads * per_head * mean_context(prompt, tokens)
     return 2.0 * rows * per_row
 
 
 def kv_bytes(cfg, rows: int, prompt: int, tokens: int) -> float:
-    """f32 bytes of keys and values one decode step of `rows` conversations reads over the
-    mean context."""
-    per_position = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    """f32 bytes of the cache one decode step of `rows` conversations reads over the mean
+    context, as the engine holds it: keys and values, or MLA's latents and roped keys (and
+    DSA's indexer keys), not the keys and values they expand to."""
+    import functools
+
+    import jax
+
+    from colibri.model.attention import init_layer_cache
+
+    per_position = 0
+    for layer in range(cfg.num_layers):
+        shapes = jax.eval_shape(functools.partial(init_layer_cache, cfg, 1, 1, layer))
+        per_position += sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(shapes))
     return rows * per_position * mean_context(prompt, tokens)
 
 
