@@ -155,9 +155,10 @@ struct AttendCall : Gang {
         latent_item(b, g, heads, here.k, n, o, qs, qrs, p, packed);
         continue;
       }
-      // Score rows padded to whole vectors, and off a multiple of 256 floats: rows a power of
-      // two bytes apart put every head's probabilities of a position in one set of the L1.
-      const int64_t np = (n + 7) / 8 * 8 + ((n + 7) / 8 * 8 % 256 == 0 ? 16 : 0);
+      // Score rows padded to whole 512-bit vectors, and off a multiple of 256 floats: rows a
+      // power of two bytes apart put every head's probabilities of a position in one set of
+      // the L1.
+      const int64_t np = (n + 15) / 16 * 16 + ((n + 15) / 16 * 16 % 256 == 0 ? 16 : 0);
       p.resize(heads * np);
       scores(here.k, here.v, n, Dh, qs.data(), heads, p.data(), np, {ahead.k, ahead.n, Dh},
              packed);
@@ -167,7 +168,7 @@ struct AttendCall : Gang {
       if (ahead.n == 0) fetch(after.k, 0, std::min(after.n, lead), Dh);
       const int64_t n0 = positions(b);  // the first row's positions: every row reads them
       for (int64_t j = 0; j < heads; ++j)
-        softmax(p.data() + j * np, positions(b + j / G), np, scale);
+        softmax(p.data() + j * np, positions(b + j / G), scale);
       values(p.data(), np, here.v, 0, n0, Dh, heads, o, ahead.v, ahead.n);
       if (rows == 1) continue;
       for (int64_t r = 1; r < rows; ++r)  // each later row's own last positions, in order
@@ -190,8 +191,8 @@ struct AttendCall : Gang {
   // over the chunk's latents weighed by e^(x_t - M) (`values`: every sum one multiply-add chain
   // in order of position); at the end o / l. A chunk's latents are read from memory once, for
   // its scores, and again from L2 for its values: a softmax over all the positions first read
-  // them twice from memory, the second time past L2 from 2 MiB on (1024 positions), 2x the
-  // bytes of a long context. The chunks are the same for a row alone and among others, so
+  // them twice from memory, the second time past L2 from about 900 positions on (DeepSeek-V3's
+  // widths), 2x the bytes of a long context. The chunks are the same for a row alone and among others, so
   // its bits are.
   void latent_item(int64_t b, int64_t g, int64_t heads, const float* lat, int64_t n, float* o,
                    std::vector<const float*>& qs, std::vector<const float*>& qrs,
@@ -230,12 +231,14 @@ struct AttendCall : Gang {
     }
   }
 
-  // One head's chunk of scores s[0 .. m) made e^(scale s_t - M') in place, where M' is the
-  // larger of its running maximum M and the chunk's maximum of scale s_t, M and l (the sum of
-  // e^(x - M) so far, in eight lanes in order of position, then the fixed horizontal sum,
-  // added to l e^(M - M')) brought up to M': returns e^(M - M'), the factor for the sums so
-  // far (1 where M' is M; 0 where M was -inf). A chunk of dropped positions only (-inf):
-  // zeros, M and l as they were. The e^x of `softmax` (simd.h's exp_lanes).
+  // One head's chunk of scores s[0 .. m) made e^(scale s_t - M') in place (s has room for m
+  // rounded up to 16 floats), where M' is the larger of its running maximum M and the chunk's
+  // maximum of scale s_t, M and l (the sum of e^(x - M) so far, in eight lanes in order of
+  // position, then the fixed horizontal sum, added to l e^(M - M')) brought up to M': returns
+  // e^(M - M'), the factor for the sums so far (1 where M' is M; 0 where M was -inf). A chunk
+  // of dropped positions only (-inf): zeros, M and l as they were. AVX-512 builds take e^x
+  // sixteen lanes at a time, the same values (simd.h's exp_lanes), and add their two halves
+  // in turn.
   static float online_softmax(float* s, int64_t m, float scale, float& M, float& l) {
     const int64_t mp = (m + 15) / 16 * 16;
     std::fill(s + m, s + mp, -INFINITY);
@@ -284,7 +287,6 @@ struct AttendCall : Gang {
                      float* s, int64_t ns, std::vector<float>& packed) const {
     const int64_t G = H / Hkv;
     const KeyRows keys{lat, Dh, roped, R};
-    const Ahead next{nullptr, 0, Dh};
     qrs.resize(heads);
     for (int64_t j = 0; j < heads; ++j) qrs[j] = qr + (b * H + g * G + j) * R;
     auto emit = [&](int64_t t, int64_t j, float d) { s[j * ns + t] = d; };
@@ -296,18 +298,12 @@ struct AttendCall : Gang {
         std::memcpy(x.at(j, Dh + c), qrs[j] + c, sizeof(float) * 8);
     }
     x.clear_padding();
-    key_blocks(keys, nullptr, n, x, emit, next);
+    key_blocks(keys, nullptr, n, x, emit, Ahead{nullptr, 0, Dh});
 #else
     (void)packed;
     int64_t t = 0;
-    for (; t + 3 <= n; t += 3) {
-      if (t < next.n) fetch(next.rows, t, std::min(t + 3, next.n), Dh);
-      latent_tiles<3>(keys, t, qs.data(), qrs.data(), heads, emit);
-    }
-    for (; t < n; ++t) {
-      if (t < next.n) fetch(next.rows, t, t + 1, Dh);
-      latent_tiles<1>(keys, t, qs.data(), qrs.data(), heads, emit);
-    }
+    for (; t + 3 <= n; t += 3) latent_tiles<3>(keys, t, qs.data(), qrs.data(), heads, emit);
+    for (; t < n; ++t) latent_tiles<1>(keys, t, qs.data(), qrs.data(), heads, emit);
 #endif
   }
 
@@ -733,43 +729,14 @@ struct AttendCall : Gang {
       for (int i = 0; i < NV; ++i) std::memcpy(o + h * ldo + W * i, &acc[h][i], sizeof(V));
   }
 
-  // s[0 .. n) <- softmax(scale * s) in place; s has room for np (a multiple of 8) floats. The
-  // sum runs in eight lanes, in order of position, then the fixed horizontal sum; AVX-512
-  // builds take e^x sixteen lanes at a time, the same values (simd.h's exp_lanes), and add
-  // their two halves in turn.
-  static void softmax(float* s, int64_t n, int64_t np, float scale) {
-    std::fill(s + n, s + np, -INFINITY);
-    const v8 sc = v8{} + scale;
-    v8 mv = v8{} - INFINITY;
-    for (int64_t t = 0; t < np; t += 8) mv = max8(mv, load8(s + t) * sc);
-    float m = mv[0];
-    for (int i = 1; i < 8; ++i) m = std::max(m, mv[i]);
-    const v8 mm = v8{} + m;
-    v8 sum{};
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    for (; t + 16 <= np; t += 16) {
-      const v16 e = exp_lanes(load16(s + t) * (v16{} + scale) - (v16{} + m));
-      std::memcpy(s + t, &e, sizeof e);
-      sum += load8(s + t);
-      sum += load8(s + t + 8);
-    }
-#endif
-    for (; t < np; t += 8) {
-      const v8 e = exp8(load8(s + t) * sc - mm);
-      std::memcpy(s + t, &e, sizeof e);
-      sum += e;
-    }
-    const float inv = 1.0f / hsum(sum);
-    t = 0;
-#if defined(__AVX512F__)
-    for (; t + 16 <= np; t += 16) {
-      const v16 e = load16(s + t) * (v16{} + inv);
-      std::memcpy(s + t, &e, sizeof e);
-    }
-#endif
-    for (; t < np; t += 8) {
-      const v8 e = load8(s + t) * (v8{} + inv);
+  // s[0 .. n) <- softmax(scale * s) in place; s has room for n rounded up to 16 floats:
+  // online_softmax's from nothing kept, then times 1 / l.
+  static void softmax(float* s, int64_t n, float scale) {
+    float M = -INFINITY, l = 0.0f;
+    online_softmax(s, n, scale, M, l);
+    const v8 inv = v8{} + (l > 0 ? 1.0f / l : 0.0f);
+    for (int64_t t = 0; t < n; t += 8) {
+      const v8 e = load8(s + t) * inv;
       std::memcpy(s + t, &e, sizeof e);
     }
   }
