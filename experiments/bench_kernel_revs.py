@@ -149,29 +149,19 @@ def check_outputs(outputs: dict, rounding: bool) -> None:
         np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-4, atol=1e-7, err_msg=v)
 
 
-def compare_mla(
-    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+def time_layers(
+    calls: dict, layer, q, sets: list, rows: int, passes: int, prompt_len: int, rounding: bool
 ) -> dict:
-    """compare_attend for MLA: every layer's latents [rows, C, r] and roped keys [rows, C, R]
-    read from DRAM (sets of caches taking 256 MB in all), H query heads a row."""
-    H, L, m = cfg.num_heads, cfg.num_layers, cfg.mla
-    r, R = m.kv_lora_rank, m.qk_rope_head_dim
-    cap = prompt_len + STEPS + 8
-    rng = np.random.default_rng(0)
-    set_bytes = L * rows * cap * (r + R) * 4
-    sets = [
-        [(weights(rng, rows, cap, r), weights(rng, rows, cap, R)) for _ in range(L)]
-        for _ in range(max(3, -(-256_000_000 // set_bytes)))
-    ]
-    q = jnp.asarray(rng.standard_normal((rows, H, r), np.float32))
-    qr = jnp.asarray(rng.standard_normal((rows, H, R), np.float32))
-    slots = jnp.arange(rows, dtype=jnp.int32)
+    """ms a step of every version: layer(f, out, cache, pos) for each layer's cache of a set
+    in turn (out: q, then the layer before's result), at positions prompt_len + i for step
+    i < STEPS, the versions alternating, every call the next set (neither version reads what
+    the other has just read); their outputs checked first (check_outputs)."""
 
     def program(f):
         def run(q, caches, pos):
             out = q
-            for lat, kr in caches:
-                out = f(out, qr, lat, kr, slots, pos, cfg.attn_scale)
+            for cache in caches:
+                out = layer(f, out, cache, pos)
             return out
 
         return jax.jit(run)
@@ -180,7 +170,40 @@ def compare_mla(
     at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
     check_outputs({v: run(q, sets[0], at[-1]) for v, run in steps.items()}, rounding)
     turn = itertools.count()
-    ms = alternate(steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes)
+    return alternate(
+        steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes
+    )
+
+
+def cache_sets(make, layers: int, set_bytes: int) -> list:
+    """Sets of every layer's cache (make() each), together 256 MB and three sets at least: as
+    in the engine (whose expert weights stream through the L3 between layers), the caches come
+    from DRAM, for one row as for 16."""
+    return [[make() for _ in range(layers)] for _ in range(max(3, -(-256_000_000 // set_bytes)))]
+
+
+def compare_mla(
+    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+) -> dict:
+    """compare_attend for MLA: every layer's latents [rows, C, r] and roped keys [rows, C, R],
+    H query heads a row."""
+    H, L, m = cfg.num_heads, cfg.num_layers, cfg.mla
+    r, R = m.kv_lora_rank, m.qk_rope_head_dim
+    cap = prompt_len + STEPS + 8
+    rng = np.random.default_rng(0)
+    sets = cache_sets(
+        lambda: (weights(rng, rows, cap, r), weights(rng, rows, cap, R)),
+        L,
+        L * rows * cap * (r + R) * 4,
+    )
+    q = jnp.asarray(rng.standard_normal((rows, H, r), np.float32))
+    qr = jnp.asarray(rng.standard_normal((rows, H, R), np.float32))
+    slots = jnp.arange(rows, dtype=jnp.int32)
+
+    def layer(f, out, cache, pos):
+        return f(out, qr, *cache, slots, pos, cfg.attn_scale)
+
+    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding)
     positions = prompt_len + (STEPS + 1) / 2  # mean latents a row reads
     gb = L * rows * positions * (r + R) * 4 / 1e9
     gflop = L * rows * H * positions * (2 * r + R) * 2 / 1e9
@@ -191,36 +214,23 @@ def compare_attend(
     calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
 ) -> dict:
     """Decode attention of every layer for `rows` conversations at positions prompt_len + i for
-    step i < STEPS, alternating. Each layer has a cache of its own, and steps take turns among
-    sets of caches that together take 256 MB (three sets at least): as in the engine (whose
-    expert weights stream through the L3 between layers), keys and values come from DRAM,
-    for one row as for 16."""
+    step i < STEPS, alternating, each layer's keys and values a cache of its own, read from
+    DRAM (cache_sets)."""
     H, Hkv, Dh, L = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     cap = prompt_len + STEPS + 8
     rng = np.random.default_rng(0)
-    set_bytes = L * 2 * rows * Hkv * cap * Dh * 4
-    sets = [
-        [(weights(rng, rows, Hkv, cap, Dh), weights(rng, rows, Hkv, cap, Dh)) for _ in range(L)]
-        for _ in range(max(3, -(-256_000_000 // set_bytes)))
-    ]
+    sets = cache_sets(
+        lambda: (weights(rng, rows, Hkv, cap, Dh), weights(rng, rows, Hkv, cap, Dh)),
+        L,
+        L * 2 * rows * Hkv * cap * Dh * 4,
+    )
     q = jnp.asarray(rng.standard_normal((rows, H, Dh), np.float32))
     slots = jnp.arange(rows, dtype=jnp.int32)
 
-    def program(f):
-        def run(q, caches, pos):
-            out = q
-            for k, v in caches:
-                out = f(out, k, v, slots, pos, cfg.attn_scale)
-            return out
+    def layer(f, out, cache, pos):
+        return f(out, *cache, slots, pos, cfg.attn_scale)
 
-        return jax.jit(run)
-
-    steps = {v: program(f) for v, f in calls.items()}
-    at = [jnp.full((rows,), prompt_len + i, jnp.int32) for i in range(STEPS)]
-    check_outputs({v: run(q, sets[0], at[-1]) for v, run in steps.items()}, rounding)
-    # Every call the next set: neither version reads what the other has just read.
-    turn = itertools.count()
-    ms = alternate(steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes)
+    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding)
     positions = prompt_len + (STEPS + 1) / 2  # mean keys a row reads
     gb = L * rows * Hkv * positions * Dh * 2 * 4 / 1e9
     gflop = L * rows * H * positions * Dh * 4 / 1e9
