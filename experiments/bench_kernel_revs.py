@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--context 4096] [--dram] [--rounding] [--out NAME]
+    [--prompt 256] [--context 4096] [--dram] [--isa avx2] [--rounding] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -27,7 +27,8 @@ prompt of --context tokens (128), the keys and values read from DRAM as in the e
 --kernel mla: the same for multi-head latent attention (colibri_mla_attend) over the latent
 and roped-key caches (run it on --shapes mla). The two versions' outputs must agree bitwise
 (the kernels' results never depend on how work is shared out); with --rounding, where a
-change reorders sums on purpose, to float32 rounding (rtol 1e-4). Reported: ms a step for
+change reorders sums on purpose, to float32 rounding (rtol 1e-4). --isa avx2: both versions
+built without AVX-512 (kernels.ISA_LEVELS), as for a CPU that has only AVX2. Reported: ms a step for
 each version (median of passes), GB/s of the weights (keys and values, latents) read (for the
 experts: the distinct ones) and GFLOP/s, and the median over passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
@@ -327,6 +328,12 @@ def main() -> None:
         "step, that they stream from DRAM, not from a last-level cache that holds one step's",
     )
     ap.add_argument(
+        "--isa",
+        choices=tuple(kernels.ISA_LEVELS),
+        help="both versions built for this level of kernels.ISA_LEVELS (avx2: without AVX-512 "
+        "on a CPU that has it) instead of for everything the CPU has",
+    )
+    ap.add_argument(
         "--rounding",
         action="store_true",
         help="the versions' outputs may differ by float32 rounding (a change that reorders sums "
@@ -352,17 +359,19 @@ def main() -> None:
     if not kernels.available():
         sys.exit("colibri CPU kernels unavailable (see the log)")
     with tempfile.TemporaryDirectory() as tmp:
-        base_lib = kernels.build(source_at(args.base, Path(tmp)))
+        base_lib = kernels.build(source_at(args.base, Path(tmp)), isa=args.isa)
     make = {"experts": expert_call, "linear": linear_call, "attend": attend_call, "mla": mla_call}
     make = make[args.kernel]
     calls = {
         args.base: make(base_lib, f"colibri_{args.kernel}_base"),
-        "working tree": make(kernels.build(), f"colibri_{args.kernel}_new"),
+        "working tree": make(kernels.build(isa=args.isa), f"colibri_{args.kernel}_new"),
     }
     rows_out, raw = [], {}
     # Attention's bound is arithmetic (MLA: 16 FLOP a byte of latents at 32 heads): the cores'
     # multiply-add ceiling, probed before the runs (512-bit vectors where the build has them).
-    ceiling = (kernels.fma_peak(16) or kernels.fma_peak(8)) if attention else 0.0
+    # (256-bit vectors for an AVX2 build.)
+    wide = 0.0 if args.isa == "avx2" else kernels.fma_peak(16)
+    ceiling = (wide or kernels.fma_peak(8)) if attention else 0.0
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name)["colibri"]
         cfg = load_config(ckpt)
@@ -412,6 +421,7 @@ def main() -> None:
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
         + (f" --context {args.context}" if args.context != 128 else "")
         + (" --dram" if args.dram else "")
+        + (f" --isa {args.isa}" if args.isa else "")
         + (" --rounding" if args.rounding else "")
         + (f" --out {args.out}" if args.out else "")
     )

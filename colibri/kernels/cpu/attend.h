@@ -712,12 +712,12 @@ struct AttendCall : Gang {
     constexpr int W = sizeof(V) / sizeof(float);
     V acc[HB][NV];
     for (int h = 0; h < HB; ++h)
-      for (int i = 0; i < NV; ++i) std::memcpy(&acc[h][i], o + h * ldo + W * i, sizeof(V));
+      for (int i = 0; i < NV; ++i) acc[h][i] = vector(V{}, o + h * ldo + W * i);
     for (int64_t t = t0; t < t1; ++t) {
       if (t < next.n) fetch(next.rows, t, t + 1, next.Dh);
       V x[NV];
       for (int i = 0; i < NV; ++i) {
-        std::memcpy(&x[i], v + t * ld + W * i, sizeof(V));
+        x[i] = vector(V{}, v + t * ld + W * i);
         in_register(x[i]);
       }
       for (int h = 0; h < HB; ++h) {
