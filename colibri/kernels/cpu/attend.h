@@ -192,8 +192,8 @@ struct AttendCall : Gang {
   // in order of position); at the end o / l. A chunk's latents are read from memory once, for
   // its scores, and again from L2 for its values: a softmax over all the positions first read
   // them twice from memory, the second time past L2 from about 900 positions on (DeepSeek-V3's
-  // widths), 2x the bytes of a long context. The chunks are the same for a row alone and among others, so
-  // its bits are.
+  // widths), 2x the bytes of a long context. The chunks are the same for a row alone and
+  // among others, so its bits are.
   void latent_item(int64_t b, int64_t g, int64_t heads, const float* lat, int64_t n, float* o,
                    std::vector<const float*>& qs, std::vector<const float*>& qrs,
                    std::vector<float>& p, std::vector<float>& packed) const {
