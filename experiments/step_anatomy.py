@@ -331,9 +331,9 @@ def write(results: dict, args, out: str) -> None:
             )
             lines.append("")
             cache = res["step_bytes"] - res["weight_bytes"]
-            reading, computing = cache / probe / 1e3, attention_bound_us(res) or 0.0
+            reading, computing = cache / probe / 1e3, attention_bound_us(res)
             attention = sum(r["µs a step"] for r in rows if r["part"] == "attention")
-            if attention:
+            if attention and computing:
                 lines.append(
                     f"Attention's bound, the longer of reading the step's cache "
                     f"({cache / 1e6:.1f} MB) at {probe:.1f} GB/s ({reading / 1e3:.2f} ms) and "
