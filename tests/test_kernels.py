@@ -433,6 +433,27 @@ def test_build_is_cached_and_atomic(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
 
 
+def test_builds_started_together_compile_once(tmp_path, monkeypatch):
+    """Builds of one library started at once (the processes of a fresh machine) wait for the
+    first: the compiler runs once, every caller gets the library, and no lock file stays."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache, runs = tmp_path / "cache", tmp_path / "runs"
+    monkeypatch.setenv("COLIBRI_KERNEL_CACHE", str(cache))
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f'#!/bin/sh\necho run >> {runs}\nsleep 1\nexec {kernels.compiler()} "$@"\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "cpu.cc").write_text('extern "C" int colibri_answer() { return 42; }\n')
+    with ThreadPoolExecutor(3) as pool:
+        libs = list(pool.map(lambda _: kernels.build(folder), range(3)))
+    assert len(set(libs)) == 1 and ctypes.CDLL(str(libs[0])).colibri_answer() == 42
+    assert runs.read_text().split() == ["run"]
+    assert [p.name for p in cache.iterdir()] == [libs[0].name]
+
+
 # ffi::DataType of a held format's buffers (cpu/formats.h) -> the dtype colibri stores it as.
 _BUFFER_DTYPES = {
     "F32": "<f4",

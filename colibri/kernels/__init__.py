@@ -17,7 +17,9 @@ results are bitwise the same (cpu/cpu.cc, "Exactness").
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -188,18 +190,36 @@ def build(
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    # One build of a library at a time: processes that start together on a fresh machine (the
+    # test workers, an engine, a notebook's kernel) wait for the first one's build and load it,
+    # instead of each compiling the same library at once on the same few cores (a notebook's
+    # views then waited minutes to redraw). The lock file goes once its holder is done.
+    lock_path = out.with_name(out.name + ".lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if out.exists():  # built meanwhile
+                return out
+            _compile([cxx, *flags, f"-I{jax.ffi.include_dir()}", str(unit)], out)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)
+    return out
+
+
+def _compile(cmd: list[str], out: Path) -> None:
+    """Run the compiler `cmd` into a temporary file beside `out`, then rename it to `out`: a
+    failed or killed build leaves nothing behind."""
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
-    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(unit), "-o", tmp]
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"{' '.join([*cmd, '-o', tmp])} failed:\n{done.stderr[-4000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
 
 
 _loading = threading.Lock()
