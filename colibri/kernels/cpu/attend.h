@@ -743,13 +743,15 @@ struct AttendCall : Gang {
 };
 
 // A call over caches k and v (rows of Dh floats, C positions a slot and cache head) for q
-// [B, H, Dh] into out, its rows grouped (what both targets' calls start from).
+// [B, H, Dh] into out, its rows grouped (what both targets' calls start from); cache_heads as
+// AttendCall takes it (MLA's 1).
 std::shared_ptr<AttendCall> attend_call(const float* q, const float* k, const float* v,
                                         ffi::Buffer<ffi::S32>& slots,
                                         ffi::Buffer<ffi::S32>& pos, float* out, int64_t B,
                                         int64_t H, int64_t Hkv, int64_t Dh, int64_t S,
-                                        int64_t C, float scale) {
+                                        int64_t C, float scale, int64_t cache_heads = 0) {
   auto call = std::make_shared<AttendCall>();
+  call->cache_heads = cache_heads;
   call->q = q;
   call->k = k;
   call->v = v;
@@ -832,10 +834,8 @@ ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   while (B * groups < threads && H % (2 * groups) == 0 && H / (2 * groups) >= 16) groups *= 2;
   const float* latents = lat.typed_data();
   auto call = attend_call(q.typed_data(), latents, latents, slots, pos, out->typed_data(), B, H,
-                          groups, r, S, C, scale);
-  call->cache_heads = 1;
+                          groups, r, S, C, scale, 1);
   call->claim_ahead = false;
-  call->group();  // (again, one row an item: group_rows)
   call->qr = qr.typed_data();
   call->kr = kr.typed_data();
   call->R = R;

@@ -117,14 +117,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("norm"));
 
+// What the linear and per-head handlers take: x float32, w held as the format says (WT), the
+// result float32.
+template <ffi::DataType WT>
+static auto HeldOperands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<WT>>()
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 // ColibriLinear##Name: x float32, w held as the format says.
 #define COLIBRI_LINEAR_HANDLER(Name, suffix, WT, T)                       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinear##Name, (Linear<ffi::WT, T>), \
-                                ffi::Ffi::Bind()                          \
-                                    .Ctx<ffi::ThreadPool>()               \
-                                    .Arg<ffi::Buffer<ffi::F32>>()         \
-                                    .Arg<ffi::Buffer<ffi::WT>>()          \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                HeldOperands<ffi::WT>());
 
 // ColibriMoeExperts##Name: gate, up and down held as the format says, x float32, ids int32.
 #define COLIBRI_EXPERTS_HANDLER(Name, suffix, WT, T)                                \
@@ -140,21 +147,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriRouteSoftmax, RouteSoftmax,
 
 // ColibriLinearHeads##Name, ColibriLinearHeadsT##Name: x float32, w held as the format says
 // (bfloat16 products refused).
-#define COLIBRI_HEADS_HANDLERS(Name, suffix, WT, T)                                \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeads##Name, (LinearHeads<ffi::WT, T>), \
-                                ffi::Ffi::Bind()                                   \
-                                    .Ctx<ffi::ThreadPool>()                        \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                  \
-                                    .Arg<ffi::Buffer<ffi::WT>>()                   \
-                                    .Ret<ffi::Buffer<ffi::F32>>()                  \
-                                    .Attr<int64_t>("first"));                      \
+#define COLIBRI_HEADS_HANDLERS(Name, suffix, WT, T)                                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeads##Name, (LinearHeads<ffi::WT, T>),   \
+                                HeldOperands<ffi::WT>().Attr<int64_t>("first"));       \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriLinearHeadsT##Name, (LinearHeadsT<ffi::WT, T>), \
-                                ffi::Ffi::Bind()                                     \
-                                    .Ctx<ffi::ThreadPool>()                          \
-                                    .Arg<ffi::Buffer<ffi::F32>>()                    \
-                                    .Arg<ffi::Buffer<ffi::WT>>()                     \
-                                    .Ret<ffi::Buffer<ffi::F32>>()                    \
-                                    .Attr<int64_t>("first"));
+                                HeldOperands<ffi::WT>().Attr<int64_t>("first"));
 
 COLIBRI_HELD_FORMATS(COLIBRI_LINEAR_HANDLER)
 COLIBRI_HELD_FORMATS(COLIBRI_HEADS_HANDLERS)

@@ -23,10 +23,17 @@ inline float* on_cache_line(float* p) {
   return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64 / sizeof(float);
 }
 
+// Eight floats from p on, one unaligned load: a memcpy into an array of vectors GCC made, in
+// AVX2 builds, two 16-byte copies through the stack and a 32-byte load of them, which waited
+// on the copies (attention's values tiles at a tenth of their rate).
 inline v8 load8(const float* p) {
+#if defined(__AVX__)
+  return reinterpret_cast<v8>(_mm256_loadu_ps(p));
+#else
   v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
+#endif
 }
 
 // Multiply-adds are spelled out (the library is built with -ffp-contract=off), so every
@@ -53,11 +60,7 @@ inline void in_register(v8& v) {
 // Sixteen lanes (AVX-512 builds): two 8-lane sums side by side (pairs.h, tiles.h's int4 rows).
 typedef float v16 __attribute__((vector_size(64)));
 
-inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
+inline v16 load16(const float* p) { return reinterpret_cast<v16>(_mm512_loadu_ps(p)); }
 
 inline v16 fma16(v16 a, v16 b, v16 c) {
   return reinterpret_cast<v16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a),
@@ -89,19 +92,11 @@ inline v8 splat(v8, const float* p) {
 inline v16 splat(v16, const float* p) { return reinterpret_cast<v16>(_mm512_set1_ps(*p)); }
 #endif
 
-// A V of the floats from p on (vector(V{}, p)), one unaligned load: a memcpy into an array of
-// vectors GCC made, in AVX2 builds, two 16-byte copies through the stack and a 32-byte load of
-// them, which waited on the copies (attention's values tiles at a tenth of their rate).
-inline v8 vector(v8, const float* p) {
-#if defined(__AVX__)
-  return reinterpret_cast<v8>(_mm256_loadu_ps(p));
-#else
-  return load8(p);
-#endif
-}
+// A V of the floats from p on (vector(V{}, p)): load8 or load16.
+inline v8 vector(v8, const float* p) { return load8(p); }
 
 #if defined(__AVX512F__)
-inline v16 vector(v16, const float* p) { return reinterpret_cast<v16>(_mm512_loadu_ps(p)); }
+inline v16 vector(v16, const float* p) { return load16(p); }
 #endif
 
 // out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
