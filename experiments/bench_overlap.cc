@@ -162,6 +162,68 @@ Rate peak(int core, double seconds) {
   return {0, double(rounds) * 12 * 16 / s / 1e9};
 }
 
+#if COLIBRI_ROW_PAIRS && defined(__AVX512VBMI__)
+// The operations that make one input's held weights and multiply them in, in registers,
+// nothing loaded: per 32 weights of a row pair what the tiles do at one input (tiles.h):
+// int8 two steps of a byte permute, a conversion, a multiply-add making the weights
+// (byte_weights) and one summing them (byte_pair_line); int4 a multishift, a ternary logic,
+// a shift, two two-table permutes and two multiply-adds (nibble_pair_block). Four pairs as a
+// tile of eight rows; the held bytes pinned a step at a time (in_register) so that nothing is
+// hoisted. The rate a core's widening allows one input at most (GB/s of the rows as held).
+Rate widen_peak(Held held, int core, double seconds) {
+  pin(core);
+  constexpr int TP = 4;
+  __m512i both[TP], pick[4];
+  v16 acc[TP], xv = v16{} + 0.5f;
+  __m512 ta[TP], tb[TP];
+  for (int p = 0; p < TP; ++p) {
+    both[p] = _mm512_set1_epi32(0x01020304 * (p + 1));
+    acc[p] = v16{};
+    ta[p] = _mm512_set1_ps(1.0f / 128);
+    tb[p] = _mm512_set1_ps(-1.0f);
+  }
+  for (int s = 0; s < 4; ++s) {  // byte_pair_line's picks
+    alignas(64) uint8_t idx[64] = {};
+    for (int lane = 0; lane < 16; ++lane)
+      idx[4 * lane] = static_cast<uint8_t>((lane < 8 ? 0 : 32) + 8 * s + lane % 8);
+    pick[s] = _mm512_load_si512(idx);
+  }
+  const __m512i shifts = _mm512_set1_epi64(0x0000240400002000), low = _mm512_set1_epi32(0x0f0f),
+                second = _mm512_set1_epi32(0x1010);
+  const __mmask64 at = 0x1111111111111111ull;
+  int64_t rounds = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double s = 0;
+  using seconds_f = std::chrono::duration<double>;
+  for (; s < seconds; s = seconds_f(std::chrono::steady_clock::now() - t0).count())
+    for (int n = 0; n < 10000; ++n, ++rounds)
+#pragma GCC unroll 2
+      for (int step = 0; step < 4; step += 2)
+        for (int p = 0; p < TP; ++p) {
+          asm("" : "+v"(both[p]));
+          if (held == Held::kInt8) {
+            for (int h = 0; h < 2; ++h) {
+              const __m512i q = _mm512_maskz_permutexvar_epi8(at, pick[step + h], both[p]);
+              acc[p] = fma16(byte_weights<false, Int8Z>(q, ta[p], tb[p]), xv, acc[p]);
+            }
+          } else {
+            const __m512i i0 = _mm512_ternarylogic_epi32(
+                _mm512_multishift_epi64_epi8(shifts, both[p]), low, second, 0xea);
+            const __m512i i1 = _mm512_srli_epi32(i0, 8);
+            acc[p] = fma16(reinterpret_cast<v16>(_mm512_permutex2var_ps(ta[p], i0, tb[p])), xv,
+                           acc[p]);
+            acc[p] = fma16(reinterpret_cast<v16>(_mm512_permutex2var_ps(ta[p], i1, tb[p])), xv,
+                           acc[p]);
+          }
+        }
+  float sum = 0;
+  for (int p = 0; p < TP; ++p) sum += acc[p][0];
+  if (sum == 42.0f) std::printf("#\n");  // keeps the sums
+  const double weights = double(rounds) * 2 * TP * 32 / s;  // 2 TP rows, 32 columns a round
+  return {weights * row_bytes(held, kBlock) / kBlock / 1e9, weights * 2 / 1e9};
+}
+#endif
+
 struct Part {
   int core;
   int64_t inputs;  // 0: read only
@@ -234,6 +296,17 @@ int main(int argc, char** argv) {
     if (p.gflop_s > best_peak.gflop_s) best_peak = p;
   }
   std::printf("one core multiply-adds\t0\t0\tregisters\t0\t%.2f\n", best_peak.gflop_s);
+#if COLIBRI_ROW_PAIRS && defined(__AVX512VBMI__)
+  if (held != Held::kF32) {
+    Rate best_widen;
+    for (int rep = 0; rep < repeats; ++rep) {
+      const Rate w = widen_peak(held, 0, seconds / 4);
+      if (w.gb_s > best_widen.gb_s) best_widen = w;
+    }
+    std::printf("one core widens\t0\t1\tregisters\t%.2f\t%.2f\n", best_widen.gb_s,
+                best_widen.gflop_s);
+  }
+#endif
   std::vector<std::vector<Rate>> best(cases.size());
   for (int rep = 0; rep < repeats; ++rep)
     for (size_t c = 0; c < cases.size(); ++c) {

@@ -10,6 +10,9 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 
 - one core multiply-adds: twelve independent chains of 8 lanes, nothing loaded (the arithmetic
   ceiling; where the build has 512-bit vectors and they are faster, kernels.fma_peak's on them);
+- with --held int8 or int4 on builds with AVX-512 VBMI, one core widens: the operations the
+  one-input tiles spend on each weight (making it from its bits, multiplying it in), in
+  registers with nothing loaded: the most one input over such rows can stream a core;
 - one core streams: one input, the weights in L2 (what the tiles do at one row when memory
   keeps up), then from DRAM;
 - one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
@@ -134,7 +137,7 @@ def one_input(df: pd.DataFrame) -> dict:
     read = gb_s("two cores read", "DRAM")
     l2 = gb_s("one core streams", "L2")
     two = gb_s("two cores stream", "DRAM")
-    return {
+    out = {
         "one input, one core, L2 GB/s": l2,
         "one input, one core, DRAM GB/s": gb_s("one core streams", "DRAM"),
         "one input, two cores GB/s": two,
@@ -142,6 +145,14 @@ def one_input(df: pd.DataFrame) -> dict:
         "two cores / read": two / read,
         "two cores from L2 / read": 2 * l2 / read,
     }
+    widen = gb_s("one core widens", "registers")
+    if widen:  # held rows on builds with the row pairs' byte permutes
+        out |= {
+            "widening alone, one core GB/s": widen,
+            "one core from L2 / widening alone": l2 / widen,
+            "widening alone, two cores / read": 2 * widen / read,
+        }
+    return out
 
 
 def main() -> None:
@@ -168,6 +179,13 @@ def main() -> None:
         f"{one['two cores read GB/s']:.1f} GB/s they read with nothing else to do (at their "
         f"rate from L2, with streaming fully hidden: {one['two cores from L2 / read']:.0%})"
     )
+    if "widening alone, one core GB/s" in one:
+        one_line += (
+            f"; the operations that make and multiply in the weights, alone in registers "
+            f"(`one core widens`), allow a core {one['widening alone, one core GB/s']:.1f} GB/s, "
+            f"of which the tiles from L2 reach {one['one core from L2 / widening alone']:.0%}, "
+            f"and two cores {one['widening alone, two cores / read']:.0%} of the read"
+        )
     both = df[df["case"].map(df.groupby("case")["core"].nunique()) > 1]  # two cores at once
     totals = both.groupby("case", sort=False)["GB/s"].sum().rename("GB/s, both cores")
     table = markdown_table(df, index=False)
