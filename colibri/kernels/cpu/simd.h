@@ -99,6 +99,22 @@ inline v8 vector(v8, const float* p) { return load8(p); }
 inline v16 vector(v16, const float* p) { return load16(p); }
 #endif
 
+// v's floats to p on, one unaligned store: a memcpy from an array of 8-lane sums made GCC, in
+// AVX2 builds, keep the array on the stack and store every sum to it at every step of the loop
+// that advanced them, then copy it out in 16-byte halves (attention's values tiles at a third
+// of the multiply-add ceiling).
+inline void store(float* p, v8 v) {
+#if defined(__AVX__)
+  _mm256_storeu_ps(p, reinterpret_cast<__m256>(v));
+#else
+  std::memcpy(p, &v, sizeof v);
+#endif
+}
+
+#if defined(__AVX512F__)
+inline void store(float* p, v16 v) { _mm512_storeu_ps(p, reinterpret_cast<__m512>(v)); }
+#endif
+
 // out[0 .. N) = hsum(acc[i]) for N accumulators, bitwise as hsum computes each: with AVX,
 // eight at a time in vector registers (pairs of halves, then two rounds of pairwise adds)
 // instead of lane by lane through memory, which cost as much as the products of a short dot.
