@@ -110,12 +110,13 @@ def cache_dir() -> Path:
 
 
 def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's vendor, model and feature flags."""
+    """What -march=native compiles for: the CPU's vendor, family, model and feature flags."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor()
-    keep = [ln for ln in text.splitlines() if ln.startswith(("vendor_id", "model name", "flags"))]
+    heads = ("vendor_id", "cpu family", "model name", "flags")
+    keep = [ln for ln in text.splitlines() if ln.startswith(heads)]
     return "\n".join(sorted(set(keep)))
 
 
@@ -124,14 +125,21 @@ def tuning() -> dict[str, int]:
     rows of 384 columns and more meet 9 to 16 inputs two groups a pass
     (COLIBRI_TWO_GROUPS_FROM), rows of up to 768 columns go whole, a tile's rows a third of the
     matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows
-    (COLIBRI_ONE_INPUT_FETCH; tiles.h); elsewhere the headers' defaults. Results are the same
-    bits either way."""
-    if "GenuineIntel" in _cpu_id():
+    (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows of up to
+    768 columns go whole too; elsewhere the headers' defaults. Results are the same bits either
+    way."""
+    cpu = _cpu_id()
+    if "GenuineIntel" in cpu:
         return {
             "COLIBRI_TWO_GROUPS_FROM": 384,
             "COLIBRI_ONE_BLOCK_TO": 768,
             "COLIBRI_ONE_INPUT_FETCH": 1,
         }
+    lines = (ln.split(":", 1) for ln in cpu.splitlines() if ":" in ln)
+    fields = {k.strip(): v.split() for k, v in lines}
+    zen4 = fields.get("cpu family") == ["25"] and "avx512f" in fields.get("flags", [])
+    if "AuthenticAMD" in cpu and zen4:
+        return {"COLIBRI_ONE_BLOCK_TO": 768}
     return {}
 
 

@@ -122,10 +122,11 @@ constexpr bool two_groups_a_pass(int64_t L) { return L >= COLIBRI_TWO_GROUPS_FRO
 
 // Rows of up to this many columns meet their two groups of inputs a tile of rows a third of
 // the matrix apart at a time, each row whole (TwoGroups::walk); longer ones block by block of
-// columns. Builds for Intel cores take rows of 768 columns whole too (kernels.tuning passes
-// COLIBRI_ONE_BLOCK_TO=768): their 16 inputs fill the 48 KiB L1, yet 16-row linear calls over
-// such rows from DRAM took 0.91-0.92x the time; at 1024 columns 1.00x, at 2048 1.04x
-// (docs/kernels.md, "Rows of 768 columns whole").
+// columns. Builds for Intel cores and Zen 4 take rows of 768 columns whole too (kernels.tuning
+// passes COLIBRI_ONE_BLOCK_TO=768): their 16 inputs fill the 48 KiB L1 (overflow Zen 4's 32),
+// yet 16-row linear calls over such rows from DRAM took 0.91-0.92x the time (Zen 4: 0.88-0.91x,
+// expert calls 0.93x); at 1024 columns 1.00x, at 2048 1.04x (docs/kernels.md, "Rows of 768
+// columns whole", "Rows of 768 columns whole on Zen 4").
 #ifndef COLIBRI_ONE_BLOCK_TO
 #define COLIBRI_ONE_BLOCK_TO 512
 #endif
@@ -314,7 +315,7 @@ struct TwoGroups {
   // tiles on (past the matrix for the last two tiles: prefetches never fault): adjacent rows
   // so prefetched streamed faster there than rows a third apart (1.00x against 0.93x the time
   // at 768 columns, AMD). Rows of one block (up to COLIBRI_ONE_BLOCK_TO columns: 512, whose
-  // sixteen inputs, 32 KiB, stay in L1; 768 on Intel cores) go in tiles of rows a third apart
+  // sixteen inputs, 32 KiB, stay in L1; 768 on Intel cores and Zen 4) go in tiles of rows a third apart
   // instead, each row's stream fetched two rows ahead: three long runs of rows, not a run of
   // three short ones, kept two cores computing 16 inputs at 0.81-0.86 of their read against
   // 0.75-0.79 (Intel; docs/kernels.md, "Rows a third apart in one block"); their sums stay in
