@@ -168,8 +168,10 @@ Rate peak(int core, double seconds) {
 // int8 two steps of a byte permute, a conversion, a multiply-add making the weights
 // (byte_weights) and one summing them (byte_pair_line); int4 a multishift, a ternary logic,
 // a shift, two two-table permutes and two multiply-adds (nibble_pair_block). Four pairs as a
-// tile of eight rows; the held bytes pinned a step at a time (in_register) so that nothing is
-// hoisted. The rate a core's widening allows one input at most (GB/s of the rows as held).
+// tile of eight rows, their bytes already in registers (each pair's made anew a step by an
+// empty asm, so that nothing is hoisted). The rate a core's widening allows one input at most
+// (GB/s of the rows as held): the loads, and the broadcasts that bring int4's bytes in, cost
+// more.
 Rate widen_peak(Held held, int core, double seconds) {
   pin(core);
   constexpr int TP = 4;

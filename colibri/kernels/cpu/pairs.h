@@ -312,15 +312,15 @@ struct TwoGroups {
 
   // Rows 0 .. TW gap (the caller takes the rest one at a time). Rows of several blocks go in
   // tiles of TW adjacent rows, each tile prefetching, into L2, the same columns of the rows two
-  // tiles on (past the matrix for the last two tiles: prefetches never fault): adjacent rows
-  // so prefetched streamed faster there than rows a third apart (1.00x against 0.93x the time
-  // at 768 columns, AMD). Rows of one block (up to COLIBRI_ONE_BLOCK_TO columns: 512, whose
-  // sixteen inputs, 32 KiB, stay in L1; 768 on Intel cores and Zen 4) go in tiles of rows a third apart
+  // tiles on (past the matrix for the last two tiles: prefetches never fault): adjacent rows so
+  // prefetched streamed faster there than rows a third apart (1.00x against 0.93x the time at 768
+  // columns, AMD). Rows of one block (up to COLIBRI_ONE_BLOCK_TO columns: 512, whose sixteen
+  // inputs, 32 KiB, stay in L1; 768 on Intel cores and Zen 4) go in tiles of rows a third apart
   // instead, each row's stream fetched two rows ahead: three long runs of rows, not a run of
   // three short ones, kept two cores computing 16 inputs at 0.81-0.86 of their read against
   // 0.75-0.79 (Intel; docs/kernels.md, "Rows a third apart in one block"); their sums stay in
-  // registers from the first column to the last, not in memory between tiles (a core's tiles
-  // from L2 1.1-1.3x the rate; "A tile's sums in registers").
+  // registers from the first column to the last, not in memory between tiles (a core's tiles from
+  // L2 1.1-1.3x the rate; "A tile's sums in registers").
   template <typename T, typename Emit>
   static void walk(const T* W, int64_t gap, int64_t L, int64_t ld, const Packed& x, int64_t g,
                    Emit& emit) {
