@@ -972,6 +972,34 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
 
 
+@pytest.mark.parametrize(
+    ("cpuinfo", "tiles"),
+    [
+        (  # Zen 4: rows of 768 columns whole
+            "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2 avx512f",
+            {"COLIBRI_ONE_BLOCK_TO": 768},
+        ),
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2", {}),  # Zen 3
+        ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nflags\t\t: avx2 avx512f", {}),  # Zen 5
+        (
+            "vendor_id\t: GenuineIntel\ncpu family\t: 6\nflags\t\t: avx512f",
+            {
+                "COLIBRI_TWO_GROUPS_FROM": 384,
+                "COLIBRI_ONE_BLOCK_TO": 768,
+                "COLIBRI_ONE_INPUT_FETCH": 1,
+            },
+        ),
+        ("x86_64", {}),  # no /proc/cpuinfo: platform.processor()
+    ],
+)
+def test_tile_choices_follow_the_cpu(monkeypatch, cpuinfo, tiles):
+    """kernels.tuning() reads the vendor, family and flags of the CPU id the library is keyed
+    by: Zen 4 alone among AMD cores takes rows of 768 columns whole; an id without fields
+    (no /proc/cpuinfo) takes the headers' defaults."""
+    monkeypatch.setattr(kernels, "_cpu_id", lambda: cpuinfo)
+    assert kernels.tuning() == tiles
+
+
 def test_rows_of_768_columns_whole_or_block_by_block_give_the_same_bits():
     """Rows of 768 columns met by 9 to 24 inputs two groups a pass: whole, a tile's rows a
     third of the matrix apart (as builds for Intel cores take them: kernels.tuning), and block
