@@ -325,9 +325,8 @@ struct AttendCall : Gang {
   static void latent_tiles(const KeyRows& keys, int64_t t, const float* const* qs,
                            const float* const* qrs, int64_t heads, Emit& emit) {
     int64_t j = 0;
-    const int64_t ahead = heads >= 4 ? TW : 0;
     for (; j + 4 <= heads; j += 4)
-      latent_tile<TW, 4>(keys, t, qs + j, qrs + j, j, emit, j == 0 ? ahead : 0);
+      latent_tile<TW, 4>(keys, t, qs + j, qrs + j, j, emit, j == 0 ? TW : 0);
     switch (heads - j) {
       case 3:
         return latent_tile<TW, 3>(keys, t, qs + j, qrs + j, j, emit);
@@ -350,14 +349,11 @@ struct AttendCall : Gang {
     v8 acc[TW][TR];
     for (int i = 0; i < TW; ++i)
       for (int r = 0; r < TR; ++r) acc[i][r] = v8{};
-    if (ahead)
-      for (int64_t c = 0; c < keys.ld; c += 8) {
-        if (c % 16 == 0)
-          for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead * keys.ld + c, 0, 2);
-        step(w, qs, c, acc, std::make_index_sequence<TW>{});
-      }
-    else
-      for (int64_t c = 0; c < keys.ld; c += 8) step(w, qs, c, acc, std::make_index_sequence<TW>{});
+    for (int64_t c = 0; c < keys.ld; c += 8) {
+      if (ahead && c % 16 == 0)
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + ahead * keys.ld + c, 0, 2);
+      step(w, qs, c, acc, std::make_index_sequence<TW>{});
+    }
     for (int64_t c = 0; c < keys.ld2; c += 8)
       step(w2, qrs, c, acc, std::make_index_sequence<TW>{});
     float out[TW * TR];
