@@ -975,9 +975,9 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
 @pytest.mark.parametrize(
     ("cpuinfo", "tiles"),
     [
-        (  # Zen 4: rows of 768 columns whole
+        (  # Zen 4: rows of 768 columns whole, one input's rows 1 KiB ahead
             "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2 avx512f",
-            {"COLIBRI_ONE_BLOCK_TO": 768},
+            {"COLIBRI_ONE_BLOCK_TO": 768, "COLIBRI_ONE_INPUT_FETCH": 1024},
         ),
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2", {}),  # Zen 3
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nflags\t\t: avx2 avx512f", {}),  # Zen 5
@@ -986,7 +986,7 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
             {
                 "COLIBRI_TWO_GROUPS_FROM": 384,
                 "COLIBRI_ONE_BLOCK_TO": 768,
-                "COLIBRI_ONE_INPUT_FETCH": 1,
+                "COLIBRI_ONE_INPUT_FETCH": 4096,
             },
         ),
         ("x86_64", {}),  # no /proc/cpuinfo: platform.processor()
@@ -994,8 +994,8 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
 )
 def test_tile_choices_follow_the_cpu(monkeypatch, cpuinfo, tiles):
     """kernels.tuning() reads the vendor, family and flags of the CPU id the library is keyed
-    by: Zen 4 alone among AMD cores takes rows of 768 columns whole; an id without fields
-    (no /proc/cpuinfo) takes the headers' defaults."""
+    by: Zen 4 alone among AMD cores takes rows of 768 columns whole and fetches one input's
+    rows ahead; an id without fields (no /proc/cpuinfo) takes the headers' defaults."""
     monkeypatch.setattr(kernels, "_cpu_id", lambda: cpuinfo)
     assert kernels.tuning() == tiles
 

@@ -124,22 +124,22 @@ def tuning() -> dict[str, int]:
     """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
     rows of 384 columns and more meet 9 to 16 inputs two groups a pass
     (COLIBRI_TWO_GROUPS_FROM), rows of up to 768 columns go whole, a tile's rows a third of the
-    matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows
-    (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows of up to
-    768 columns go whole too; elsewhere the headers' defaults. Results are the same bits either
-    way."""
+    matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows 4
+    KiB ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows
+    of up to 768 columns go whole too, and one input's tiles prefetch 1 KiB ahead; elsewhere
+    the headers' defaults. Results are the same bits either way."""
     cpu = _cpu_id()
     if "GenuineIntel" in cpu:
         return {
             "COLIBRI_TWO_GROUPS_FROM": 384,
             "COLIBRI_ONE_BLOCK_TO": 768,
-            "COLIBRI_ONE_INPUT_FETCH": 1,
+            "COLIBRI_ONE_INPUT_FETCH": 4096,
         }
     lines = (ln.split(":", 1) for ln in cpu.splitlines() if ":" in ln)
     fields = {k.strip(): v.split() for k, v in lines}
     zen4 = fields.get("cpu family") == ["25"] and "avx512f" in fields.get("flags", [])
     if "AuthenticAMD" in cpu and zen4:
-        return {"COLIBRI_ONE_BLOCK_TO": 768}
+        return {"COLIBRI_ONE_BLOCK_TO": 768, "COLIBRI_ONE_INPUT_FETCH": 1024}
     return {}
 
 

@@ -19,9 +19,11 @@
 #include "formats.h"
 #include "simd.h"
 
-// Whether the tiles of one input prefetch their rows as those of several do: 0.85-0.96x the
-// time of one-row calls from DRAM on an Intel Xeon, 1.04-1.13x on AMD Zen 4 (docs/kernels.md,
-// "One input's rows fetched ahead"); kernels.tuning passes 1 for Intel cores.
+// How far ahead, in bytes, the tiles of one input prefetch their rows into L2 (0: not at all,
+// the headers' default): 4 KiB ahead took one-row calls from DRAM 0.85-0.96x the time on an
+// Intel Xeon, 1.04-1.13x on AMD Zen 4, where 1 KiB ahead took 0.95-0.97x (docs/kernels.md,
+// "One input's rows fetched ahead", "One input's rows 1 KiB ahead on Zen 4"); kernels.tuning
+// passes 4096 for Intel cores, 1024 for Zen 4.
 #ifndef COLIBRI_ONE_INPUT_FETCH
 #define COLIBRI_ONE_INPUT_FETCH 0
 #endif
@@ -63,13 +65,14 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
   int64_t c = 0;
   for (; c + 8 <= L; c += 8) {
     // Keep the next weights coming, 4 KiB ahead in each row's stream, into L2 (into L1 and
-    // 2 KiB ahead, tiles of several inputs took up to 1.4x the time). One input's rows too in
-    // builds for Intel cores (COLIBRI_ONE_INPUT_FETCH), but not short ones (attention's keys,
-    // which it fetches itself: 1.035x the time so). docs/kernels.md, "One input's rows fetched
-    // ahead".
-    if (TR > 1 || (COLIBRI_ONE_INPUT_FETCH && L > 256))
+    // 2 KiB ahead, tiles of several inputs took up to 1.4x the time). One input's rows too
+    // where the build says how far ahead (COLIBRI_ONE_INPUT_FETCH), but not short ones
+    // (attention's keys, which it fetches itself: 1.035x the time so). docs/kernels.md, "One
+    // input's rows fetched ahead".
+    constexpr int64_t ahead = TR > 1 ? 4096 : COLIBRI_ONE_INPUT_FETCH;
+    if (TR > 1 || (ahead && L > 256))
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
-        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + 4096 / sizeof(T), 0, 2);
+        for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + ahead / sizeof(T), 0, 2);
     step(w, x, c, acc, std::make_index_sequence<TW>{});
   }
   hsums<TW * TR>(&acc[0][0], out);
