@@ -3,7 +3,9 @@
 // colibri/kernels/cpu/tiles.h; only the order in which rows are visited changes.
 //
 // usage: bench_streams ROW_FLOATS CHUNK_ROWS MIB REPEATS
-// prints "layout rows_side_by_side gap_rows item_rows GB/s" per layout, best of REPEATS.
+// prints "layout rows_side_by_side gap_rows item_rows GB/s ratio" per layout: GB/s the best of
+// REPEATS, ratio the median over the repeats of its rate against the plain read of items as
+// long in the same repeat (the machine's bandwidth moves between repeats).
 
 #include <immintrin.h>
 
@@ -29,10 +31,13 @@ static inline float hsum(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// y[r] = W[r] . x over a chunk of R rows of L floats, TW rows at a time, `gap` rows apart.
-template <int TW>
+// y[r] = W[r] . x over a chunk of R rows of L floats, TW rows at a time, `gap` rows apart;
+// each row's stream fetched into L2 Ahead bytes on, once a cache line, where Ahead > 0 (as
+// tiles.h's one-input tiles where COLIBRI_ONE_INPUT_FETCH says).
+template <int TW, int Ahead = 0>
 void chunk(const float* W, int64_t R, int64_t L, int64_t gap, const float* x, float* y) {
-  for (int64_t b = 0; b < R; b += TW * gap)
+  int64_t b = 0;
+  for (; b + TW * gap <= R; b += TW * gap)
     for (int64_t o = 0; o < gap; ++o) {
       const float* w[TW];
       v8 acc[TW];
@@ -41,12 +46,15 @@ void chunk(const float* W, int64_t R, int64_t L, int64_t gap, const float* x, fl
         acc[i] = v8{};
       }
       for (int64_t c = 0; c + 8 <= L; c += 8) {
+        if (Ahead && c % 16 == 0)
+          for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + Ahead / 4, 0, 2);
         const v8 xv = load8(x + c);
         for (int i = 0; i < TW; ++i)
           acc[i] = (v8)_mm256_fmadd_ps((__m256)load8(w[i] + c), (__m256)xv, (__m256)acc[i]);
       }
       for (int i = 0; i < TW; ++i) y[b + o + i * gap] = hsum(acc[i]);
     }
+  if (b < R) chunk<1, Ahead>(W + b * L, R - b, L, 1, x, y + b);  // rows left: one at a time
 }
 
 // The same with each group of TW rows stored interleaved, B floats of each row in turn: the
@@ -93,6 +101,7 @@ int main(int argc, char** argv) {
     const char* name;
     int tw;
     int64_t gap, rows;  // rows an item
+    int ahead = 0;      // bytes each row's stream is fetched ahead (0: not)
   } layouts[] = {{"read", 0, 0, R},
                  {"1 row at a time", 1, 1, R},
                  {"4 adjacent rows", 4, 1, R},
@@ -103,9 +112,17 @@ int main(int argc, char** argv) {
                  {"4 rows interleaved by 16", -4, 16, R},
                  {"8 rows interleaved by 8", -8, 8, R},
                  {"read, items 4x as long", 0, 0, 4 * R},
-                 {"4 rows a quarter apart, items 4x as long", 4, R, 4 * R}};
+                 {"4 rows a quarter apart, items 4x as long", 4, R, 4 * R},
+                 {"4 rows a quarter apart, items 4x as long, 1 KiB fetched ahead", 4, R, 4 * R,
+                  1024},
+                 {"4 rows an odd number apart, items 4x as long", 4, R - 1, 4 * R},
+                 {"4 rows an odd number apart, items 4x as long, 1 KiB fetched ahead", 4, R - 1,
+                  4 * R, 1024},
+                 {"4 rows an odd number apart, items 4x as long, 4 KiB fetched ahead", 4, R - 1,
+                  4 * R, 4096}};
   const int n = sizeof layouts / sizeof layouts[0];
   std::vector<double> best(n, 0.0);
+  std::vector<std::vector<double>> rate(n);
   const unsigned threads = std::max(1u, std::thread::hardware_concurrency());
   for (int64_t rep = 0; rep < reps; ++rep)
     for (int v = 0; v < n; ++v) {  // layouts interleaved: load from elsewhere hits all alike
@@ -118,7 +135,14 @@ int main(int argc, char** argv) {
           switch (layouts[v].tw) {
             case 0: read_only(w, rows * L, y.data()); break;
             case 1: chunk<1>(w, rows, L, 1, x.data(), y.data()); break;
-            case 4: chunk<4>(w, rows, L, layouts[v].gap, x.data(), y.data()); break;
+            case 4:
+              if (layouts[v].ahead == 1024)
+                chunk<4, 1024>(w, rows, L, layouts[v].gap, x.data(), y.data());
+              else if (layouts[v].ahead == 4096)
+                chunk<4, 4096>(w, rows, L, layouts[v].gap, x.data(), y.data());
+              else
+                chunk<4>(w, rows, L, layouts[v].gap, x.data(), y.data());
+              break;
             case 8: chunk<8>(w, rows, L, layouts[v].gap, x.data(), y.data()); break;
             case -4:
               if (layouts[v].gap == 8) interleaved<4, 8>(w, rows, L, x.data(), y.data());
@@ -134,10 +158,19 @@ int main(int argc, char** argv) {
       work(0);
       for (auto& th : pool) th.join();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      best[v] = std::max(best[v], double(items * rows * L * 4) / s / 1e9);
+      rate[v].push_back(double(items * rows * L * 4) / s / 1e9);
+      best[v] = std::max(best[v], rate[v].back());
     }
-  for (int v = 0; v < n; ++v)
-    std::printf("%s\t%d\t%lld\t%lld\t%.2f\n", layouts[v].name, layouts[v].tw,
-                (long long)layouts[v].gap, (long long)layouts[v].rows, best[v]);
+  for (int v = 0; v < n; ++v) {
+    int read = 0;  // the plain read of items as long
+    for (int u = 0; u < n; ++u)
+      if (layouts[u].tw == 0 && layouts[u].rows == layouts[v].rows) read = u;
+    std::vector<double> ratio;
+    for (int64_t rep = 0; rep < reps; ++rep) ratio.push_back(rate[v][rep] / rate[read][rep]);
+    std::sort(ratio.begin(), ratio.end());
+    const double median = (ratio[(reps - 1) / 2] + ratio[reps / 2]) / 2;
+    std::printf("%s\t%d\t%lld\t%lld\t%.2f\t%.3f\n", layouts[v].name, layouts[v].tw,
+                (long long)layouts[v].gap, (long long)layouts[v].rows, best[v], median);
+  }
   return 0;
 }

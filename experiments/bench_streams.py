@@ -1,4 +1,4 @@
-"""python experiments/bench_streams.py [--mib 400] [--repeats 5] [--rows 512,768,4096]
+"""python experiments/bench_streams.py [--mib 400] [--repeats 5] [--rows 512,768,4096] [--out NAME]
 
 How fast weights stream through a matrix-vector product depending on which rows are read side
 by side: the fact behind the row order of colibri's CPU kernels (colibri/kernels/cpu/tiles.h). A
@@ -8,9 +8,14 @@ rows of an item one at a time, 4 or 8 neighbours side by side, 4 (8) side by sid
 (an eighth) of the item apart, or 4 (8) stored interleaved (8 or 16 floats of each row in turn,
 one sequential stream); a plain read of the same bytes is the reference; and the read and the
 quarter-apart rows again over items four times as long (the kernels' items where a call passes
-over its weights once: gang.h's kLongItems). Best of --repeats, layouts interleaved. Rows of
+over its weights once: gang.h's kLongItems), and there also a row less than a quarter apart (an
+odd number of rows, as simd.h's stream_gap takes them; the rows left over one at a time),
+unfetched and with each stream fetched 1 KiB and 4 KiB ahead (tiles.h's
+COLIBRI_ONE_INPUT_FETCH). GB/s: the best of --repeats, layouts
+interleaved; / read: the median over the repeats of each layout's rate against the plain read
+of items as long in the same repeat, as the machine's bandwidth moves from one to the next. Rows of
 512 and 768 floats are the expert rows of the peers shapes.
-Writes experiments/results/streams.md and streams.json.
+Writes experiments/results/streams.md and streams.json (--out: NAME.md and NAME.json).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def run(exe: Path, row_floats: int, mib: int, repeats: int) -> list[dict]:
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     rows = []
     for line in out.splitlines():
-        name, side, gap, item, gb_s = line.split("\t")
+        name, side, gap, item, gb_s, ratio = line.split("\t")
         rows.append(
             {
                 "row KiB": row_floats * 4 / 1024,
@@ -57,6 +62,7 @@ def run(exe: Path, row_floats: int, mib: int, repeats: int) -> list[dict]:
                 "gap KiB": int(gap) * row_floats * 4 / 1024 if int(side) > 0 else 0.0,
                 "item KiB": int(item) * row_floats * 4 / 1024,
                 "GB/s": float(gb_s),
+                "/ read (median)": float(ratio),
             }
         )
     return rows
@@ -67,6 +73,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=400)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="512,768,4096", help="floats per weight row")
+    ap.add_argument("--out", default="streams", help="results name: a run kept beside the others")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp))
@@ -80,13 +87,15 @@ def main() -> None:
     text = (
         "# Weight streaming by row layout\n\n"
         f"`python experiments/bench_streams.py --mib {args.mib} --repeats {args.repeats} "
-        f"--rows {args.rows}`; {cpu_detail()}, {os.cpu_count()} threads, "
+        f"--rows {args.rows}"
+        + (f" --out {args.out}" if args.out != "streams" else "")
+        + f"`; {cpu_detail()}, {os.cpu_count()} threads, "
         f"items of {CHUNK_ROWS} rows.\n\n"
         f"{table}\n"
     )
-    (RESULTS / "streams.md").write_text(text)
-    (RESULTS / "streams.json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {RESULTS / 'streams.md'}")
+    (RESULTS / f"{args.out}.md").write_text(text)
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(rows, indent=1))
+    print(f"wrote {RESULTS / args.out}.md")
 
 
 if __name__ == "__main__":
