@@ -8,13 +8,13 @@ rows of an item one at a time, 4 or 8 neighbours side by side, 4 (8) side by sid
 (an eighth) of the item apart, or 4 (8) stored interleaved (8 or 16 floats of each row in turn,
 one sequential stream); a plain read of the same bytes is the reference; and the read and the
 quarter-apart rows again over items four times as long (the kernels' items where a call passes
-over its weights once: gang.h's kLongItems), and there also a row less than a quarter apart (an
-odd number of rows, as simd.h's stream_gap takes them; the rows left over one at a time),
-unfetched and with each stream fetched 1 KiB and 4 KiB ahead (tiles.h's
-COLIBRI_ONE_INPUT_FETCH). GB/s: the best of --repeats, layouts
-interleaved; / read: the median over the repeats of each layout's rate against the plain read
-of items as long in the same repeat, as the machine's bandwidth moves from one to the next. Rows of
-512 and 768 floats are the expert rows of the peers shapes.
+over its weights once: gang.h's kLongItems), there also fetched 1 KiB ahead, and a row less
+than a quarter apart (an odd number of rows, as simd.h's stream_gap takes them; the rows left
+over one at a time), unfetched and with each stream fetched 1 KiB and 4 KiB ahead (tiles.h's
+COLIBRI_ONE_INPUT_FETCH). GB/s: the best of --repeats, layouts interleaved; / read: the median
+over the repeats of each layout's rate against the plain read of items as long in the same
+repeat, as the machine's bandwidth moves from one to the next. Rows of 512 and 768 floats are
+the expert rows of the peers shapes.
 Writes experiments/results/streams.md and streams.json (--out: NAME.md and NAME.json).
 """
 
