@@ -1,26 +1,16 @@
 """experiments/bench_streams.py: its driver builds with the kernels' flags, times every layout,
 and holds each against the plain read of items as long in the same repeat."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from experiment_util import experiment
 
 from colibri import kernels
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler")
 
 
-def _script():
-    path = Path(__file__).parents[1] / "experiments" / "bench_streams.py"
-    spec = importlib.util.spec_from_file_location("bench_streams_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_every_layout_is_timed_against_the_read_of_its_items(tmp_path):
-    script = _script()
+    script = experiment("bench_streams")
     exe = script.build(tmp_path)
     row_floats = 64  # rows of 256 bytes; items of 64 and of 256 rows
     rows = script.run(exe, row_floats, 8, 3)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tiny
+from experiment_util import experiment
 from fake_runner import FakeRunner
 
 from colibri.bench import anatomy
@@ -200,10 +201,4 @@ def test_the_attainable_step_puts_weight_calls_and_attention_at_their_bounds():
 
 def _script():
     """experiments/step_anatomy.py as a module."""
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
-    spec = importlib.util.spec_from_file_location("step_anatomy_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return experiment("step_anatomy")
