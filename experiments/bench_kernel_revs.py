@@ -1,5 +1,5 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--context 4096] [--dram] [--isa avx2] [--rounding] [--out NAME]
+    [--prompt 256] [--context 4096] [--dram] [--isa avx2] [--rounding] [--probe] [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -28,9 +28,12 @@ prompt of --context tokens (128), the keys and values read from DRAM as in the e
 and roped-key caches (run it on --shapes mla). The two versions' outputs must agree bitwise
 (the kernels' results never depend on how work is shared out); with --rounding, where a
 change reorders sums on purpose, to float32 rounding (rtol 1e-4). --isa avx2: both versions
-built without AVX-512 (kernels.ISA_LEVELS), as for a CPU that has only AVX2. Reported: ms a step for
-each version (median of passes), GB/s of the weights (keys and values, latents) read (for the
-experts: the distinct ones) and GFLOP/s, and the median over passes of new / base time.
+built without AVX-512 (kernels.ISA_LEVELS), as for a CPU that has only AVX2. With --probe,
+a plain read of 1 GiB on every core before each pass, and the ratios also over the passes
+after the slower and the faster half of those reads (a change that matters only where the
+memory is fast shows there). Reported: ms a step for each version (median of passes), GB/s
+of the weights (keys and values, latents) read (for the experts: the distinct ones) and
+GFLOP/s, and the median over passes of new / base time.
 Writes experiments/results/kernel_revs.md and kernel_revs.json (experts; with --prompt,
 kernel_revs_prompt.md and .json), or kernel_revs_linear.md / kernel_revs_attend.md /
 kernel_revs_mla.md and .json; with --out NAME, NAME.md and NAME.json.
@@ -52,6 +55,7 @@ import numpy as np
 import pandas as pd
 
 from colibri import kernels
+from colibri.bench.bandwidth import PassProbe
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
 from colibri.bench.kernel_calls import expert_call, linear_call, registered
@@ -151,12 +155,21 @@ def check_outputs(outputs: dict, rounding: bool) -> None:
 
 
 def time_layers(
-    calls: dict, layer, q, sets: list, rows: int, passes: int, prompt_len: int, rounding: bool
+    calls: dict,
+    layer,
+    q,
+    sets: list,
+    rows: int,
+    passes: int,
+    prompt_len: int,
+    rounding: bool,
+    before_pass=None,
 ) -> dict:
     """ms a step of every version: layer(f, out, cache, pos) for each layer's cache of a set
     in turn (out: q, then the layer before's result), at positions prompt_len + i for step
     i < STEPS, the versions alternating, every call the next set (neither version reads what
-    the other has just read); their outputs checked first (check_outputs)."""
+    the other has just read); their outputs checked first (check_outputs). `before_pass`: as
+    replay.alternate's."""
 
     def program(f):
         def run(q, caches, pos):
@@ -172,7 +185,11 @@ def time_layers(
     check_outputs({v: run(q, sets[0], at[-1]) for v, run in steps.items()}, rounding)
     turn = itertools.count()
     return alternate(
-        steps, lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]), STEPS, passes
+        steps,
+        lambda run, i: run(q, sets[next(turn) % len(sets)], at[i]),
+        STEPS,
+        passes,
+        before_pass,
     )
 
 
@@ -184,7 +201,13 @@ def cache_sets(make, layers: int, set_bytes: int) -> list:
 
 
 def compare_mla(
-    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+    calls: dict,
+    cfg,
+    rows: int,
+    passes: int,
+    prompt_len: int = 128,
+    rounding: bool = False,
+    before_pass=None,
 ) -> dict:
     """compare_attend for MLA: every layer's latents [rows, C, r] and roped keys [rows, C, R],
     H query heads a row."""
@@ -204,7 +227,7 @@ def compare_mla(
     def layer(f, out, cache, pos):
         return f(out, qr, *cache, slots, pos, cfg.attn_scale)
 
-    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding)
+    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding, before_pass)
     positions = prompt_len + (STEPS + 1) / 2  # mean latents a row reads
     gb = L * rows * positions * (r + R) * 4 / 1e9
     gflop = L * rows * H * positions * (2 * r + R) * 2 / 1e9
@@ -212,7 +235,13 @@ def compare_mla(
 
 
 def compare_attend(
-    calls: dict, cfg, rows: int, passes: int, prompt_len: int = 128, rounding: bool = False
+    calls: dict,
+    cfg,
+    rows: int,
+    passes: int,
+    prompt_len: int = 128,
+    rounding: bool = False,
+    before_pass=None,
 ) -> dict:
     """Decode attention of every layer for `rows` conversations at positions prompt_len + i for
     step i < STEPS, alternating, each layer's keys and values a cache of its own, read from
@@ -231,7 +260,7 @@ def compare_attend(
     def layer(f, out, cache, pos):
         return f(out, *cache, slots, pos, cfg.attn_scale)
 
-    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding)
+    ms = time_layers(calls, layer, q, sets, rows, passes, prompt_len, rounding, before_pass)
     positions = prompt_len + (STEPS + 1) / 2  # mean keys a row reads
     gb = L * rows * Hkv * positions * Dh * 2 * 4 / 1e9
     gflop = L * rows * H * positions * Dh * 4 / 1e9
@@ -294,6 +323,26 @@ def linear_holds(calls: dict, fmt: str) -> dict:
     return dict.fromkeys(calls, hold)
 
 
+def by_read_halves(model: str, rows: int, reads: np.ndarray, ratios: np.ndarray) -> list[dict]:
+    """The passes split at the median of the reads before them: for each half, its reads'
+    range and the median of its passes' new / base times."""
+    order = np.argsort(reads, kind="stable")
+    out = []
+    for half, idx in (("slower", order[: len(order) // 2]), ("faster", order[len(order) // 2 :])):
+        if len(idx):
+            out.append(
+                {
+                    "model": model,
+                    "rows": rows,
+                    "reads": half,
+                    "GB/s": f"{reads[idx].min():.1f}-{reads[idx].max():.1f}",
+                    "passes": len(idx),
+                    "time / base (median of passes)": float(np.median(ratios[idx])),
+                }
+            )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD~1", help="git revision to compare with")
@@ -340,6 +389,12 @@ def main() -> None:
         "on purpose): checked to rtol 1e-4 instead of bitwise (attend and mla)",
     )
     ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="a plain read of 1 GiB on every core before each pass (bandwidth.PassProbe): the "
+        "ratios also over the passes after the slower and the faster half of the reads",
+    )
+    ap.add_argument(
         "--out",
         help="results name (default kernel_revs[_linear|_attend][_prompt]): a run kept beside "
         "the others",
@@ -372,29 +427,35 @@ def main() -> None:
     # (256-bit vectors for an AVX2 build.)
     wide = 0.0 if args.isa == "avx2" else kernels.fma_peak(16)
     ceiling = (wide or kernels.fma_peak(8)) if attention else 0.0
+    probe = PassProbe() if args.probe else None
+    halves = []  # --probe: per model and rows, the ratios after the slower and faster reads
     for name in args.shapes.split(","):
         ckpt = ensure_inputs(name)["colibri"]
         cfg = load_config(ckpt)
         sizes = [args.prompt] if args.prompt else [int(r) for r in args.rows.split(",")]
         for rows in sizes:
+            if probe:
+                probe.rates.clear()
             if args.kernel == "experts":
                 routes = (record_prompt_routes if args.prompt else record_routes)(ckpt, rows)
-                if args.held != "float32":
-                    holds = quantized_holds(calls, args.held)
-                    res = compare(calls, cfg, routes, args.passes, *holds)
-                else:
-                    res = compare(calls, cfg, routes, args.passes)
+                holds = quantized_holds(calls, args.held) if args.held != "float32" else ()
+                res = compare(calls, cfg, routes, args.passes, *holds, before_pass=probe)
             elif args.kernel == "linear":
                 copies = -(-1_000_000_000 // (linear_params(cfg) * 4)) if args.dram else 1
+                holds = linear_holds(calls, args.held)
                 res = compare_linear(
-                    calls, cfg, rows, args.passes, linear_holds(calls, args.held), copies
+                    calls, cfg, rows, args.passes, holds, copies, before_pass=probe
                 )
-            elif args.kernel == "attend":
-                res = compare_attend(calls, cfg, rows, args.passes, args.context, args.rounding)
             else:
-                res = compare_mla(calls, cfg, rows, args.passes, args.context, args.rounding)
+                compare_kernel = compare_attend if args.kernel == "attend" else compare_mla
+                res = compare_kernel(
+                    calls, cfg, rows, args.passes, args.context, args.rounding, probe
+                )
             raw[f"{name}/{rows}"] = res
             base, new = (np.asarray(res["ms"][v]) for v in calls)
+            if probe:
+                res["read_gb_s"] = list(probe.rates)
+                halves += by_read_halves(name, rows, np.asarray(probe.rates), new / base)
             for v, t in zip(calls, (base, new), strict=True):
                 med = float(np.median(t))
                 rows_out.append(
@@ -423,6 +484,7 @@ def main() -> None:
         + (" --dram" if args.dram else "")
         + (f" --isa {args.isa}" if args.isa else "")
         + (" --rounding" if args.rounding else "")
+        + (" --probe" if args.probe else "")
         + (f" --out {args.out}" if args.out else "")
     )
     head = subprocess.run(
@@ -454,6 +516,14 @@ def main() -> None:
         markdown_table(table, index=False, floatfmt=".3f"),
         "",
     ]
+    if halves:
+        md += [
+            "Passes by the plain read of 1 GiB on every core just before them (the slower and "
+            "the faster half of each row's passes):",
+            "",
+            markdown_table(pd.DataFrame(halves), index=False, floatfmt=".3f"),
+            "",
+        ]
     stem = "kernel_revs" if args.kernel == "experts" else f"kernel_revs_{args.kernel}"
     stem += "_prompt" if args.prompt else ""
     stem = args.out or stem

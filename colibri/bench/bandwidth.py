@@ -55,6 +55,20 @@ def read_rate(a: np.ndarray, read=None) -> float:
         return a.nbytes / (time.perf_counter() - t) / 1e9
 
 
+class PassProbe:
+    """Before each pass of a side-by-side run (replay.alternate's before_pass): a plain read of
+    `gib` GiB on huge pages by every core (read_rate, the best of two), its GB/s kept in
+    `rates`. On a machine whose memory changes speed from one minute to the next it says which
+    minute each pass met."""
+
+    def __init__(self, gib: float = 1.0):
+        self.array = probe_array(gib)
+        self.rates: list[float] = []
+
+    def __call__(self) -> None:
+        self.rates.append(max(read_rate(self.array) for _ in range(2)))
+
+
 def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     """Read bandwidth GB/s: the best of plain reads over every core's share (`kernels.read_sum`:
     eight 8-lane sums, nothing else), numpy sums, OpenBLAS gemv, XLA's matrix-vector product

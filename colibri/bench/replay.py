@@ -39,13 +39,18 @@ def record_routes(ckpt: Path, rows: int, prompt_len: int = 128) -> np.ndarray:
     return np.asarray(routes)[:, :, :rows]
 
 
-def alternate(calls: dict, step, steps: int, passes: int) -> dict[str, list[float]]:
+def alternate(
+    calls: dict, step, steps: int, passes: int, before_pass=None
+) -> dict[str, list[float]]:
     """ms a step of step(f, i) for i < steps, per pass. The versions take turns step by step
     (which goes first flips every step), so each pair of steps meets the same phase of the
-    machine."""
+    machine. `before_pass()`, where given, runs before each pass (bandwidth.PassProbe: a read
+    of memory, whose rate says which phase the pass met)."""
     ms = {v: [] for v in calls}
     order = list(calls)
     for _ in range(passes):
+        if before_pass:
+            before_pass()
         spent = dict.fromkeys(calls, 0.0)
         for i in range(steps):
             for v in order if i % 2 == 0 else order[::-1]:
@@ -84,12 +89,13 @@ def compare(
     hold: dict | None = None,
     weight_bytes: float = 4.0,
     exact: tuple[str, ...] | None = None,
+    before_pass=None,
 ) -> dict:
     """Time every version on the routes, alternating; ms a step per pass for each version.
     `hold`: for some versions, where their copy of the weights is put (others: where XLA
     allocates them); by default every version's on huge pages, as in the engine.
     `weight_bytes`: bytes a weight takes as held, for the GB a step reads. `exact`: the
-    versions whose outputs must agree bitwise (default: all)."""
+    versions whose outputs must agree bitwise (default: all). `before_pass`: as alternate's."""
     m = cfg.moe
     S, D, F, L = m.num_experts, cfg.hidden, m.moe_ff, routes.shape[1]
     rng = np.random.default_rng(0)
@@ -110,7 +116,7 @@ def compare(
             y = calls[v](*layer, x, e)
         return y
 
-    ms = alternate({v: v for v in calls}, step, len(ids), passes)
+    ms = alternate({v: v for v in calls}, step, len(ids), passes, before_pass)
     distinct = distinct_experts(routes)
     gb = sum(distinct) * 3 * D * F * weight_bytes / 1e9
     gflop = routes.shape[2] * m.top_k * L * 3 * D * F * 2 / 1e9
@@ -130,7 +136,13 @@ def linear_params(cfg) -> int:
 
 
 def compare_linear(
-    calls: dict, cfg, rows: int, passes: int, hold: dict | None = None, copies: int = 1
+    calls: dict,
+    cfg,
+    rows: int,
+    passes: int,
+    hold: dict | None = None,
+    copies: int = 1,
+    before_pass=None,
 ) -> dict:
     """The projections of every layer (qkv, o) and lm_head on `rows` rows, alternating; ms a
     step per pass for each version. `hold`: for each version, what it does to the list of
@@ -138,7 +150,8 @@ def compare_linear(
     every version's as the engine holds its dense weights (dense_on_huge_pages). Versions
     with the same `hold` share the held matrices. `copies`: distinct copies of a step's
     matrices, step i reading copy i (each version from its own offset in the cycle), so that
-    they come from DRAM where one step's would stay in a large last-level cache."""
+    they come from DRAM where one step's would stay in a large last-level cache.
+    `before_pass`: as alternate's."""
     D, q = cfg.hidden, cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
     rng = np.random.default_rng(0)
@@ -171,7 +184,7 @@ def compare_linear(
     def step(v, i):
         return steps[v](x, xq, held[v][(i + offset[v]) % copies])[-1]
 
-    ms = alternate({v: v for v in calls}, step, STEPS, passes)
+    ms = alternate({v: v for v in calls}, step, STEPS, passes, before_pass)
     params = linear_params(cfg)
     nbytes = sum(a.nbytes for a in jax.tree.leaves(next(iter(held.values()))[0]))
     return {"ms": ms, "gb_per_step": nbytes / 1e9, "gflop_per_step": rows * params * 2 / 1e9}
