@@ -12,7 +12,8 @@ and renamed, so concurrent processes never load a half-written file.
 `COLIBRI_CPU_KERNELS=0` turns the kernels off (XLA's own loops run instead); so does a
 machine without a compiler, with one warning on stderr. `COLIBRI_KERNEL_ISA=avx2` builds them
 for AVX2 on a CPU that has AVX-512 (`ISA_LEVELS`; `avx512`: without VBMI), to compare: their
-results are bitwise the same (cpu/cpu.cc, "Exactness").
+results are bitwise the same (cpu/cpu.cc, "Exactness"). `COLIBRI_KERNEL_TRACE=1` builds and
+loads them timing every call (`take_traced_calls`; experiments/call_trace.py).
 """
 
 from __future__ import annotations
@@ -170,18 +171,29 @@ def source_files(source: Path | None = None) -> tuple[Path, list[Path]]:
 
 
 def build(
-    source: Path | None = None, isa: str | None = None, tiles: dict[str, int] | None = None
+    source: Path | None = None,
+    isa: str | None = None,
+    tiles: dict[str, int] | None = None,
+    trace: bool | None = None,
 ) -> Path:
     """The compiled library, building it if this source/JAX/CPU has none yet. `source`: another
     version of the kernels, a folder like cpu/ or the cpu.cc in one (benchmarks compare
     revisions; the engine always uses its own). The library is keyed by every .cc and .h file
     of that folder: a change to any of them builds anew. `isa`: a level of ISA_LEVELS (default
     $COLIBRI_KERNEL_ISA, else "native"). `tiles`: the defines of `tuning()` to build with
-    instead of this CPU's (tests build both ways)."""
+    instead of this CPU's (tests build both ways). `trace`: a library that times every call
+    shared out among threads (cpu/gang.h's COLIBRI_TRACE_CALLS; `take_traced_calls`), default
+    $COLIBRI_KERNEL_TRACE=1; the same results."""
     isa = isa or os.environ.get("COLIBRI_KERNEL_ISA") or "native"
     if isa not in ISA_LEVELS:
         raise ValueError(f"COLIBRI_KERNEL_ISA={isa!r}: not one of {', '.join(ISA_LEVELS)}")
-    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *tile_flags(tiles), *_LIBRARY_FLAGS]
+    if trace is None:
+        value = os.environ.get("COLIBRI_KERNEL_TRACE", "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"COLIBRI_KERNEL_TRACE={value!r}: not 0 or 1")
+        trace = value == "1"
+    traced = ["-DCOLIBRI_TRACE_CALLS=1"] if trace else []
+    flags = [*CXX_FLAGS, *ISA_LEVELS[isa][1], *tile_flags(tiles), *traced, *_LIBRARY_FLAGS]
     unit, files = source_files(source)
     cxx = compiler()
     if cxx is None:
@@ -520,6 +532,49 @@ def read_sum(a: np.ndarray) -> float:
     read = lib.colibri_read_sum
     read.restype, read.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64]
     return float(read(a.ctypes.data, a.size))
+
+
+# A traced call's fields (cpu/gang.h's CallRecord): nanoseconds of the steady clock at which
+# the kernel's run began (before its helpers were scheduled), its first helper began and its
+# last one ended (0: none joined), the caller's own share ended and the call returned; then the
+# call's work (bytes of weights as float32 times their passes; keys and values times the query
+# heads), work items, threads and kernel (TRACE_KINDS).
+TRACE_FIELDS = (
+    "enter",
+    "helper_start",
+    "helper_end",
+    "caller_end",
+    "done",
+    "work",
+    "items",
+    "threads",
+    "kind",
+)
+# The kernels a traced call's `kind` names (cpu/gang.h's CallKind).
+TRACE_KINDS = {
+    1: "routed experts",
+    2: "linear",
+    3: "per-head products",
+    4: "attention",
+    5: "latent attention",
+}
+
+
+def take_traced_calls(lib: ctypes.CDLL | None = None, most: int = 1 << 16) -> np.ndarray:
+    """The kernel calls timed since the last take (the latest `most` of them), oldest first: an
+    int64 record array of TRACE_FIELDS. `lib`: a library loaded from `build(trace=True)`
+    (default: the one this process uses, built so where COLIBRI_KERNEL_TRACE=1 when it
+    loaded). Take them between calls, not while a call runs."""
+    lib = lib or _library()
+    if lib is None:
+        raise RuntimeError("colibri CPU kernels are off or failed to build (see the log)")
+    take = lib.colibri_take_traced_calls
+    take.restype, take.argtypes = ctypes.c_int64, [ctypes.c_void_p, ctypes.c_int64]
+    out = np.zeros(most, dtype=[(f, np.int64) for f in TRACE_FIELDS])
+    n = take(out.ctypes.data, most)
+    if n < 0:
+        raise RuntimeError("this kernel library does not trace its calls (COLIBRI_KERNEL_TRACE=1)")
+    return out[:n]
 
 
 def _require() -> None:

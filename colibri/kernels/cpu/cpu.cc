@@ -9,7 +9,8 @@
 //   tiles.h    the dot-product tiles and `matvecs`, a matrix's rows against a few inputs;
 //              in AVX-512 builds int4, int8 and FP8 rows two a 512-bit vector
 //   pairs.h    AVX-512 builds: tiles of two inputs a 512-bit vector, over inputs packed once
-//   gang.h     a call's work shared out among XLA's intra-op threads
+//   gang.h     a call's work shared out among XLA's intra-op threads (and, in traced
+//              builds, colibri_take_traced_calls: when each call's threads ran)
 //   experts.h  colibri_moe_experts (one target per held format)
 //   linear.h   colibri_linear (one target per held format)
 //   heads.h    colibri_linear_heads, colibri_linear_heads_t (one target per held format)
@@ -54,6 +55,11 @@ namespace ffi = xla::ffi;
 
 extern "C" void colibri_request_cut(int32_t on) {
   cut_flag.store(on, std::memory_order_release);
+}
+
+// Traced builds (gang.h's COLIBRI_TRACE_CALLS): the calls timed since the last take.
+extern "C" int64_t colibri_take_traced_calls(int64_t* out, int64_t n) {
+  return take_traced(out, n);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ColibriCutRequested, CutRequested,

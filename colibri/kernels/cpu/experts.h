@@ -58,6 +58,7 @@ struct Problem {
   std::vector<Packed> xp, hp, upp;
   int64_t fchunk, dchunk;          // weight rows per work item in each phase
   int64_t fitems, ditems;          // work items per expert in each phase
+  int64_t dleast;                  // phase 2's shortest takes (guided_rows), in rows of down
 
   int64_t phase1() const { return static_cast<int64_t>(slot.size()) * fitems; }
   int64_t total() const { return static_cast<int64_t>(slot.size()) * (fitems + ditems); }
@@ -119,9 +120,9 @@ struct Problem {
     }
   }
 
-  // Phase 2, item (expert i, chunk c): y = down . h over its share of D.
-  void output(int64_t i, int64_t c) {
-    const int64_t d0 = c * dchunk, nd = std::min(dchunk, D - d0), s = slot[i], q = first[i];
+  // Phase 2, expert i's rows d0 .. d0 + nd of down: y = down . h over them.
+  void output(int64_t i, int64_t d0, int64_t nd) {
+    const int64_t s = slot[i], q = first[i];
     const int64_t r = first[i + 1] - q;
     const int64_t* a = assign.data() + q;
     const T* Dn = down + (s * D + d0) * ldd;
@@ -139,16 +140,18 @@ struct Problem {
 };
 
 // The expert call, in small items so that the threads finish together: every expert's
-// phase-1 items, then every expert's phase-2 items (each once its expert's phase 1 is done;
-// the ends below meet experts whose phase 1 they did themselves first). The items of a
-// phase are in expert order, most rows first; the first thread to arrive takes them from the
+// phase-1 items, then every expert's phase-2 rows (each once its expert's phase 1 is done;
+// the ends below meet experts whose phase 1 they did themselves first). The work of a
+// phase is in expert order, most rows first; the first thread to arrive takes it from the
 // front, the second from the back (and so on, alternating), until the two ends meet. While
 // one thread computes on the weights of experts many rows chose, the other streams those of
-// experts few rows chose, so that arithmetic and memory traffic overlap.
+// experts few rows chose, so that arithmetic and memory traffic overlap. Phase 2, the call's
+// end, goes in takes of rows that shorten as the ends near each other (guided_rows).
 template <typename T>
 struct ExpertCall : Gang {
   Problem<T> p;
-  std::atomic<int64_t> taken[2] = {0, 0};  // per phase: items taken from the front | back << 32
+  // Per phase, taken from the front | from the back << 32: phase 1's items, phase 2's rows.
+  std::atomic<int64_t> taken[2] = {0, 0};
   std::unique_ptr<std::atomic<int64_t>[]> hidden_done;  // per expert: phase-1 items done
   // Per paired expert: its inputs packed and its hidden and up rows' padding cleared (2), by
   // the first of its phase-1 items to start (1), or not yet (0).
@@ -160,7 +163,7 @@ struct ExpertCall : Gang {
         kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
         keep{};
     const bool back = arrivals.fetch_add(1, std::memory_order_relaxed) % 2 == 1;
-    const int64_t n1 = p.phase1(), n2 = p.total() - n1;
+    const int64_t n1 = p.phase1();
     for (int64_t k; (k = take(taken[0], n1, back)) >= 0;) {
       const int64_t e = k / p.fitems;
       if (p.xp[e].r) pack(e);
@@ -169,11 +172,35 @@ struct ExpertCall : Gang {
     }
     // An expert's phase-2 items wait for its own hidden rows only, not for the other thread's
     // last phase-1 item.
-    for (int64_t k; (k = take(taken[1], n2, back)) >= 0;) {
-      const int64_t e = k / p.ditems;
+    for (int64_t e, d0, nd; take_rows(back, e, d0, nd);) {
       wait_until([&] { return hidden_done[e].load(std::memory_order_acquire) >= p.fitems; });
-      p.output(e, k % p.ditems);
+      p.output(e, d0, nd);
     }
+  }
+
+  // Phase 2's next rows from the front (or the back) of every expert's D rows in turn: expert
+  // e's rows d0 .. d0 + nd, within one expert; false once the ends have met.
+  bool take_rows(bool back, int64_t& e, int64_t& d0, int64_t& nd) {
+    const int64_t D = p.D, n = static_cast<int64_t>(p.slot.size()) * D;
+    int64_t s = taken[1].load(std::memory_order_relaxed), next;
+    do {
+      const int64_t front = s & 0xffffffff, from_back = s >> 32, left = n - front - from_back;
+      if (left <= 0) return false;
+      const int64_t most = guided_rows(left, threads, p.dchunk, p.dleast);
+      if (back) {
+        const int64_t end = n - from_back;  // rows [.., end) of the experts in turn
+        e = (end - 1) / D;
+        nd = std::min(most, end - e * D);
+        d0 = end - e * D - nd;
+        next = s + (nd << 32);
+      } else {
+        e = front / D;
+        d0 = front - e * D;
+        nd = std::min(most, D - d0);
+        next = s + nd;
+      }
+    } while (!taken[1].compare_exchange_weak(s, next, std::memory_order_relaxed));
+    return true;
   }
 
   // Expert i's inputs packed for the paired tiles, by this thread unless another is at it.
@@ -329,6 +356,8 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
     p.dchunk = chunk_rows(value_bytes(kind, F), D, (long_d ? kLongItems : 1) * (256 << 10));
     p.fitems = (F + p.fchunk - 1) / p.fchunk;
     p.ditems = (D + p.dchunk - 1) / p.dchunk;
+    // Long items end in takes down to a quarter of the usual item; others keep theirs.
+    p.dleast = long_d ? chunk_rows(value_bytes(kind, F), D, 64 << 10) : p.dchunk;
   };
   slice(long_items(kind, most, D), long_items(kind, most, F));
   if (experts * p.fitems < 4 * std::max<int64_t>(pool.num_threads(), 1)) slice(false, false);
@@ -336,7 +365,8 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   call->hidden_done.reset(new std::atomic<int64_t>[experts]());
   call->packed.reset(new std::atomic<int>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
-  run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes);
+  run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes,
+      CallKind::kExperts);
   return ffi::Error::Success();
 }
 

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <thread>
 
@@ -18,7 +20,33 @@
 
 namespace ffi = xla::ffi;
 
+// COLIBRI_TRACE_CALLS=1 builds a library that times every call shared out among threads
+// (experiments/call_trace.py); 0, the default, times nothing.
+#ifndef COLIBRI_TRACE_CALLS
+#define COLIBRI_TRACE_CALLS 0
+#endif
+
 namespace {
+
+// Which kernel a call is (traced builds record it).
+enum class CallKind : int64_t { kExperts = 1, kLinear, kHeads, kAttention, kLatentAttention };
+
+// A traced call, in nanoseconds of the steady clock: run() entered (before the helpers are
+// scheduled), the first helper's drain began and the last one's ended (0: none joined), the
+// caller's own drain ended, and the call returned; its work (as `run` takes it), work items,
+// threads and kernel (CallKind).
+struct CallRecord {
+  int64_t enter, helper_start, helper_end, caller_end, done, work, items, threads, kind;
+};
+constexpr int64_t kTracedCalls = 1 << 16;  // the last this many calls are kept
+CallRecord traced[kTracedCalls];
+std::atomic<int64_t> traced_count{0};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // Wait until done() holds: spin briefly, then give the core away between checks. The thread
 // waited for may itself be waiting for a core (XLA's threads, the Python thread that drives
@@ -44,6 +72,9 @@ inline void wait_until(Done done) {
 struct Gang {
   static constexpr int64_t kClosed = int64_t{1} << 40;
   std::atomic<int64_t> state{0};  // helpers running, plus kClosed once the caller is done
+  int64_t threads = 1;            // the caller and the helpers run() schedules
+  CallRecord record{};            // traced builds: this call's times (written as it goes)
+  std::atomic<int64_t> helper_start{0}, helper_end{0};
 
   virtual ~Gang() = default;
   virtual void drain() = 0;
@@ -53,16 +84,40 @@ struct Gang {
     do {
       if (s & kClosed) return;
     } while (!state.compare_exchange_weak(s, s + 1, std::memory_order_acquire));
+    if constexpr (COLIBRI_TRACE_CALLS) {
+      int64_t first = 0;
+      helper_start.compare_exchange_strong(first, now_ns(), std::memory_order_relaxed);
+    }
     drain();
+    if constexpr (COLIBRI_TRACE_CALLS) helper_end.store(now_ns(), std::memory_order_relaxed);
     state.fetch_sub(1, std::memory_order_release);
   }
 
   void finish() {
     drain();
+    if constexpr (COLIBRI_TRACE_CALLS) record.caller_end = now_ns();
     state.fetch_or(kClosed, std::memory_order_acq_rel);
     wait_until([&] { return (state.load(std::memory_order_acquire) & ~kClosed) == 0; });
+    if constexpr (COLIBRI_TRACE_CALLS) {
+      record.helper_start = helper_start.load(std::memory_order_relaxed);
+      record.helper_end = helper_end.load(std::memory_order_relaxed);
+      record.done = now_ns();
+      traced[traced_count.fetch_add(1, std::memory_order_relaxed) % kTracedCalls] = record;
+    }
   }
 };
+
+// The calls traced since the last take, oldest first (at most kTracedCalls, the latest), into
+// out (n records of CallRecord's nine fields): how many were written; -1 where the build
+// does not trace. The caller stops the calls while it takes them.
+int64_t take_traced(int64_t* out, int64_t n) {
+  if (!COLIBRI_TRACE_CALLS) return -1;
+  const int64_t count = traced_count.exchange(0, std::memory_order_relaxed);
+  const int64_t kept = std::min({count, kTracedCalls, n});
+  for (int64_t i = 0; i < kept; ++i)
+    std::memcpy(out + i * 9, &traced[(count - kept + i) % kTracedCalls], sizeof(CallRecord));
+  return kept;
+}
 
 // Calls with less work than this run on the caller alone: a helper costs more than it saves
 // there, and takes the core the engine's thread starts the next forward on. Work: bytes of
@@ -70,10 +125,15 @@ struct Gang {
 // of four inputs, or per query head).
 constexpr int64_t kSoloWork = 512 << 10;
 
-// Run `gang` on the caller and up to items - 1 helpers from the pool (none below kSoloWork).
-void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work) {
+// Run `gang`, a call of kernel `kind`, on the caller and up to items - 1 helpers from the pool
+// (none below kSoloWork).
+void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work,
+         CallKind kind) {
   const int64_t most = work < kSoloWork ? 0 : std::max<int64_t>(pool.num_threads() - 1, 0);
-  const int64_t helpers = std::min<int64_t>(most, items - 1);
+  const int64_t helpers = std::max<int64_t>(std::min<int64_t>(most, items - 1), 0);
+  gang->threads = helpers + 1;
+  if constexpr (COLIBRI_TRACE_CALLS)
+    gang->record = {now_ns(), 0, 0, 0, 0, work, items, gang->threads, int64_t(kind)};
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
   gang->finish();
 }
@@ -135,6 +195,17 @@ constexpr int64_t kLongItems = 4;
 int64_t chunk_rows(int64_t row_bytes, int64_t rows, int64_t bytes) {
   const int64_t n = std::max<int64_t>(8, bytes / std::max<int64_t>(row_bytes, 1) / 8 * 8);
   return std::min(n, rows);
+}
+
+// Rows a thread takes next where `left` rows of the call are not taken yet, by `threads`
+// threads: `most` (the call's item) while much is left, then each thread's share of what is
+// left (a multiple of 8 rows), but not under `least`. Long items leave the last thread
+// computing alone for up to one of them: a one-row expert call's two threads ended ~25 µs
+// apart in ~600 (docs/kernels.md, "Shorter takes toward the end").
+inline int64_t guided_rows(int64_t left, int64_t threads, int64_t most, int64_t least) {
+  const int64_t share = (left + threads - 1) / threads;
+  const int64_t n = std::clamp((share + 7) / 8 * 8, std::min(least, most), most);
+  return std::min(n, left);
 }
 
 }  // namespace

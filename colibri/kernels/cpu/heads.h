@@ -159,7 +159,8 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   call->chunk = chunk_rows(I * int64_t{sizeof(float)}, O, 256 << 10);
   call->per_head = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->items = call->H * call->per_head;
-  run(pool, call, call->items, call->H * O * I * int64_t{sizeof(float)} * ((call->M + 3) / 4));
+  run(pool, call, call->items, call->H * O * I * int64_t{sizeof(float)} * ((call->M + 3) / 4),
+      CallKind::kHeads);
   return ffi::Error::Success();
 }
 
@@ -192,7 +193,8 @@ ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       e.failure())
     return e;
   const int64_t C = call->C = y->dimensions()[2], H = call->H;
-  run(pool, call, H, H * call->I * C * int64_t{sizeof(float)} * ((call->M + 3) / 4));
+  run(pool, call, H, H * call->I * C * int64_t{sizeof(float)} * ((call->M + 3) / 4),
+      CallKind::kHeads);
   return ffi::Error::Success();
 }
 

@@ -35,17 +35,28 @@ struct LinearCall : Gang {
   const T* w;
   float* y;
   int64_t M, O, I, ld, blk, chunk, items;
+  int64_t least;  // takes of chunk rows, then shorter ones down to least rows (guided_rows)
   std::vector<const float*> xrow;
   std::vector<const uint16_t*> xb;  // Bf16P: x rounded to bfloat16, row by row
   Packed packed;  // the rows packed for the paired tiles, where they are used (packed.r > 0)
-  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> next{0};  // rows taken
+
+  // The next rows to compute, [o0, o0 + n); false once every row is taken.
+  bool take(int64_t& o0, int64_t& n) {
+    int64_t s = next.load(std::memory_order_relaxed);
+    do {
+      if (s >= O) return false;
+      n = guided_rows(O - s, threads, chunk, least);
+    } while (!next.compare_exchange_weak(s, s + n, std::memory_order_relaxed));
+    o0 = s;
+    return true;
+  }
 
   void drain() override {
     [[maybe_unused]] std::conditional_t<
         kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
         keep{};
-    for (int64_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t o0 = k * chunk, no = std::min(chunk, O - o0);
+    for (int64_t o0, no; take(o0, no);) {
       auto apply = [&](auto emit) {
         if constexpr (kProducts<T>)
           bmatvecs(w + o0 * ld, no, I, ld, xb.data(), M, emit);
@@ -93,10 +104,12 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   // while every thread still gets four or more.
   const int64_t base = kScaled<T> ? 128 << 10 : 256 << 10;
   const int64_t share = O * value_bytes(kind, I) / (4 * std::max<int64_t>(pool.num_threads(), 1));
+  const bool long_rows = long_items(kind, M, I);
   call->chunk = chunk_rows(value_bytes(kind, I), O,
-                           long_items(kind, M, I) ? std::clamp(share, base, kLongItems * base)
-                                                    : base);
+                           long_rows ? std::clamp(share, base, kLongItems * base) : base);
   call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
+  // Long items end in takes down to a quarter of the usual item; others keep theirs.
+  call->least = long_rows ? chunk_rows(value_bytes(kind, I), O, base / 4) : call->chunk;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
   if constexpr (kProducts<T>) {
@@ -113,7 +126,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   // Work: the weights as float32, a pass for every four inputs (held rows cost their widening,
   // about what float32 rows cost to stream: a one-row call over 270 KB of int8 rows took a
   // core 26 µs).
-  run(pool, call, call->items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4));
+  run(pool, call, call->items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear);
   return ffi::Error::Success();
 }
 

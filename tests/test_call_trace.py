@@ -1,0 +1,78 @@
+"""Kernel calls timed (COLIBRI_KERNEL_TRACE=1: kernels.take_traced_calls, cpu/gang.h's
+CallRecord; experiments/call_trace.py): a traced build records every call in order, with its
+kernel, work and threads, and gives the bits of the untraced one; the experiment run end to end
+on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import tiny
+
+from colibri import kernels
+from colibri.bench.kernel_calls import linear_call
+from colibri.config import load_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no native kernels here")
+
+
+def test_a_traced_build_records_every_call_and_gives_the_same_bits():
+    lib_path = kernels.build(trace=True)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    traced = jax.jit(linear_call(lib_path, "colibri_traced_linear"))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 1024)).astype(np.float32)
+    big = rng.standard_normal((1030, 1024)).astype(np.float32)  # 4.2 MB: shared out
+    small = rng.standard_normal((8, 64)).astype(np.float32)  # under 512 KiB: the caller alone
+    kernels.take_traced_calls(lib)  # (whatever ran before)
+    got = np.asarray(traced(x, big)), np.asarray(traced(x[:, :64], small))
+    first, second = kernels.take_traced_calls(lib)
+    assert len(kernels.take_traced_calls(lib)) == 0  # a take empties the record
+    np.testing.assert_array_equal(got[0], np.asarray(kernels.linear(x, big)))
+    np.testing.assert_array_equal(got[1], np.asarray(kernels.linear(x[:, :64], small)))
+
+    assert kernels.TRACE_KINDS[int(first["kind"])] == "linear" == kernels.TRACE_KINDS[2]
+    assert first["work"] == big.nbytes and second["work"] == small.nbytes
+    assert first["enter"] <= first["caller_end"] <= first["done"] <= second["enter"]
+    assert second["enter"] <= second["caller_end"] <= second["done"]
+    assert second["threads"] == 1 and second["helper_start"] == second["helper_end"] == 0
+    assert 1 <= first["threads"] <= first["items"]
+    if first["helper_start"]:  # (a helper that came after the caller had done all takes none)
+        assert first["enter"] <= first["helper_start"] <= first["helper_end"] <= first["done"]
+
+
+def test_the_engines_own_library_does_not_trace():
+    if os.environ.get("COLIBRI_KERNEL_TRACE") == "1":
+        pytest.skip("this run traces its kernels")
+    with pytest.raises(RuntimeError, match="COLIBRI_KERNEL_TRACE=1"):
+        kernels.take_traced_calls()
+
+
+def test_the_experiment_traces_a_tiny_model(tmp_path):
+    ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
+    out = tmp_path / "trace"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = Path(__file__).parents[1] / "experiments" / "call_trace.py"
+    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "20", "--prompt", "12"]
+    cmd += ["--rounds", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, timeout=600)
+    (rnd,) = json.loads(out.with_suffix(".json").read_text())["ckpt"]["rounds"]
+    parts = {p["part"]: p for p in rnd["parts"]}
+    cfg = load_config(ckpt)
+    assert parts["routed experts"]["calls a step"] == len(cfg.moe_layer_ids)
+    assert parts["attention"]["calls a step"] == cfg.num_layers
+    assert parts[f"linear [{tiny.VOCAB}, 64]"]["calls a step"] == 1  # lm_head
+    assert parts["linear [128, 64]"]["calls a step"] == cfg.num_layers  # fused q, k and v
+    assert sum(p["calls a step"] for p in parts.values()) * 20 == rnd["calls"]
+    # The tiny model's calls are all under ~512 KiB of work: each on the caller alone.
+    assert all(p["shared"] == 0 and 0 < p["µs a call"] for p in parts.values())
+    report = out.with_suffix(".md").read_text()
+    assert "| routed experts |" in report and "ends apart" in report
