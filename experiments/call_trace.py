@@ -11,8 +11,9 @@ of call (the routed experts, attention, each linear layer by its weights): calls
 call, how late the helper began its share after the call began (µs; calls too small to share
 run on the caller alone), how far apart the caller and the helper ended, and the share of the
 call both threads were at work. Medians over the round's calls, with their 90th percentiles
-where a few calls differ. A thread that ends early leaves the other streaming alone, at what one
-core can read.
+where a few calls differ; at up to four rows, the GB/s at which each weight call streams its
+weights (as float32), against the faster read. A thread that ends early leaves the other
+streaming alone, at what one core can read.
 
 Writes experiments/results/call_trace.md and .json (--out NAME: NAME.md, NAME.json).
 """
@@ -56,10 +57,14 @@ def linear_names(params, rows: int) -> dict[int, str]:
     return {work: "linear " + " or ".join(sorted(n)) for work, n in shapes.items()}
 
 
-def parts(calls: np.ndarray, names: dict[int, str], steps: int) -> pd.DataFrame:
+def parts(
+    calls: np.ndarray, names: dict[int, str], steps: int, rows: int, read: float
+) -> pd.DataFrame:
     """Per kind of call (TRACE_KINDS; linear calls by their weights, `names`, else their work),
     the calls a step and, in µs, the median call, the helper's lateness, the threads' end gap
-    and the share of the call both threads worked (medians; p90 beside the two gaps)."""
+    and the share of the call both threads worked (medians; p90 beside the two gaps); for the
+    weight calls of up to four rows (one pass over the weights), the GB/s their weights as
+    float32 stream at over all their calls, and that against `read`."""
     from colibri import kernels
 
     kind = [kernels.TRACE_KINDS.get(int(k), f"kind {k}") for k in calls["kind"]]
@@ -77,10 +82,14 @@ def parts(calls: np.ndarray, names: dict[int, str], steps: int) -> pd.DataFrame:
     df = pd.DataFrame(
         {"part": label, "us": total, "shared": shared, "late": late, "gap": gap, "both": both_share}
     )
-    rows = []
+    df["work"] = calls["work"]
+    weights = {"routed experts", "linear", "per-head products"}
+    df["weights"] = [k in weights and rows <= 4 for k in kind]
+    out = []
     for part, g in df.groupby("part", sort=False):
         s = g[g.shared]
-        rows.append(
+        gb_s = g.work.sum() / g.us.sum() / 1e3 if g.weights.all() else np.nan
+        out.append(
             {
                 "part": part,
                 "calls a step": len(g) / steps,
@@ -92,9 +101,11 @@ def parts(calls: np.ndarray, names: dict[int, str], steps: int) -> pd.DataFrame:
                 "ends apart, µs": s.gap.median() if len(s) else np.nan,
                 "apart p90": s.gap.quantile(0.9) if len(s) else np.nan,
                 "both at work": s.both.median() if len(s) else np.nan,
+                "GB/s": gb_s,
+                "/ read": gb_s / read,
             }
         )
-    return pd.DataFrame(rows).sort_values("µs a step", ascending=False).set_index("part")
+    return pd.DataFrame(out).sort_values("µs a step", ascending=False).set_index("part")
 
 
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:
@@ -124,7 +135,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
         rate = decode()
         calls = kernels.take_traced_calls()
         after = max(read_rate(probe) for _ in range(3))
-        table = parts(calls, names, tokens)
+        table = parts(calls, names, tokens, rows, max(before, after))
         out.append(
             {
                 "round": r,
@@ -166,7 +177,10 @@ def write(results: dict, args, stem: str) -> None:
         "on the caller alone); helper late: from the call's start to the helper's first work; "
         "ends apart: between the caller's and the helper's last work (the one that ends first "
         "waits, or leaves); both at work: the share of the call from the helper's start to the "
-        "first of the two ends. Medians over the shared calls; p90: their 90th percentile."
+        "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "
+        "GB/s: the weight calls' weights as float32 over their time, all their calls together "
+        "(up to four rows: one pass over the weights); / read: against the faster read of the "
+        "round."
     ]
     write_report(RESULTS, stem, lines, results)
 

@@ -74,5 +74,11 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     assert sum(p["calls a step"] for p in parts.values()) * 20 == rnd["calls"]
     # The tiny model's calls are all under ~512 KiB of work: each on the caller alone.
     assert all(p["shared"] == 0 and 0 < p["µs a call"] for p in parts.values())
+    # One row: the weight calls' rate is their weights' float32 bytes over their time.
+    lm_head = parts[f"linear [{tiny.VOCAB}, 64]"]
+    assert lm_head["GB/s"] > 0 and lm_head["/ read"] == pytest.approx(
+        lm_head["GB/s"] / max(rnd["read_gb_s"])
+    )
+    assert np.isnan(parts["attention"]["GB/s"])
     report = out.with_suffix(".md").read_text()
     assert "| routed experts |" in report and "ends apart" in report
