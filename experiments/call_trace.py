@@ -3,17 +3,17 @@
 
 How each kernel call of a decode step shares its work among the cores: when its helper joined
 it and how far apart its threads finished. The kernels are built to time every call
-(COLIBRI_KERNEL_TRACE=1: cpu/gang.h's CallRecord, kernels.take_traced_calls; the same
-results). Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read of
-1 GiB on every core, --tokens greedy steps of --rows conversations in the engine's bursts (as
-experiments/step_anatomy.py decodes them), the calls they made, and the read again. Per kind
-of call (the routed experts, attention, each linear layer by its weights): calls a step, µs a
-call, how late the helper began its share after the call began (µs; calls too small to share
-run on the caller alone), how far apart the caller and the helper ended, and the share of the
-call both threads were at work. Medians over the round's calls, with their 90th percentiles
-where a few calls differ; at up to four rows, the GB/s at which each weight call streams its
-weights (as float32), against the faster read. A thread that ends early leaves the other
-streaming alone, at what one core can read.
+(COLIBRI_KERNEL_TRACE=1: cpu/gang.h's CallRecord, kernels.take_traced_calls; the same results).
+Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read of 1 GiB on
+every core, --tokens greedy steps of --rows conversations in the engine's bursts (as
+experiments/step_anatomy.py decodes them), the calls they made, and the read again. Per kind of
+call (the routed experts, attention, each linear layer by its weights): calls a step, µs a
+call, how long the caller took to schedule its helper and how late the helper began its share
+after the call began (µs; calls too small to share run on the caller alone), how far apart the
+caller and the helper ended, and the share of the call both threads were at work. Medians over
+the round's calls, with their 90th percentiles where a few calls differ; at up to four rows,
+the GB/s at which each weight call streams its weights (as float32), against the faster read. A
+thread that ends early leaves the other streaming alone, at what one core can read.
 
 Writes experiments/results/call_trace.md and .json (--out NAME: NAME.md, NAME.json).
 """
@@ -75,12 +75,21 @@ def parts(
     us = lambda a: a / 1e3  # noqa: E731 (ns to µs)
     shared = calls["helper_start"] > 0
     late = np.where(shared, us(calls["helper_start"] - calls["enter"]), np.nan)
+    scheduling = us(calls["caller_start"] - calls["enter"])
     gap = np.where(shared, us(np.abs(calls["caller_end"] - calls["helper_end"])), np.nan)
     total = us(calls["done"] - calls["enter"])
     both = np.minimum(calls["caller_end"], calls["helper_end"]) - calls["helper_start"]
     both_share = np.where(shared, us(both) / np.maximum(total, 1e-9), np.nan)
     df = pd.DataFrame(
-        {"part": label, "us": total, "shared": shared, "late": late, "gap": gap, "both": both_share}
+        {
+            "part": label,
+            "us": total,
+            "shared": shared,
+            "scheduling": scheduling,
+            "late": late,
+            "gap": gap,
+            "both": both_share,
+        }
     )
     df["work"] = calls["work"]
     weights = {"routed experts", "linear", "per-head products"}
@@ -96,6 +105,7 @@ def parts(
                 "µs a call": g.us.median(),
                 "µs a step": g.us.sum() / steps,
                 "shared": len(s) / len(g),
+                "scheduling, µs": s.scheduling.median() if len(s) else np.nan,
                 "helper late, µs": s.late.median() if len(s) else np.nan,
                 "late p90": s.late.quantile(0.9) if len(s) else np.nan,
                 "ends apart, µs": s.gap.median() if len(s) else np.nan,
@@ -174,7 +184,8 @@ def write(results: dict, args, stem: str) -> None:
     lines += [
         "calls a step: over the round's steps; µs a call: the median, from the call's start to "
         "its return; shared: the calls a helper joined (the others, under ~512 KiB of work, run "
-        "on the caller alone); helper late: from the call's start to the helper's first work; "
+        "on the caller alone); scheduling: from the call's start to the caller's own first work "
+        "(waking its helper); helper late: from the call's start to the helper's first work; "
         "ends apart: between the caller's and the helper's last work (the one that ends first "
         "waits, or leaves); both at work: the share of the call from the helper's start to the "
         "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "

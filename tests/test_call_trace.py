@@ -41,8 +41,9 @@ def test_a_traced_build_records_every_call_and_gives_the_same_bits():
 
     assert kernels.TRACE_KINDS[int(first["kind"])] == "linear" == kernels.TRACE_KINDS[2]
     assert first["work"] == big.nbytes and second["work"] == small.nbytes
-    assert first["enter"] <= first["caller_end"] <= first["done"] <= second["enter"]
-    assert second["enter"] <= second["caller_end"] <= second["done"]
+    assert first["enter"] <= first["caller_start"] <= first["caller_end"] <= first["done"]
+    assert first["done"] <= second["enter"] <= second["caller_start"] <= second["caller_end"]
+    assert second["caller_end"] <= second["done"]
     assert second["threads"] == 1 and second["helper_start"] == second["helper_end"] == 0
     assert 1 <= first["threads"] <= first["items"]
     if first["helper_start"]:  # (a helper that came after the caller had done all takes none)

@@ -32,13 +32,15 @@ namespace {
 enum class CallKind : int64_t { kExperts = 1, kLinear, kHeads, kAttention, kLatentAttention };
 
 // A traced call, in nanoseconds of the steady clock: run() entered (before the helpers are
-// scheduled), the first helper's drain began and the last one's ended (0: none joined), the
-// caller's own drain ended, and the call returned; its work (as `run` takes it), work items,
-// threads and kernel (CallKind).
+// scheduled), the caller's own drain began (once they are), the first helper's drain began and
+// the last one's ended (0: none joined), the caller's drain ended, and the call returned; its
+// work (as `run` takes it), work items, threads and kernel (CallKind).
 struct CallRecord {
-  int64_t enter, helper_start, helper_end, caller_end, done, work, items, threads, kind;
+  int64_t enter, caller_start, helper_start, helper_end, caller_end, done, work, items, threads,
+      kind;
 };
 constexpr int64_t kTracedCalls = 1 << 16;  // the last this many calls are kept
+constexpr int64_t kRecordFields = sizeof(CallRecord) / sizeof(int64_t);
 CallRecord traced[kTracedCalls];
 std::atomic<int64_t> traced_count{0};
 
@@ -94,6 +96,7 @@ struct Gang {
   }
 
   void finish() {
+    if constexpr (COLIBRI_TRACE_CALLS) record.caller_start = now_ns();
     drain();
     if constexpr (COLIBRI_TRACE_CALLS) record.caller_end = now_ns();
     state.fetch_or(kClosed, std::memory_order_acq_rel);
@@ -108,14 +111,14 @@ struct Gang {
 };
 
 // The calls traced since the last take, oldest first (at most kTracedCalls, the latest), into
-// out (n records of CallRecord's nine fields): how many were written; -1 where the build
+// out (n records of CallRecord's ten fields): how many were written; -1 where the build
 // does not trace. The caller stops the calls while it takes them.
 int64_t take_traced(int64_t* out, int64_t n) {
   if (!COLIBRI_TRACE_CALLS) return -1;
   const int64_t count = traced_count.exchange(0, std::memory_order_relaxed);
   const int64_t kept = std::min({count, kTracedCalls, n});
   for (int64_t i = 0; i < kept; ++i)
-    std::memcpy(out + i * 9, &traced[(count - kept + i) % kTracedCalls], sizeof(CallRecord));
+    std::memcpy(out + i * kRecordFields, &traced[(count - kept + i) % kTracedCalls], sizeof(CallRecord));
   return kept;
 }
 
@@ -133,7 +136,7 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
   const int64_t helpers = std::max<int64_t>(std::min<int64_t>(most, items - 1), 0);
   gang->threads = helpers + 1;
   if constexpr (COLIBRI_TRACE_CALLS)
-    gang->record = {now_ns(), 0, 0, 0, 0, work, items, gang->threads, int64_t(kind)};
+    gang->record = {now_ns(), 0, 0, 0, 0, 0, work, items, gang->threads, int64_t(kind)};
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
   gang->finish();
 }
