@@ -170,7 +170,7 @@ struct ExpertCall : Gang {
       p.hidden(e, k % p.fitems);
       hidden_done[e].fetch_add(1, std::memory_order_release);
     }
-    // An expert's phase-2 items wait for its own hidden rows only, not for the other thread's
+    // An expert's phase-2 rows wait for its own hidden rows only, not for the other thread's
     // last phase-1 item.
     for (int64_t e, d0, nd; take_rows(back, e, d0, nd);) {
       wait_until([&] { return hidden_done[e].load(std::memory_order_acquire) >= p.fitems; });

@@ -39,7 +39,7 @@ struct CallRecord {
   int64_t enter, caller_start, helper_start, helper_end, caller_end, done, work, items, threads,
       kind;
 };
-constexpr int64_t kTracedCalls = 1 << 16;  // the last this many calls are kept
+constexpr int64_t kTracedCalls = COLIBRI_TRACE_CALLS ? 1 << 16 : 1;  // the latest kept
 constexpr int64_t kRecordFields = sizeof(CallRecord) / sizeof(int64_t);
 CallRecord traced[kTracedCalls];
 std::atomic<int64_t> traced_count{0};
@@ -117,8 +117,10 @@ int64_t take_traced(int64_t* out, int64_t n) {
   if (!COLIBRI_TRACE_CALLS) return -1;
   const int64_t count = traced_count.exchange(0, std::memory_order_relaxed);
   const int64_t kept = std::min({count, kTracedCalls, n});
-  for (int64_t i = 0; i < kept; ++i)
-    std::memcpy(out + i * kRecordFields, &traced[(count - kept + i) % kTracedCalls], sizeof(CallRecord));
+  for (int64_t i = 0; i < kept; ++i) {
+    const CallRecord& r = traced[(count - kept + i) % kTracedCalls];
+    std::memcpy(out + i * kRecordFields, &r, sizeof r);
+  }
   return kept;
 }
 
