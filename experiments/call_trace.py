@@ -31,8 +31,7 @@ from tqdm import tqdm
 
 from colibri.bench import anatomy
 from colibri.bench.bandwidth import probe_array, read_rate
-from colibri.bench.conversations import BURST, STREAM_MS, other_conversations, prompt_ids
-from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.report import markdown_table, write_report
 
@@ -121,16 +120,9 @@ def parts(
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:
     from colibri import kernels
     from colibri.engine.model import load_model
-    from colibri.engine.runner import Runner
 
     model = load_model(ckpt, progress=False)
-    cfg = model.cfg
-    prompt = prompt_ids(cfg.vocab_size, prompt_len)
-    runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
-    logits, _ = runner.prefill(0, prompt)
-    firsts = [int(np.argmax(logits))]
-    if rows > 1:
-        firsts += other_conversations(runner, prompt, rows)
+    runner, firsts = anatomy.conversations(model, rows, tokens, prompt_len)
 
     def decode() -> float:
         return anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, stream_ms=STREAM_MS)
@@ -198,26 +190,12 @@ def write(results: dict, args, stem: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument(
-        "--ckpt",
-        type=Path,
-        action="append",
-        help="a checkpoint folder instead of the peers shapes (again for more than one)",
-    )
-    ap.add_argument("--rows", type=int, default=1, help="conversations decoding at once")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="call_trace")
+    anatomy.decode_arguments(ap, rounds=2, out="call_trace")
     args = ap.parse_args()
     args.argv = sys.argv[1:]
     # Before the kernels load (on first use): the library that times its calls.
     os.environ["COLIBRI_KERNEL_TRACE"] = "1"
-    if args.ckpt:
-        ckpts = {c.name: c for c in args.ckpt}
-    else:
-        ckpts = {n: ensure_inputs(n)["colibri"] for n in args.shapes.split(",")}
+    ckpts = anatomy.checkpoints(args)
     results = {
         n: measure(c, args.rows, args.tokens, args.prompt, args.rounds) for n, c in ckpts.items()
     }

@@ -36,8 +36,7 @@ from tqdm import tqdm
 from colibri.bench import anatomy
 from colibri.bench.accounting import attention_flops, distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate
-from colibri.bench.conversations import BURST, STREAM_MS, other_conversations, prompt_ids
-from colibri.bench.shapes import SHAPES, ensure_inputs
+from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.formats import Holding
 from colibri.report import markdown_table, write_report
@@ -87,18 +86,12 @@ def program_calls(dump: Path, earlier: set[Path]) -> dict[str, anatomy.Kernel]:
 
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int, dump: Path) -> dict:
     from colibri.engine.model import load_model
-    from colibri.engine.runner import Runner
 
     earlier = set(dump.glob("*"))
     holding = Holding.from_env(os.environ)
     model = load_model(ckpt, progress=False, holding=holding)
     cfg = model.cfg
-    prompt = prompt_ids(cfg.vocab_size, prompt_len)
-    runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
-    logits, _ = runner.prefill(0, prompt)
-    firsts = [int(np.argmax(logits))]
-    if rows > 1:
-        firsts += other_conversations(runner, prompt, rows)
+    runner, firsts = anatomy.conversations(model, rows, tokens, prompt_len)
     routes = []  # the measured bursts' own steps (greedy decoding is deterministic)
     anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, routes, stream_ms=STREAM_MS)
     chosen = distinct_experts(routes, rows)
@@ -369,25 +362,11 @@ def write(results: dict, args, out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument(
-        "--ckpt",
-        type=Path,
-        action="append",
-        help="a checkpoint folder instead of the peers shapes (again for more than one)",
-    )
-    ap.add_argument("--rows", type=int, default=1, help="conversations decoding at once")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default="step_anatomy")
+    anatomy.decode_arguments(ap, rounds=3, out="step_anatomy")
     args = ap.parse_args()
     dump = with_program_dump()
     try:
-        if args.ckpt:
-            ckpts = {c.name: c for c in args.ckpt}
-        else:
-            ckpts = {n: ensure_inputs(n)["colibri"] for n in args.shapes.split(",")}
+        ckpts = anatomy.checkpoints(args)
         results = {}
         for name, ckpt in ckpts.items():
             results[name] = measure(ckpt, args.rows, args.tokens, args.prompt, args.rounds, dump)

@@ -240,6 +240,54 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
     )
 
 
+def decode_arguments(ap, rounds: int, out: str) -> None:
+    """The arguments of the experiments that time decode steps (step_anatomy.py,
+    call_trace.py): --shapes, --ckpt, --rows, --tokens, --prompt, --rounds, --out."""
+    from colibri.bench.shapes import SHAPES
+
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument(
+        "--ckpt",
+        type=Path,
+        action="append",
+        help="a checkpoint folder instead of the peers shapes (again for more than one)",
+    )
+    ap.add_argument("--rows", type=int, default=1, help="conversations decoding at once")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--out", default=out)
+
+
+def checkpoints(args) -> dict[str, Path]:
+    """{name: folder} of decode_arguments' --ckpt folders, else of its --shapes' f32
+    checkpoints (made if missing)."""
+    from colibri.bench.shapes import ensure_inputs
+
+    if args.ckpt:
+        return {c.name: c for c in args.ckpt}
+    return {n: ensure_inputs(n)["colibri"] for n in args.shapes.split(",")}
+
+
+def conversations(model, rows: int, tokens: int, prompt_len: int) -> tuple:
+    """(runner, firsts): a Runner with room for `rows` conversations of the prompt and
+    `tokens` more, conversation 0 prefilled with the peers benchmark's prompt and the others
+    sharing all but its last 8 tokens (conversations.other_conversations), and each one's
+    first greedy token, for decode_bursts."""
+    import numpy as np
+
+    from colibri.bench.conversations import other_conversations, prompt_ids
+    from colibri.engine.runner import Runner
+
+    prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
+    runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
+    logits, _ = runner.prefill(0, prompt)
+    firsts = [int(np.argmax(logits))]
+    if rows > 1:
+        firsts += other_conversations(runner, prompt, rows)
+    return runner, firsts
+
+
 def decode_bursts(
     runner,
     firsts: list[int],
