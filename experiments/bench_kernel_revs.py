@@ -201,13 +201,7 @@ def cache_sets(make, layers: int, set_bytes: int) -> list:
 
 
 def compare_mla(
-    calls: dict,
-    cfg,
-    rows: int,
-    passes: int,
-    prompt_len: int = 128,
-    rounding: bool = False,
-    before_pass=None,
+    calls: dict, cfg, rows: int, passes: int, prompt_len=128, rounding=False, before_pass=None
 ) -> dict:
     """compare_attend for MLA: every layer's latents [rows, C, r] and roped keys [rows, C, R],
     H query heads a row."""
@@ -235,13 +229,7 @@ def compare_mla(
 
 
 def compare_attend(
-    calls: dict,
-    cfg,
-    rows: int,
-    passes: int,
-    prompt_len: int = 128,
-    rounding: bool = False,
-    before_pass=None,
+    calls: dict, cfg, rows: int, passes: int, prompt_len=128, rounding=False, before_pass=None
 ) -> dict:
     """Decode attention of every layer for `rows` conversations at positions prompt_len + i for
     step i < STEPS, alternating, each layer's keys and values a cache of its own, read from

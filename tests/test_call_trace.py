@@ -6,16 +6,13 @@ on a tiny checkpoint."""
 from __future__ import annotations
 
 import ctypes
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 import tiny
+from experiment_util import run_experiment
 
 from colibri import kernels
 from colibri.bench.kernel_calls import linear_call
@@ -60,12 +57,8 @@ def test_the_engines_own_library_does_not_trace():
 def test_the_experiment_traces_a_tiny_model(tmp_path):
     ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
     out = tmp_path / "trace"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    script = Path(__file__).parents[1] / "experiments" / "call_trace.py"
-    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "20", "--prompt", "12"]
-    cmd += ["--rounds", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, env=env, timeout=600)
-    (rnd,) = json.loads(out.with_suffix(".json").read_text())["ckpt"]["rounds"]
+    args = ("--ckpt", str(ckpt), "--tokens", "20", "--prompt", "12", "--rounds", "1")
+    (rnd,) = run_experiment("call_trace", out, *args)["ckpt"]["rounds"]
     parts = {p["part"]: p for p in rnd["parts"]}
     cfg = load_config(ckpt)
     assert parts["routed experts"]["calls a step"] == len(cfg.moe_layer_ids)

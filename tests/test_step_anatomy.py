@@ -4,16 +4,10 @@ parts, and the experiment run end to end on a tiny checkpoint."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import tiny
-from experiment_util import experiment
+from experiment_util import experiment, run_experiment
 from fake_runner import FakeRunner
 
 from colibri.bench import anatomy
@@ -139,12 +133,8 @@ def test_a_profile_splits_into_steps_and_parts():
 def test_the_experiment_profiles_a_tiny_model(tmp_path):
     ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
     out = tmp_path / "anatomy"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    script = Path(__file__).parents[1] / "experiments" / "step_anatomy.py"
-    cmd = [sys.executable, str(script), "--ckpt", str(ckpt), "--tokens", "60", "--prompt", "12"]
-    cmd += ["--rows", "3", "--rounds", "1", "--out", str(out)]
-    subprocess.run(cmd, check=True, env=env, timeout=300)
-    res = json.loads(out.with_suffix(".json").read_text())["ckpt"]
+    args = ("--ckpt", str(ckpt), "--tokens", "60", "--prompt", "12", "--rows", "3")
+    res = run_experiment("step_anatomy", out, *args, "--rounds", "1", timeout=300)["ckpt"]
     (rnd,) = res["rounds"]
     assert res["rows"] == 3
     assert res["top_k"] <= res["distinct_experts"] <= 3 * res["top_k"]
