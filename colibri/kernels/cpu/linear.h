@@ -34,7 +34,7 @@ template <typename T>
 struct LinearCall : Gang {
   const T* w;
   float* y;
-  int64_t M, O, I, ld, blk, chunk, items;
+  int64_t M, O, I, ld, blk, chunk;
   int64_t least;  // takes of chunk rows, then shorter ones down to least rows (guided_rows)
   std::vector<const float*> xrow;
   std::vector<const uint16_t*> xb;  // Bf16P: x rounded to bfloat16, row by row
@@ -107,7 +107,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   const bool long_rows = long_items(kind, M, I);
   call->chunk = chunk_rows(value_bytes(kind, I), O,
                            long_rows ? std::clamp(share, base, kLongItems * base) : base);
-  call->items = O ? (O + call->chunk - 1) / call->chunk : 0;
+  const int64_t items = O ? (O + call->chunk - 1) / call->chunk : 0;
   // Long items end in takes down to a quarter of the usual item; others keep theirs.
   call->least = long_rows ? chunk_rows(value_bytes(kind, I), O, base / 4) : call->chunk;
   call->xrow.resize(M);
@@ -126,7 +126,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   // Work: the weights as float32, a pass for every four inputs (held rows cost their widening,
   // about what float32 rows cost to stream: a one-row call over 270 KB of int8 rows took a
   // core 26 µs).
-  run(pool, call, call->items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear);
+  run(pool, call, items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear);
   return ffi::Error::Success();
 }
 

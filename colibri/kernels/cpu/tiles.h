@@ -70,7 +70,7 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
     // (attention's keys, which it fetches itself: 1.035x the time so). docs/kernels.md, "One
     // input's rows fetched ahead".
     constexpr int64_t ahead = TR > 1 ? 4096 : COLIBRI_ONE_INPUT_FETCH;
-    if (TR > 1 || (ahead && L > 256))
+    if (ahead && (TR > 1 || L > 256))
       if (c % (64 / sizeof(T)) == 0)  // once a cache line
         for (int i = 0; i < TW; ++i) __builtin_prefetch(w[i] + c + ahead / sizeof(T), 0, 2);
     step(w, x, c, acc, std::make_index_sequence<TW>{});
