@@ -15,6 +15,11 @@ the round's calls, with their 90th percentiles where a few calls differ; at up t
 the GB/s at which each weight call streams its weights (as float32), against the faster read. A
 thread that ends early leaves the other streaming alone, at what one core can read.
 
+Above those, per round (many short rounds say how a step fares at each speed of the memory,
+which moves minute by minute): the step against the memory roofline at the faster read, the
+step's µs in the kernels' calls and outside them, and the routed experts' and linear calls' GB/s
+against the read. More than two rounds: the calls of the slowest and fastest read's rounds.
+
 Writes experiments/results/call_trace.md and .json (--out NAME: NAME.md, NAME.json).
 """
 
@@ -30,6 +35,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri.bench import anatomy
+from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
 from colibri.bench.bandwidth import probe_array, read_rate
 from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
@@ -117,6 +123,31 @@ def parts(
     return pd.DataFrame(out).sort_values("µs a step", ascending=False).set_index("part")
 
 
+def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dict:
+    """A round's step: µs a step, of it µs in the kernels' traced calls (one after another: the
+    decode step's ops run in order) and outside them (XLA's ops, the kernels that are not
+    shared out, the executor between ops, the host between bursts), and at up to four rows the
+    routed experts' and the linear calls' GB/s (their weights as float32 over their time)."""
+    from colibri import kernels
+
+    step_us = rows / tok_s * 1e6
+    in_calls = (calls["done"] - calls["enter"]).sum() / 1e3 / tokens
+    kind = np.array([kernels.TRACE_KINDS.get(int(k), "") for k in calls["kind"]])
+
+    def gb_s(name: str) -> float:
+        c = calls[kind == name]
+        took = (c["done"] - c["enter"]).sum()
+        return c["work"].sum() / took if rows <= 4 and took else float("nan")
+
+    return {
+        "step_us": step_us,
+        "in_calls_us": in_calls,
+        "outside_us": step_us - in_calls,
+        "experts_gb_s": gb_s("routed experts"),
+        "linear_gb_s": gb_s("linear"),
+    }
+
+
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:
     from colibri import kernels
     from colibri.engine.model import load_model
@@ -124,10 +155,17 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     model = load_model(ckpt, progress=False)
     runner, firsts = anatomy.conversations(model, rows, tokens, prompt_len)
 
-    def decode() -> float:
-        return anatomy.decode_bursts(runner, firsts, prompt_len, tokens, BURST, stream_ms=STREAM_MS)
+    def decode(routes: list | None = None) -> float:
+        return anatomy.decode_bursts(
+            runner, firsts, prompt_len, tokens, BURST, routes, stream_ms=STREAM_MS
+        )
 
-    decode()  # compiles every program the rounds run
+    routes: list = []
+    decode(routes)  # compiles every program the rounds run; the steps' routes (greedy: theirs)
+    chosen = distinct_experts(routes, rows)
+    step_bytes = held_step_bytes(model.params, model.experts, chosen) + kv_bytes(
+        model.cfg, rows, prompt_len, tokens
+    )
     names = linear_names(model.params, rows)
     probe = probe_array(1.0)
     out = []
@@ -143,11 +181,54 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                 "round": r,
                 "read_gb_s": [before, after],
                 "tok_s": rate,
+                "roofline_ratio": rate / rows * step_bytes / 1e9 / max(before, after),
                 "calls": len(calls),
+                **step_summary(calls, tokens, rows, rate),
                 "parts": table.reset_index().to_dict(orient="records"),
             }
         )
-    return {"rows": rows, "rounds": out}
+    return {
+        "rows": rows,
+        "step_bytes": step_bytes,
+        "distinct_experts": float(np.mean(chosen)),
+        "rounds": out,
+    }
+
+
+def summary(res: dict) -> pd.DataFrame:
+    """The rounds side by side, slowest read first: the reads, tok/s, the step against the
+    memory roofline at the faster read (* where the two reads disagree), where the step's time
+    went, and the routed experts' and linear calls' GB/s against the faster read."""
+    rows = []
+    for rnd in sorted(res["rounds"], key=lambda r: max(r["read_gb_s"])):
+        read = max(rnd["read_gb_s"])
+        rows.append(
+            {
+                "round": rnd["round"],
+                "reads, GB/s": "{:.1f}, {:.1f}".format(*rnd["read_gb_s"]),
+                "tok/s": rnd["tok_s"],
+                "/ roofline": f"{rnd['roofline_ratio']:.2f}"
+                + ("" if anatomy.steady_reads(rnd) else "*"),
+                "µs a step": rnd["step_us"],
+                "in calls": rnd["in_calls_us"],
+                "outside": rnd["outside_us"],
+                "experts / read": rnd["experts_gb_s"] / read,
+                "linear / read": rnd["linear_gb_s"] / read,
+            }
+        )
+    return pd.DataFrame(rows).set_index("round")
+
+
+def detailed(rounds: list[dict]) -> list[dict]:
+    """The rounds whose calls the report details, slowest read first: all of up to two; of
+    more, those of the slowest and the fastest read among the rounds whose reads agree (all,
+    where none do)."""
+    read = lambda r: max(r["read_gb_s"])  # noqa: E731
+    if len(rounds) <= 2:
+        return sorted(rounds, key=read)
+    steady = [r for r in rounds if anatomy.steady_reads(r)] or rounds
+    ends = {min(steady, key=read)["round"], max(steady, key=read)["round"]}
+    return sorted((r for r in rounds if r["round"] in ends), key=read)
 
 
 def write(results: dict, args, stem: str) -> None:
@@ -163,8 +244,17 @@ def write(results: dict, args, stem: str) -> None:
         "steps, the read again.",
     ]
     for name, res in results.items():
-        lines += ["", f"## {name}", ""]
-        for rnd in res["rounds"]:
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            f"{res['step_bytes'] / 1e6:.1f} MB a step ({res['distinct_experts']:.1f} distinct "
+            "experts a layer). The rounds, slowest read first:",
+            "",
+            markdown_table(summary(res)),
+            "",
+        ]
+        for rnd in detailed(res["rounds"]):
             before, after = rnd["read_gb_s"]
             lines += [
                 f"Round {rnd['round']}: reads {before:.1f}, {after:.1f} GB/s; "
@@ -174,6 +264,14 @@ def write(results: dict, args, stem: str) -> None:
                 "",
             ]
     lines += [
+        "/ roofline: the step's bytes (weights as held, the experts the rows chose counted "
+        "once, the mean step's keys and values) over the faster read, against the step; in "
+        "calls: µs a step in the kernels' calls shared out among threads (those of every size: "
+        "the traced ones); outside: the rest of the step (XLA's ops, the kernels no call "
+        "shares out, the executor between ops, the host between bursts); experts / read and "
+        "linear / read: those calls' weights as float32 over their time (up to four rows), "
+        "against the faster read.",
+        "",
         "calls a step: over the round's steps; µs a call: the median, from the call's start to "
         "its return; shared: the calls a helper joined (the others, under ~512 KiB of work, run "
         "on the caller alone); scheduling: from the call's start to the caller's own first work "
@@ -183,7 +281,7 @@ def write(results: dict, args, stem: str) -> None:
         "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "
         "GB/s: the weight calls' weights as float32 over their time, all their calls together "
         "(up to four rows: one pass over the weights); / read: against the faster read of the "
-        "round."
+        "round.",
     ]
     write_report(RESULTS, stem, lines, results)
 

@@ -46,7 +46,6 @@ RESULTS = HERE / "results"
 MODULE = "jit__decode_burst"
 DUMP_FLAG = "--xla_dump_to="
 XLA_OPS_KEPT = 20  # XLA's costliest ops a round keeps, by µs a step
-AGREE = 0.9  # reads before and after a round this close agree
 OURS = "COLIBRI_ANATOMY_DUMP"  # set in the re-executed process: the dump folder it made
 
 
@@ -156,13 +155,6 @@ def ceiling(res: dict, label: str) -> float:
     calls where the build has them, else the FMA's."""
     dot = res.get("bf16_dot_gflop_s", 0.0)
     return dot if dot and "(bf16p rows)" in label else res.get("fma_gflop_s", 0.0)
-
-
-def steady_reads(rnd: dict) -> bool:
-    """Whether the reads before and after a round agree. Where they do not, the machine's
-    memory (which moved between ~30 and ~60 GB/s within seconds on the machines measured)
-    changed during the round; where they do, it may still have moved in between."""
-    return min(rnd["read_gb_s"]) >= AGREE * max(rnd["read_gb_s"])
 
 
 def table(res: dict, rnd: dict) -> list[dict]:
@@ -275,24 +267,24 @@ def write(results: dict, args, out: str) -> None:
             "/ roofline; profiled step): "
             + "; ".join(
                 f"{r['read_gb_s'][0]:.1f}, {r['read_gb_s'][1]:.1f} GB/s; {r['tok_s']:.1f}; "
-                f"{r['roofline_ratio']:.2f}{'' if steady_reads(r) else '*'}; "
+                f"{r['roofline_ratio']:.2f}{'' if anatomy.steady_reads(r) else '*'}; "
                 f"{r['profiled_step_us'] / 1e3:.2f} ms"
                 for r in rounds
             )
             + (
                 " (*: the reads disagree, the machine's bandwidth moved during the round)"
-                if not all(steady_reads(r) for r in rounds)
+                if not all(anatomy.steady_reads(r) for r in rounds)
                 else ""
             )
             + "."
         )
         lines.append("")
-        steady = [r for r in rounds if steady_reads(r)] or rounds
+        steady = [r for r in rounds if anatomy.steady_reads(r)] or rounds
         best = max(steady, key=lambda r: max(r["read_gb_s"]))
         lines.append(
             f"The round with the fastest read of those whose two reads agree within "
-            f"{1 - AGREE:.0%} (round {best['round']}, {max(best['read_gb_s']):.1f} GB/s"
-            f"{'' if steady_reads(best) else '; none agree'}), profiled:"
+            f"{1 - anatomy.AGREE:.0%} (round {best['round']}, {max(best['read_gb_s']):.1f} GB/s"
+            f"{'' if anatomy.steady_reads(best) else '; none agree'}), profiled:"
         )
         lines.append("")
         rows = table(res, best)

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import tiny
-from experiment_util import run_experiment
+from experiment_util import experiment, run_experiment
 
 from colibri import kernels
 from colibri.bench.kernel_calls import linear_call
@@ -58,7 +58,8 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
     out = tmp_path / "trace"
     args = ("--ckpt", str(ckpt), "--tokens", "20", "--prompt", "12", "--rounds", "1")
-    (rnd,) = run_experiment("call_trace", out, *args)["ckpt"]["rounds"]
+    res = run_experiment("call_trace", out, *args)["ckpt"]
+    (rnd,) = res["rounds"]
     parts = {p["part"]: p for p in rnd["parts"]}
     cfg = load_config(ckpt)
     assert parts["routed experts"]["calls a step"] == len(cfg.moe_layer_ids)
@@ -74,5 +75,42 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
         lm_head["GB/s"] / max(rnd["read_gb_s"])
     )
     assert np.isnan(parts["attention"]["GB/s"])
+    # The step: its time in the traced calls (every call's, parts together) and outside them.
+    assert rnd["step_us"] == pytest.approx(1e6 / rnd["tok_s"])
+    assert rnd["in_calls_us"] == pytest.approx(sum(p["µs a step"] for p in parts.values()))
+    assert 0 < rnd["in_calls_us"] < rnd["step_us"]
+    assert rnd["outside_us"] == pytest.approx(rnd["step_us"] - rnd["in_calls_us"])
+    assert rnd["roofline_ratio"] == pytest.approx(
+        rnd["tok_s"] * res["step_bytes"] / 1e9 / max(rnd["read_gb_s"])
+    )
+    experts = parts["routed experts"]
+    assert rnd["experts_gb_s"] == pytest.approx(experts["GB/s"])
     report = out.with_suffix(".md").read_text()
     assert "| routed experts |" in report and "ends apart" in report
+    assert "| / roofline |" in report and "| outside |" in report
+
+
+def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
+    ct = experiment("call_trace")
+    reads = [(30.0, 31.0), (50.0, 30.0), (45.0, 46.0), (25.0, 26.0), (60.0, 40.0)]
+    rounds = [
+        {
+            "round": i,
+            "read_gb_s": list(r),
+            "tok_s": 100.0,
+            "roofline_ratio": 0.9,
+            "step_us": 1e4,
+            "in_calls_us": 9e3,
+            "outside_us": 1e3,
+            "experts_gb_s": 30.0,
+            "linear_gb_s": 20.0,
+        }
+        for i, r in enumerate(reads)
+    ]
+    # Rounds 1 and 4 met the memory changing speed: not the fastest steady read's.
+    assert [r["round"] for r in ct.detailed(rounds)] == [3, 2]
+    assert [r["round"] for r in ct.detailed(rounds[:2])] == [0, 1]
+    table = ct.summary({"rounds": rounds})
+    assert list(table.index) == [3, 0, 2, 1, 4]  # slowest read first
+    assert table.loc[1, "/ roofline"] == "0.90*" and table.loc[2, "/ roofline"] == "0.90"
+    assert table.loc[2, "experts / read"] == pytest.approx(30.0 / 46.0)

@@ -240,6 +240,16 @@ def anatomy(events: list[dict], calls: dict[str, Kernel], module: str) -> Anatom
     )
 
 
+AGREE = 0.9  # reads before and after a round this close agree
+
+
+def steady_reads(rnd: dict) -> bool:
+    """Whether the reads before and after a round (its "read_gb_s") agree. Where they do not,
+    the machine's memory (which moved between ~30 and ~60 GB/s within seconds on the machines
+    measured) changed during the round; where they do, it may still have moved in between."""
+    return min(rnd["read_gb_s"]) >= AGREE * max(rnd["read_gb_s"])
+
+
 def decode_arguments(ap, rounds: int, out: str) -> None:
     """The arguments of the experiments that time decode steps (step_anatomy.py,
     call_trace.py): --shapes, --ckpt, --rows, --tokens, --prompt, --rounds, --out."""
