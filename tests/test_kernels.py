@@ -734,14 +734,14 @@ def test_prefill_attention_is_each_tokens_decode_attention(
         for t in range(tokens):
             one = kernels.attend(q[b, t][None], k, v, slots[b : b + 1], pos[b, t][None], scale)
             np.testing.assert_array_equal(np.asarray(one)[0], got[b, t])
-    want = attention._xla_attend(q, k, v, slots, pos, scale)
+    want = jax.jit(attention._xla_attend, static_argnums=5)(q, k, v, slots, pos, scale)
     np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-5)
 
-    def loss(f):
-        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, slots, pos, scale)))
+    def grads(f):  # (jitted: op by op, an example took ~4x as long)
+        loss = lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v, slots, pos, scale)))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
-    ours = jax.grad(loss(attention._native_attend), argnums=(0, 1, 2))(q, k, v)
-    xlas = jax.grad(loss(attention._xla_attend), argnums=(0, 1, 2))(q, k, v)
+    ours, xlas = grads(attention._native_attend), grads(attention._xla_attend)
     for a, b in zip(ours, xlas, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
