@@ -266,9 +266,10 @@ def write(results: dict, args, stem: str) -> None:
     lines += [
         "/ roofline: the step's bytes (weights as held, the experts the rows chose counted "
         "once, the mean step's keys and values) over the faster read, against the step; in "
-        "calls: µs a step in the kernels' calls shared out among threads (those of every size: "
-        "the traced ones); outside: the rest of the step (XLA's ops, the kernels no call "
-        "shares out, the executor between ops, the host between bursts); experts / read and "
+        "calls: µs a step in the calls of the kernels that share their work among threads "
+        "(the traced ones, the small calls they run on the caller alone too); outside: the "
+        "rest of the step (XLA's ops, the other kernels: norms, the routers' choice, the "
+        "greedy choice; the executor between ops, the host between bursts); experts / read and "
         "linear / read: those calls' weights as float32 over their time (up to four rows), "
         "against the faster read.",
         "",
