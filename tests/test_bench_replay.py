@@ -1,16 +1,18 @@
 """Side-by-side runs (colibri.bench.replay.alternate, experiments/bench_kernel_revs.py --probe):
 the versions take turns step by step, the probe runs before every pass, and the passes split at
-the median of the reads before them."""
+the median of the reads before them; the routes they replay are the engine's own."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import tiny
 from experiment_util import experiment
 
 from colibri import kernels
-from colibri.bench import replay
+from colibri.bench import anatomy, replay
 from colibri.bench.bandwidth import PassProbe
+from colibri.config import load_config
 
 
 class Done:
@@ -50,3 +52,22 @@ def test_passes_split_at_the_median_of_their_reads():
     assert slower["time / base (median of passes)"] == 0.99
     assert faster["passes"] == 3 and faster["GB/s"] == "31.0-50.0"
     assert faster["time / base (median of passes)"] == 0.92
+
+
+@pytest.mark.skipif(not kernels.available(), reason="bursts need the native kernels")
+def test_recorded_routes_are_the_engines_greedy_steps_one_forward_at_a_time(tmp_path):
+    from colibri.engine.model import load_model
+    from colibri.engine.runner import Row
+
+    ckpt = tiny.build("qwen3_moe", tmp_path / "ckpt")
+    cfg = load_config(ckpt)
+    rows, prompt = 2, 12
+    routes = replay.record_routes(ckpt, rows, prompt_len=prompt)
+    assert routes.shape == (replay.STEPS, len(cfg.moe_layer_ids), rows, cfg.moe.top_k)
+    runner, toks = anatomy.conversations(
+        load_model(ckpt, progress=False), rows, replay.STEPS, prompt, slots=rows
+    )
+    for i in range(replay.STEPS):
+        logits, step = runner.decode([Row(s, t, prompt + i) for s, t in enumerate(toks)])
+        np.testing.assert_array_equal(np.asarray(step)[:, :rows], routes[i])
+        toks = np.argmax(np.asarray(logits)[:rows], axis=-1).tolist()

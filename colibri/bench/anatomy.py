@@ -279,18 +279,21 @@ def checkpoints(args) -> dict[str, Path]:
     return {n: ensure_inputs(n)["colibri"] for n in args.shapes.split(",")}
 
 
-def conversations(model, rows: int, tokens: int, prompt_len: int) -> tuple:
+def conversations(
+    model, rows: int, tokens: int, prompt_len: int, slots: int | None = None
+) -> tuple:
     """(runner, firsts): a Runner with room for `rows` conversations of the prompt and
-    `tokens` more, conversation 0 prefilled with the peers benchmark's prompt and the others
-    sharing all but its last 8 tokens (conversations.other_conversations), and each one's
-    first greedy token, for decode_bursts."""
+    `tokens` more (in `slots` slots, by default 16 or `rows`, the more), conversation 0
+    prefilled with the peers benchmark's prompt and the others sharing all but its last 8
+    tokens (conversations.other_conversations), and each one's first greedy token, for
+    decode_bursts."""
     import numpy as np
 
     from colibri.bench.conversations import other_conversations, prompt_ids
     from colibri.engine.runner import Runner
 
     prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
-    runner = Runner(model, slots=max(16, rows), capacity=prompt_len + tokens + 8)
+    runner = Runner(model, slots=slots or max(16, rows), capacity=prompt_len + tokens + 8)
     logits, _ = runner.prefill(0, prompt)
     firsts = [int(np.argmax(logits))]
     if rows > 1:

@@ -13,29 +13,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from colibri import hugepages
+from colibri.bench import anatomy
 from colibri.bench.accounting import distinct_experts
-from colibri.bench.conversations import other_conversations, prompt_ids
 
 STEPS = 24
 
 
 def record_routes(ckpt: Path, rows: int, prompt_len: int = 128) -> np.ndarray:
-    """[steps, layers, rows, top_k] slot ids the routers chose, greedy from the prompt."""
+    """[steps, layers, rows, top_k] slot ids the routers chose, greedy from the prompt, in
+    `rows` conversations (anatomy.conversations, in as many slots) decoded in one burst."""
     from colibri.engine.model import load_model
-    from colibri.engine.runner import Row, Runner
 
     model = load_model(ckpt, progress=False)
-    runner = Runner(model, slots=rows, capacity=prompt_len + STEPS + 8)
-    prompt = prompt_ids(model.cfg.vocab_size, prompt_len)
-    logits, _ = runner.prefill(0, prompt)
-    toks = [int(np.argmax(logits)), *other_conversations(runner, prompt, rows)]
-    routes, done = [], 0
-    while done < STEPS:
-        at = [Row(s, toks[s], prompt_len + done) for s in range(rows)]
-        fwd = runner.decode_async(at, steps=STEPS - done)
-        greedy = fwd.tokens()
-        routes += list(fwd.result()[1])
-        toks, done = greedy[-1].tolist(), done + fwd.ran()
+    runner, firsts = anatomy.conversations(model, rows, STEPS, prompt_len, slots=rows)
+    routes: list = []
+    anatomy.decode_bursts(runner, firsts, prompt_len, STEPS, STEPS, routes)
     return np.asarray(routes)[:, :, :rows]
 
 
