@@ -35,8 +35,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri.bench import anatomy
-from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes
-from colibri.bench.bandwidth import probe_array, read_rate
+from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes, step_flops
+from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate
 from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
 from colibri.report import markdown_table, write_report
@@ -148,6 +148,13 @@ def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dic
     }
 
 
+def allowed(step_bytes: float, read: float, flops: float, ceiling: float) -> float:
+    """The most of the memory roofline (the step's bytes at `read` GB/s) a step can reach
+    where its multiply-adds at the cores' `ceiling` (GFLOP/s) take longer than its reads."""
+    reading, computing = step_bytes / read, flops / ceiling
+    return reading / max(reading, computing)
+
+
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:
     from colibri import kernels
     from colibri.engine.model import load_model
@@ -166,6 +173,8 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     step_bytes = held_step_bytes(model.params, model.experts, chosen) + kv_bytes(
         model.cfg, rows, prompt_len, tokens
     )
+    flops = step_flops(model.cfg, rows, prompt_len, tokens)
+    ceiling = fma_ceiling()
     names = linear_names(model.params, rows)
     probe = probe_array(1.0)
     out = []
@@ -182,6 +191,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                 "read_gb_s": [before, after],
                 "tok_s": rate,
                 "roofline_ratio": rate / rows * step_bytes / 1e9 / max(before, after),
+                "roofline_allowed": allowed(step_bytes, max(before, after), flops, ceiling),
                 "calls": len(calls),
                 **step_summary(calls, tokens, rows, rate),
                 "parts": table.reset_index().to_dict(orient="records"),
@@ -190,6 +200,8 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     return {
         "rows": rows,
         "step_bytes": step_bytes,
+        "step_flops": flops,
+        "fma_gflop_s": ceiling,
         "distinct_experts": float(np.mean(chosen)),
         "rounds": out,
     }
@@ -197,8 +209,9 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
 
 def summary(res: dict) -> pd.DataFrame:
     """The rounds side by side, slowest read first: the reads, tok/s, the step against the
-    memory roofline at the faster read (* where the two reads disagree), where the step's time
-    went, and the routed experts' and linear calls' GB/s against the faster read."""
+    memory roofline at the faster read (* where the two reads disagree) and the most of it the
+    step's arithmetic allows, where the step's time went, and the routed experts' and linear
+    calls' GB/s against the faster read."""
     rows = []
     for rnd in sorted(res["rounds"], key=lambda r: max(r["read_gb_s"])):
         read = max(rnd["read_gb_s"])
@@ -209,6 +222,7 @@ def summary(res: dict) -> pd.DataFrame:
                 "tok/s": rnd["tok_s"],
                 "/ roofline": f"{rnd['roofline_ratio']:.2f}"
                 + ("" if anatomy.steady_reads(rnd) else "*"),
+                "allowed": rnd["roofline_allowed"],
                 "µs a step": rnd["step_us"],
                 "in calls": rnd["in_calls_us"],
                 "outside": rnd["outside_us"],
@@ -249,7 +263,8 @@ def write(results: dict, args, stem: str) -> None:
             f"## {name}",
             "",
             f"{res['step_bytes'] / 1e6:.1f} MB a step ({res['distinct_experts']:.1f} distinct "
-            "experts a layer). The rounds, slowest read first:",
+            f"experts a layer), {res['step_flops'] / 1e9:.2f} GFLOP; the cores' multiply-adds "
+            f"{res['fma_gflop_s']:.0f} GFLOP/s. The rounds, slowest read first:",
             "",
             markdown_table(summary(res)),
             "",
@@ -265,7 +280,9 @@ def write(results: dict, args, stem: str) -> None:
             ]
     lines += [
         "/ roofline: the step's bytes (weights as held, the experts the rows chose counted "
-        "once, the mean step's keys and values) over the faster read, against the step; in "
+        "once, the mean step's keys and values) over the faster read, against the step; "
+        "allowed: the most of it a step can reach where its FLOPs at the cores' multiply-add "
+        "ceiling take longer than its reads (1: the reads bound it); in "
         "calls: µs a step in the calls of the kernels that share their work among threads "
         "(the traced ones, the small calls they run on the caller alone too); outside: the "
         "rest of the step (XLA's ops, the other kernels: norms, the routers' choice, the "

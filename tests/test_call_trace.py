@@ -83,11 +83,15 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     assert rnd["roofline_ratio"] == pytest.approx(
         rnd["tok_s"] * res["step_bytes"] / 1e9 / max(rnd["read_gb_s"])
     )
+    # Beside it, the most of the roofline the step's FLOPs at the cores' ceiling allow.
+    reading = res["step_bytes"] / max(rnd["read_gb_s"])
+    computing = res["step_flops"] / res["fma_gflop_s"]
+    assert rnd["roofline_allowed"] == pytest.approx(min(1.0, reading / computing))
     experts = parts["routed experts"]
     assert rnd["experts_gb_s"] == pytest.approx(experts["GB/s"])
     report = out.with_suffix(".md").read_text()
     assert "| routed experts |" in report and "ends apart" in report
-    assert "| / roofline |" in report and "| outside |" in report
+    assert "| / roofline |" in report and "| allowed |" in report and "| outside |" in report
 
 
 def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
@@ -99,6 +103,7 @@ def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
             "read_gb_s": list(r),
             "tok_s": 100.0,
             "roofline_ratio": 0.9,
+            "roofline_allowed": 1.0,
             "step_us": 1e4,
             "in_calls_us": 9e3,
             "outside_us": 1e3,
