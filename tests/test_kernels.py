@@ -927,14 +927,23 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
         _the_small_kernels_agree(lib, isa, rng)
 
 
+# kernels.tuning() on Zen 4: the engine's own build there, one build more elsewhere.
+ZEN4_TILES = {
+    "COLIBRI_TWO_GROUPS_ALONE_FROM": 384,
+    "COLIBRI_ONE_BLOCK_TO": 768,
+    "COLIBRI_ONE_INPUT_FETCH": 1024,
+}
+
+
 @pytest.mark.skipif(
     len(kernels.isa_levels()) < 2, reason="no AVX-512: no paired tiles, one group of inputs a pass"
 )
 def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     """Rows of 512 columns met by 9 to 24 inputs: two groups of inputs a pass, the whole row one
-    block (as builds for Intel cores take them: kernels.tuning), and a group at a time (the
-    headers' default) give the same bits, float32 and bfloat16 rows, linear and expert kernels;
-    and the products they should."""
+    block (as builds for Intel cores take them: kernels.tuning), two groups a pass only where
+    they are all the inputs (as Zen 4 builds take them), and a group at a time (the headers'
+    default) give the same bits, float32 and bfloat16 rows, linear and expert kernels; and the
+    products they should."""
     from colibri.formats import BF16, FLOAT32
 
     rng = np.random.default_rng(11)
@@ -947,6 +956,7 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     ids = {r: jnp.asarray(rng.integers(0, 6, (r, 4)), jnp.int32) for r in (16, 40)}
     xe = {r: jnp.asarray(rng.standard_normal((r, D)).astype(np.float32)) for r in (16, 40)}
     tiles = [{"COLIBRI_TWO_GROUPS_FROM": n} for n in (512, 513)]
+    tiles.append(ZEN4_TILES)
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe[r], ids[r]) for r in ids])
 
 
@@ -954,30 +964,33 @@ def test_rows_of_512_columns_two_groups_a_pass_give_the_same_bits():
     len(kernels.isa_levels()) < 2, reason="no AVX-512: no paired tiles, one group of inputs a pass"
 )
 def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
-    """Rows of 384 columns met by 9 to 16 inputs: two groups of inputs a pass, the whole row
-    one block (as builds for Intel cores take them: kernels.tuning), and a group at a time
-    (the headers' default) give the same bits, float32 and bfloat16 rows, linear and expert
-    kernels (qwen3_moe's down projections); and the products they should."""
+    """Rows of 384 columns met by 9 to 24 inputs: two groups of inputs a pass, the whole row
+    one block (as builds for Intel cores take them: kernels.tuning), two groups a pass only
+    where they are all the inputs (as Zen 4 builds take them), and a group at a time (the
+    headers' default) give the same bits, float32 and bfloat16 rows, linear and expert kernels
+    (qwen3_moe's down projections); and the products they should."""
     from colibri.formats import BF16, FLOAT32
 
     rng = np.random.default_rng(13)
     D, F = 768, 384
     mats = {f: jnp.asarray(_held_rows(f, rng, 70, F)) for f in (FLOAT32, BF16)}
-    xs = {r: jnp.asarray(rng.standard_normal((r, F)).astype(np.float32)) for r in (9, 16)}
+    xs = {r: jnp.asarray(rng.standard_normal((r, F)).astype(np.float32)) for r in (9, 16, 24)}
     gate, up = (jnp.asarray(_held_rows(FLOAT32, rng, 4 * F, D).reshape(4, F, D)) for _ in "gu")
     down = jnp.asarray(_held_rows(FLOAT32, rng, 4 * D, F).reshape(4, D, F))
     ids = jnp.asarray(rng.integers(0, 4, (16, 4)), jnp.int32)
     xe = jnp.asarray(rng.standard_normal((16, D)).astype(np.float32))
     tiles = [{"COLIBRI_TWO_GROUPS_FROM": n, "COLIBRI_ONE_BLOCK_TO": 768} for n in (384, 513)]
+    tiles.append(ZEN4_TILES)
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
 
 
 @pytest.mark.parametrize(
     ("cpuinfo", "tiles"),
     [
-        (  # Zen 4: rows of 768 columns whole, one input's rows 1 KiB ahead
+        (  # Zen 4: 9-16 inputs two groups a pass from 384 columns, rows of 768 columns whole,
+            # one input's rows 1 KiB ahead
             "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2 avx512f",
-            {"COLIBRI_ONE_BLOCK_TO": 768, "COLIBRI_ONE_INPUT_FETCH": 1024},
+            ZEN4_TILES,
         ),
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2", {}),  # Zen 3
         ("vendor_id\t: AuthenticAMD\ncpu family\t: 26\nflags\t\t: avx2 avx512f", {}),  # Zen 5
@@ -994,8 +1007,9 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
 )
 def test_tile_choices_follow_the_cpu(monkeypatch, cpuinfo, tiles):
     """kernels.tuning() reads the vendor, family and flags of the CPU id the library is keyed
-    by: Zen 4 alone among AMD cores takes rows of 768 columns whole and fetches one input's
-    rows ahead; an id without fields (no /proc/cpuinfo) takes the headers' defaults."""
+    by: Zen 4 alone among AMD cores takes 9 to 16 inputs two groups a pass from 384 columns,
+    rows of 768 columns whole and fetches one input's rows ahead; an id without fields (no
+    /proc/cpuinfo) takes the headers' defaults."""
     monkeypatch.setattr(kernels, "_cpu_id", lambda: cpuinfo)
     assert kernels.tuning() == tiles
 

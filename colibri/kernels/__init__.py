@@ -127,8 +127,9 @@ def tuning() -> dict[str, int]:
     (COLIBRI_TWO_GROUPS_FROM), rows of up to 768 columns go whole, a tile's rows a third of the
     matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows 4
     KiB ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows
-    of up to 768 columns go whole too, and one input's tiles prefetch 1 KiB ahead; elsewhere
-    the headers' defaults. Results are the same bits either way."""
+    of up to 768 columns go whole too, rows of 384 columns and more meet 9 to 16 inputs two
+    groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), and one input's tiles prefetch 1 KiB ahead;
+    elsewhere the headers' defaults. Results are the same bits either way."""
     cpu = _cpu_id()
     if "GenuineIntel" in cpu:
         return {
@@ -140,7 +141,11 @@ def tuning() -> dict[str, int]:
     fields = {k.strip(): v.split() for k, v in lines}
     zen4 = fields.get("cpu family") == ["25"] and "avx512f" in fields.get("flags", [])
     if "AuthenticAMD" in cpu and zen4:
-        return {"COLIBRI_ONE_BLOCK_TO": 768, "COLIBRI_ONE_INPUT_FETCH": 1024}
+        return {
+            "COLIBRI_TWO_GROUPS_ALONE_FROM": 384,
+            "COLIBRI_ONE_BLOCK_TO": 768,
+            "COLIBRI_ONE_INPUT_FETCH": 1024,
+        }
     return {}
 
 

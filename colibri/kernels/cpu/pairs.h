@@ -105,9 +105,9 @@ struct PackedOut {
   int64_t f0;
 };
 
-// Whether float32 and bfloat16 rows of L columns meet their inputs two groups a pass
-// (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would crowd L1.
-// At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
+// Whether float32 and bfloat16 rows of L columns met by `groups` groups of inputs take them two
+// groups a pass (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes)
+// would crowd L1. At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
 // 0.92-0.95x, at 2048 0.66-0.78x (AMD; docs/kernels.md, "Two groups a pass"). Builds for Intel
 // cores take rows of 384 and 512 columns two groups a pass too, in one block (kernels.tuning
 // passes COLIBRI_TWO_GROUPS_FROM=384): there a core's tiles compute from DRAM at 0.6 of their
@@ -115,10 +115,22 @@ struct PackedOut {
 // waited on memory (16-row expert calls on the olmoe shape 0.92-0.96x the time, on qwen3_moe's
 // 384-column down projections 0.965x; docs/kernels.md, "An Intel Xeon with AMX", "Rows of 384
 // columns two groups a pass").
+// Builds for Zen 4 take rows from 384 columns two groups a pass where those two groups are all
+// the inputs, 9 to 16 (kernels.tuning passes COLIBRI_TWO_GROUPS_ALONE_FROM=384): the rows then
+// stream from memory once instead of once for each group, the first group's pass waiting on
+// memory (expert calls at 9 to 16 rows 0.89-0.955x the time on the olmoe shape, 0.98-0.99x on
+// qwen3_moe's); more groups find the rows in L2 after the first pass, and a 128-token prefill's
+// expert calls with every pair of groups so taken took 1.03x (docs/kernels.md, "Two groups a
+// pass on Zen 4").
 #ifndef COLIBRI_TWO_GROUPS_FROM
 #define COLIBRI_TWO_GROUPS_FROM 513
 #endif
-constexpr bool two_groups_a_pass(int64_t L) { return L >= COLIBRI_TWO_GROUPS_FROM; }
+#ifndef COLIBRI_TWO_GROUPS_ALONE_FROM
+#define COLIBRI_TWO_GROUPS_ALONE_FROM COLIBRI_TWO_GROUPS_FROM
+#endif
+constexpr bool two_groups_a_pass(int64_t L, int64_t groups) {
+  return L >= COLIBRI_TWO_GROUPS_FROM || (groups <= 2 && L >= COLIBRI_TWO_GROUPS_ALONE_FROM);
+}
 
 // Rows of up to this many columns meet their two groups of inputs a tile of rows a third of
 // the matrix apart at a time, each row whole (TwoGroups::walk); longer ones block by block of
@@ -142,7 +154,7 @@ template <typename T>
 constexpr bool long_items(const T*, int64_t inputs, int64_t L) {
   if (inputs <= 4) return true;
   if constexpr (kPairs && !kScaled<T> && !kProducts<T>)
-    return inputs <= Packed::kGroup || (inputs <= 2 * Packed::kGroup && two_groups_a_pass(L));
+    return inputs <= Packed::kGroup || (inputs <= 2 * Packed::kGroup && two_groups_a_pass(L, 2));
   return false;
 }
 
@@ -402,7 +414,7 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
     for (int64_t g = 0; g < x.groups();) {  // two groups over every row, then the next
       int64_t n = 1;
       if constexpr (TW == 3) {
-        if (g + 1 < x.groups() && two_groups_a_pass(L)) {
+        if (g + 1 < x.groups() && two_groups_a_pass(L, x.groups())) {
           switch (x.pairs(g + 1)) {
 #define COLIBRI_TWO(p)                                               \
   case p:                                                            \
