@@ -87,11 +87,16 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     reading = res["step_bytes"] / max(rnd["read_gb_s"])
     computing = res["step_flops"] / res["fma_gflop_s"]
     assert rnd["roofline_allowed"] == pytest.approx(min(1.0, reading / computing))
+    # And at the rate the kernels' own tiles computed 16 inputs from DRAM that round.
+    assert rnd["tiles_gflop_s"] > 0
+    tiles = res["step_flops"] / rnd["tiles_gflop_s"]
+    assert rnd["tiles_allowed"] == pytest.approx(min(1.0, reading / tiles))
     experts = parts["routed experts"]
     assert rnd["experts_gb_s"] == pytest.approx(experts["GB/s"])
     report = out.with_suffix(".md").read_text()
     assert "| routed experts |" in report and "ends apart" in report
     assert "| / roofline |" in report and "| allowed |" in report and "| outside |" in report
+    assert "| tiles allow |" in report and "their tiles from DRAM" in report
 
 
 def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
@@ -104,6 +109,8 @@ def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
             "tok_s": 100.0,
             "roofline_ratio": 0.9,
             "roofline_allowed": 1.0,
+            "tiles_gflop_s": 150.0,
+            "tiles_allowed": 1.0,
             "step_us": 1e4,
             "in_calls_us": 9e3,
             "outside_us": 1e3,
