@@ -106,15 +106,15 @@ struct PackedOut {
 };
 
 // Whether float32 and bfloat16 rows of L columns met by `groups` groups of inputs take them two
-// groups a pass (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes)
-// would crowd L1. At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
+// groups a pass (TwoGroups): rows longer than 512 columns, where sixteen inputs (64 L bytes) would
+// crowd L1. At 512 columns two groups a pass took 1.03-1.10x the time of a group at a time; at 768
 // 0.92-0.95x, at 2048 0.66-0.78x (AMD; docs/kernels.md, "Two groups a pass"). Builds for Intel
-// cores take rows of 384 and 512 columns two groups a pass too, in one block (kernels.tuning
-// passes COLIBRI_TWO_GROUPS_FROM=384): there a core's tiles compute from DRAM at 0.6 of their
-// rate from L2, and a group at a time left the arithmetic idle while the first group's pass
-// waited on memory (16-row expert calls on the olmoe shape 0.92-0.96x the time, on qwen3_moe's
-// 384-column down projections 0.965x; docs/kernels.md, "An Intel Xeon with AMX", "Rows of 384
-// columns two groups a pass").
+// cores take rows of 384 and 512 columns two groups a pass too, in one block (kernels.tuning passes
+// COLIBRI_TWO_GROUPS_FROM=384): there a core's tiles compute from DRAM at 0.6 of their rate from
+// L2, and a group at a time left the arithmetic idle while the first group's pass waited on memory
+// (16-row expert calls on the olmoe shape 0.92-0.96x the time, on qwen3_moe's 384-column down
+// projections 0.965x; docs/kernels.md, "An Intel Xeon with AMX", "Rows of 384 columns two groups a
+// pass").
 // Builds for Zen 4 take rows from 384 columns two groups a pass where those two groups are all
 // the inputs, 9 to 16 (kernels.tuning passes COLIBRI_TWO_GROUPS_ALONE_FROM=384): the rows then
 // stream from memory once instead of once for each group, the first group's pass waiting on
