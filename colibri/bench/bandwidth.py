@@ -126,27 +126,32 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     }
 
 
+@jax.jit
+def _linear_over(x: jax.Array, ws: list) -> list:
+    """colibri's linear kernel on x over every matrix of ws, in one program (a value of each
+    kept, so that every call runs)."""
+    return [kernels.linear(x, w)[0, 0] for w in ws]
+
+
 def tiles_rate(
     a: np.ndarray, columns: int, rows: int = 16, repeats: int = 2, chunk_rows: int = 8192
 ) -> float:
     """GFLOP/s of colibri's linear kernel on `rows` inputs over `a` (a probe_array: from DRAM)
-    taken as matrices of `chunk_rows` rows of `columns` floats (an lm_head's size: one call
-    over the whole GiB spent a fifth of its time faulting in its output's fresh pages), one
-    program calling the kernel on each, the best of `repeats`: what the cores' tiles compute
-    when every weight meets that many inputs as it streams in, the rate a many-row step's
-    arithmetic can go at (0 without the kernels)."""
+    taken as matrices of `chunk_rows` rows of `columns` floats (an lm_head's size: one call over
+    the whole GiB would also time the faults of its output's fresh pages), the best of
+    `repeats`: what the cores' tiles compute when every weight meets that many inputs as it
+    streams in, the rate a many-row step's arithmetic can go at (0 without the kernels)."""
     if not kernels.available():
         return 0.0
     n = a.size // (chunk_rows * columns)
     flat = a[: n * chunk_rows * columns].reshape(n, chunk_rows, columns)
     ws = [jax.device_put(m) for m in flat]  # the same memory (aligned: no copy)
     x = jnp.ones((rows, columns), jnp.float32)
-    calls = jax.jit(lambda x, ws: [kernels.linear(x, w)[0, 0] for w in ws])
-    jax.block_until_ready(calls(x, ws))
+    jax.block_until_ready(_linear_over(x, ws))  # compiled on the first call of each shape
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()
-        jax.block_until_ready(calls(x, ws))
+        jax.block_until_ready(_linear_over(x, ws))
         best = max(best, rows * 2 * flat.size / (time.perf_counter() - t) / 1e9)
     return best
 
