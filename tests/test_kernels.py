@@ -932,6 +932,7 @@ ZEN4_TILES = {
     "COLIBRI_TWO_GROUPS_ALONE_FROM": 384,
     "COLIBRI_ONE_BLOCK_TO": 768,
     "COLIBRI_ONE_INPUT_FETCH": 1024,
+    "COLIBRI_HELD_PAIRS": 0,
 }
 
 
@@ -984,11 +985,56 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
 
 
+@pytest.mark.skipif(len(kernels.isa_levels()) < 2, reason="no AVX-512: no row pairs")
+def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
+    """Held rows (int4 with and without zero points, int8, FP8) met by one to four inputs:
+    the row pairs (two rows a 512-bit vector: the headers' default) and the 8-lane tiles (as
+    Zen 4 builds take them: kernels.tuning) give the same bits, in blocks of 8, 32 and 128
+    columns, linear and expert kernels (up to four rows an expert); and the products of the
+    rows widened to float32."""
+    from colibri.bench.kernel_calls import expert_call, registered
+
+    rng = np.random.default_rng(17)
+    held = [f for f in FORMATS if f.scaled]
+    results = []
+    for pairs in (1, 0):
+        lib = kernels.build(tiles={"COLIBRI_HELD_PAIRS": pairs})
+        experts = expert_call(lib, f"colibri_held_pairs_{pairs}_experts")
+        rng = np.random.default_rng(17)  # the same weights and inputs for both builds
+        got = []
+        for f in held:
+            target = f"colibri_held_pairs_{pairs}_linear{f.suffix}"
+            registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
+            for cols, block in ((96, 8), (96, 32), (256, 128)):
+                rows_held = _held_rows(f, rng, 70, cols, block)
+                w = jnp.asarray(rows_held)
+                for rows in (1, 2, 3, 4):
+                    x = rng.standard_normal((rows, cols)).astype(np.float32)
+                    out = jax.ShapeDtypeStruct((rows, 70), jnp.float32)
+                    mine = np.asarray(
+                        jax.ffi.ffi_call(target, out, vmap_method="sequential")(jnp.asarray(x), w)
+                    )
+                    wide = np.asarray(f.unpack(w, cols), np.float64)
+                    np.testing.assert_allclose(mine, x @ wide.T, rtol=1e-4, atol=1e-4)
+                    got.append(mine)
+            gate, up = (
+                jnp.asarray(_held_rows(f, rng, 6 * 48, 96, 32).reshape(6, 48, -1)) for _ in "gu"
+            )
+            down = jnp.asarray(_held_rows(f, rng, 6 * 96, 48, 16).reshape(6, 96, -1))
+            for rows in (1, 2, 4):
+                x = jnp.asarray(rng.standard_normal((rows, 96)).astype(np.float32))
+                ids = jnp.asarray(rng.integers(0, 6, (rows, 2)), jnp.int32)
+                got.append(np.asarray(experts(gate, up, down, x, ids)))
+        results.append(got)
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("cpuinfo", "tiles"),
     [
         (  # Zen 4: 9-16 inputs two groups a pass from 384 columns, rows of 768 columns whole,
-            # one input's rows 1 KiB ahead
+            # one input's rows 1 KiB ahead, held rows' one to four inputs in 8 lanes
             "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2 avx512f",
             ZEN4_TILES,
         ),
@@ -1008,8 +1054,9 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
 def test_tile_choices_follow_the_cpu(monkeypatch, cpuinfo, tiles):
     """kernels.tuning() reads the vendor, family and flags of the CPU id the library is keyed
     by: Zen 4 alone among AMD cores takes 9 to 16 inputs two groups a pass from 384 columns,
-    rows of 768 columns whole and fetches one input's rows ahead; an id without fields (no
-    /proc/cpuinfo) takes the headers' defaults."""
+    rows of 768 columns whole, fetches one input's rows ahead and takes held rows' one to four
+    inputs in the 8-lane tiles; an id without fields (no /proc/cpuinfo) takes the headers'
+    defaults."""
     monkeypatch.setattr(kernels, "_cpu_id", lambda: cpuinfo)
     assert kernels.tuning() == tiles
 

@@ -128,8 +128,10 @@ def tuning() -> dict[str, int]:
     matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows 4
     KiB ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows
     of up to 768 columns go whole too, rows of 384 columns and more meet 9 to 16 inputs two
-    groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), and one input's tiles prefetch 1 KiB ahead;
-    elsewhere the headers' defaults. Results are the same bits either way."""
+    groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), one input's tiles prefetch 1 KiB ahead,
+    and held rows (int4, int8, FP8) meet one to four inputs in the 8-lane tiles instead of the
+    row pairs (COLIBRI_HELD_PAIRS); elsewhere the headers' defaults. Results are the same bits
+    either way."""
     cpu = _cpu_id()
     if "GenuineIntel" in cpu:
         return {
@@ -145,6 +147,7 @@ def tuning() -> dict[str, int]:
             "COLIBRI_TWO_GROUPS_ALONE_FROM": 384,
             "COLIBRI_ONE_BLOCK_TO": 768,
             "COLIBRI_ONE_INPUT_FETCH": 1024,
+            "COLIBRI_HELD_PAIRS": 0,
         }
     return {}
 

@@ -24,6 +24,13 @@
 // Intel Xeon, 1.04-1.13x on AMD Zen 4, where 1 KiB ahead took 0.95-0.97x (docs/kernels.md,
 // "One input's rows fetched ahead", "One input's rows 1 KiB ahead on Zen 4"); kernels.tuning
 // passes 4096 for Intel cores, 1024 for Zen 4.
+// Held rows (int4, int8, FP8) met by one to four inputs go through the row pairs of AVX-512
+// builds (row_pair_dots), or, at 0, through the 8-lane tiles (`dots`): on Zen 4, whose 512-bit
+// operations each take a pair of its 256-bit pipes, the 8-lane tiles made the weights faster
+// (kernels.tuning(); docs/kernels.md, "Held rows in 8 lanes on Zen 4").
+#ifndef COLIBRI_HELD_PAIRS
+#define COLIBRI_HELD_PAIRS 1
+#endif
 #ifndef COLIBRI_ONE_INPUT_FETCH
 #define COLIBRI_ONE_INPUT_FETCH 0
 #endif
@@ -153,16 +160,73 @@ inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, floa
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+// One step of `looked_up_dots`: the eight weights of each row from column c, looked up in its
+// block's table (lo, hi: its halves) by a broadcast word, a per-lane shift and a two-table
+// 256-bit permute (formats.h's looked_up8), then multiplied in.
+template <int TR, typename Q, size_t... I>
+__attribute__((always_inline)) inline void looked_up_step(const Q* const* w,
+                                                          const float* const* x, int64_t c,
+                                                          const __m256* lo, const __m256* hi,
+                                                          v8 (*acc)[TR],
+                                                          std::index_sequence<I...>) {
+  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const auto weights = [&](int i) __attribute__((always_inline)) {
+    uint32_t word;
+    std::memcpy(&word, reinterpret_cast<const uint8_t*>(w[i]) + c / 2, sizeof word);
+    const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift);
+    return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i]));
+  };
+  multiply_add<TR>(acc, x, c, weights(I)...);
+}
+
+// scaled_dots over int4 rows, their weights looked up rather than made: each block's sixteen
+// weights of a row made once (block_table), each step's by a shift and a permute of 256 bits.
+// The same weights and multiply-adds in the same order: the same bits.
+template <int TW, int TR, typename Q>
+inline void looked_up_dots(const Q* const* w, const float* const* x, int64_t L, float* out,
+                           int64_t blk) {
+  v8 acc[TW][TR];
+  for (int i = 0; i < TW; ++i)
+    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
+  const int64_t vb = value_bytes(w[0], L), nb = L / blk;
+  for (int64_t c0 = 0; c0 < L; c0 += blk) {
+    __m256 lo[TW], hi[TW];
+    for (int i = 0; i < TW; ++i) {
+      const __m512 table = block_table(w[i], vb, nb, c0 / blk);
+      lo[i] = _mm512_castps512_ps256(table);
+      hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
+    }
+    for (int64_t c = c0; c < c0 + blk; c += 8) {
+      const int64_t at = c / 2;
+      if (at % 64 == 0)
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 1024, 0, 3);
+      looked_up_step<TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
+    }
+  }
+  hsums<TW * TR>(&acc[0][0], out);
+}
+#endif
+
 template <int TW, int TR>
 inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* out,
                  int64_t blk) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  looked_up_dots<TW, TR>(w, x, L, out, blk);
+#else
   scaled_dots<TW, TR>(w, x, L, out, blk);
+#endif
 }
 
 template <int TW, int TR>
 inline void dots(const Int4Z* const* w, const float* const* x, int64_t L, float* out,
                  int64_t blk) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  looked_up_dots<TW, TR>(w, x, L, out, blk);
+#else
   scaled_dots<TW, TR>(w, x, L, out, blk);
+#endif
 }
 
 template <int TW, int TR>
@@ -632,7 +696,7 @@ void matvecs(const T* W, int64_t R, int64_t L, const float* const* x, int64_t r,
   if (ld == 0) ld = L;
   if (r <= 0) return;
 #if COLIBRI_ROW_PAIRS
-  if constexpr (kRowPairs<T>) {
+  if constexpr (COLIBRI_HELD_PAIRS && kRowPairs<T>) {
     if (r == 1) return matvecs_tile<8, 1, true>(W, R, L, ld, x, emit, blk);
     if (r == 2) return matvecs_tile<8, 2, true>(W, R, L, ld, x, emit, blk);
     if (r == 3) return matvecs_tile<6, 3, true>(W, R, L, ld, x, emit, blk);
