@@ -171,9 +171,60 @@ Rate peak(int core, double seconds) {
 // tile of eight rows, their bytes already in registers (each pair's made anew a step by an
 // empty asm, so that nothing is hoisted). The rate a core's widening allows one input at most
 // (GB/s of the rows as held): the loads, and the broadcasts that bring int4's bytes in, cost
-// more.
+// more. Builds that keep held rows out of the row pairs (COLIBRI_HELD_PAIRS=0: Zen 4) do per
+// eight weights of a row what the 8-lane tiles do: int8 a zero-extension, a conversion and two
+// multiply-adds (scaled8); int4 a per-lane shift, a two-table 256-bit permute and a
+// multiply-add (looked_up_dots), the word already broadcast; eight rows.
 Rate widen_peak(Held held, int core, double seconds) {
   pin(core);
+#if !COLIBRI_HELD_PAIRS
+  {
+    constexpr int TW = 8;
+    __m256i bytes[TW];
+    __m256 lo[TW], hi[TW];
+    v8 acc[TW], scale = v8{} + 1.0f / 128, offset = v8{} - 1.0f;
+    const v8 xv = v8{} + 0.5f;
+    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int i = 0; i < TW; ++i) {
+      bytes[i] = _mm256_set1_epi32(0x01020304 * (i + 1));
+      lo[i] = _mm256_set1_ps(1.0f / 128);
+      hi[i] = _mm256_set1_ps(-1.0f);
+      acc[i] = v8{};
+    }
+    int64_t rounds = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    double s = 0;
+    using seconds_f = std::chrono::duration<double>;
+    const auto round = [&](auto int8) __attribute__((always_inline)) {
+#pragma GCC unroll 8
+      for (int i = 0; i < TW; ++i) {
+        __m256i b = bytes[i];
+        asm volatile("" : "+v"(b));  // made anew each round, as if loaded
+        if constexpr (decltype(int8)::value) {
+          const __m256i q = _mm256_cvtepu8_epi32(_mm256_castsi256_si128(b));
+          const v8 w = fma8(reinterpret_cast<v8>(_mm256_cvtepi32_ps(q)), scale, offset);
+          acc[i] = fma8(w, xv, acc[i]);
+        } else {
+          const __m256i q = _mm256_srlv_epi32(b, shift);
+          acc[i] = fma8(reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i])), xv,
+                        acc[i]);
+        }
+      }
+    };
+    for (; s < seconds; s = seconds_f(std::chrono::steady_clock::now() - t0).count())
+      for (int n = 0; n < 10000; ++n, ++rounds) {
+        if (held == Held::kInt8)
+          round(std::true_type{});
+        else
+          round(std::false_type{});
+      }
+    float sum = 0;
+    for (int i = 0; i < TW; ++i) sum += acc[i][0];
+    if (sum == 42.0f) std::printf("#\n");  // keeps the sums
+    const double weights = double(rounds) * TW * 8 / s;  // TW rows, 8 columns a round
+    return {weights * row_bytes(held, kBlock) / kBlock / 1e9, weights * 2 / 1e9};
+  }
+#endif
   constexpr int TP = 4;
   __m512i both[TP], pick[4];
   v16 acc[TP], xv = v16{} + 0.5f;

@@ -11,8 +11,9 @@ streaming and its arithmetic at once. Cases, each thread pinned to a core, each 
 - one core multiply-adds: twelve independent chains of 8 lanes, nothing loaded (the arithmetic
   ceiling; where the build has 512-bit vectors and they are faster, kernels.fma_peak's on them);
 - with --held int8 or int4 on builds with AVX-512 VBMI, one core widens: the operations the
-  one-input tiles spend on each weight (making it from its bits, multiplying it in), in
-  registers with nothing loaded: the most one input over such rows can stream a core;
+  one-input tiles spend on each weight (making it from its bits, multiplying it in: the row
+  pairs', or the 8-lane tiles' where the build keeps held rows out of the pairs, as on Zen 4),
+  in registers with nothing loaded: the most one input over such rows can stream a core;
 - one core streams: one input, the weights in L2 (what the tiles do at one row when memory
   keeps up), then from DRAM;
 - one core computes: --inputs inputs, the weights in L2 (arithmetic only), then from DRAM;
