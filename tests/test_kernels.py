@@ -994,7 +994,6 @@ def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
     rows widened to float32."""
     from colibri.bench.kernel_calls import expert_call, registered
 
-    rng = np.random.default_rng(17)
     held = [f for f in FORMATS if f.scaled]
     results = []
     for pairs in (1, 0):
