@@ -121,6 +121,49 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+// One step of `looked_up_block`: the eight weights of each row from column c, looked up in its
+// block's table (lo, hi: its halves) by a broadcast word, a per-lane shift and a two-table
+// 256-bit permute (formats.h's looked_up8), then multiplied in.
+template <int TR, typename Q, size_t... I>
+__attribute__((always_inline)) inline void looked_up_step(const Q* const* w,
+                                                          const float* const* x, int64_t c,
+                                                          const __m256* lo, const __m256* hi,
+                                                          v8 (*acc)[TR],
+                                                          std::index_sequence<I...>) {
+  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const auto weights = [&](int i) __attribute__((always_inline)) {
+    uint32_t word;
+    std::memcpy(&word, reinterpret_cast<const uint8_t*>(w[i]) + c / 2, sizeof word);
+    const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift);
+    return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i]));
+  };
+  multiply_add<TR>(acc, x, c, weights(I)...);
+}
+
+// Columns [c0, c0 + blk) of `scaled_dots` over int4 rows, their weights looked up rather than
+// made: the block's sixteen weights of each row made once (block_table), each step's by a
+// shift and a permute of 256 bits. The same weights and multiply-adds in the same order: the
+// same bits.
+template <int TW, int TR, typename Q>
+inline void looked_up_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
+                            int64_t vb, int64_t nb, v8 (*acc)[TR]) {
+  __m256 lo[TW], hi[TW];
+  for (int i = 0; i < TW; ++i) {
+    const __m512 table = block_table(w[i], vb, nb, c0 / blk);
+    lo[i] = _mm512_castps512_ps256(table);
+    hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
+  }
+  for (int64_t c = c0; c < c0 + blk; c += 8) {
+    const int64_t at = c / 2;
+    if (at % 64 == 0)  // once a cache line, 1 KiB ahead into L1
+      for (int i = 0; i < TW; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 1024, 0, 3);
+    looked_up_step<TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
+  }
+}
+#endif
+
 // The same over scaled rows: w[i] is a row's L values (value_bytes of them), its L / blk
 // float32 block scales right after them (L a multiple of blk, blk of 8; Int4Z: then as many
 // offsets). Each weight is widened and scaled as it is loaded, then the same multiply-adds in
@@ -133,6 +176,12 @@ inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, flo
     for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
   const int64_t vb = value_bytes(w[0], L), nb = L / blk;
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    if constexpr (kNibbles<Q>) {  // int4 weights looked up (AVX-512's 256-bit permutes)
+      looked_up_block<TW, TR>(w, x, c0, blk, vb, nb, acc);
+      continue;
+    }
+#endif
     v8 scale[TW], offset[TW];
     bool huge = false;
     for (int i = 0; i < TW; ++i) {
@@ -160,73 +209,16 @@ inline void dots(const uint8_t* const* w, const float* const* x, int64_t L, floa
   scaled_dots<TW, TR>(w, x, L, out, blk);
 }
 
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-// One step of `looked_up_dots`: the eight weights of each row from column c, looked up in its
-// block's table (lo, hi: its halves) by a broadcast word, a per-lane shift and a two-table
-// 256-bit permute (formats.h's looked_up8), then multiplied in.
-template <int TR, typename Q, size_t... I>
-__attribute__((always_inline)) inline void looked_up_step(const Q* const* w,
-                                                          const float* const* x, int64_t c,
-                                                          const __m256* lo, const __m256* hi,
-                                                          v8 (*acc)[TR],
-                                                          std::index_sequence<I...>) {
-  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const auto weights = [&](int i) __attribute__((always_inline)) {
-    uint32_t word;
-    std::memcpy(&word, reinterpret_cast<const uint8_t*>(w[i]) + c / 2, sizeof word);
-    const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift);
-    return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i]));
-  };
-  multiply_add<TR>(acc, x, c, weights(I)...);
-}
-
-// scaled_dots over int4 rows, their weights looked up rather than made: each block's sixteen
-// weights of a row made once (block_table), each step's by a shift and a permute of 256 bits.
-// The same weights and multiply-adds in the same order: the same bits.
-template <int TW, int TR, typename Q>
-inline void looked_up_dots(const Q* const* w, const float* const* x, int64_t L, float* out,
-                           int64_t blk) {
-  v8 acc[TW][TR];
-  for (int i = 0; i < TW; ++i)
-    for (int j = 0; j < TR; ++j) acc[i][j] = v8{};
-  const int64_t vb = value_bytes(w[0], L), nb = L / blk;
-  for (int64_t c0 = 0; c0 < L; c0 += blk) {
-    __m256 lo[TW], hi[TW];
-    for (int i = 0; i < TW; ++i) {
-      const __m512 table = block_table(w[i], vb, nb, c0 / blk);
-      lo[i] = _mm512_castps512_ps256(table);
-      hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
-    }
-    for (int64_t c = c0; c < c0 + blk; c += 8) {
-      const int64_t at = c / 2;
-      if (at % 64 == 0)
-        for (int i = 0; i < TW; ++i)
-          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 1024, 0, 3);
-      looked_up_step<TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
-    }
-  }
-  hsums<TW * TR>(&acc[0][0], out);
-}
-#endif
-
 template <int TW, int TR>
 inline void dots(const Int4* const* w, const float* const* x, int64_t L, float* out,
                  int64_t blk) {
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-  looked_up_dots<TW, TR>(w, x, L, out, blk);
-#else
   scaled_dots<TW, TR>(w, x, L, out, blk);
-#endif
 }
 
 template <int TW, int TR>
 inline void dots(const Int4Z* const* w, const float* const* x, int64_t L, float* out,
                  int64_t blk) {
-#if defined(__AVX512F__) && defined(__AVX512VL__)
-  looked_up_dots<TW, TR>(w, x, L, out, blk);
-#else
   scaled_dots<TW, TR>(w, x, L, out, blk);
-#endif
 }
 
 template <int TW, int TR>
