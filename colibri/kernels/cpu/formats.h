@@ -255,15 +255,20 @@ inline __m512 block_table(const Q* w, int64_t vb, int64_t nb, int64_t k) {
     return reinterpret_cast<__m512>((q - 8.0f) * held(at + k));
 }
 
-// The eight weights of an int4 row from column c, looked up in their block's table.
-inline v8 looked_up8(const void* w, int64_t c, __m512 table) {
+// The eight weights of an int4 row from column c, looked up in their block's table, given as
+// its halves (lo, hi: tiles keep them split for the block's steps), or whole.
+inline v8 looked_up8(const void* w, int64_t c, __m256 lo, __m256 hi) {
   uint32_t word;
   std::memcpy(&word, static_cast<const uint8_t*>(w) + c / 2, sizeof word);
   const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(word), shift);
-  const __m256 lo = _mm512_castps512_ps256(table),
-               hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
   return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo, q, hi));
+}
+inline __m256 upper_half(__m512 table) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
+}
+inline v8 looked_up8(const void* w, int64_t c, __m512 table) {
+  return looked_up8(w, c, _mm512_castps512_ps256(table), upper_half(table));
 }
 
 // Sixteen weights of a row from column c, as looked_up8 and scaled8 make eight (the same

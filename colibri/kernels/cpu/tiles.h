@@ -123,22 +123,14 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 // One step of `looked_up_block`: the eight weights of each row from column c, looked up in its
-// block's table (lo, hi: its halves) by a broadcast word, a per-lane shift and a two-table
-// 256-bit permute (formats.h's looked_up8), then multiplied in.
+// block's table (lo, hi: its halves; formats.h's looked_up8), then multiplied in.
 template <int TR, typename Q, size_t... I>
 __attribute__((always_inline)) inline void looked_up_step(const Q* const* w,
                                                           const float* const* x, int64_t c,
                                                           const __m256* lo, const __m256* hi,
                                                           v8 (*acc)[TR],
                                                           std::index_sequence<I...>) {
-  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const auto weights = [&](int i) __attribute__((always_inline)) {
-    uint32_t word;
-    std::memcpy(&word, reinterpret_cast<const uint8_t*>(w[i]) + c / 2, sizeof word);
-    const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)), shift);
-    return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i]));
-  };
-  multiply_add<TR>(acc, x, c, weights(I)...);
+  multiply_add<TR>(acc, x, c, looked_up8(w[I], c, lo[I], hi[I])...);
 }
 
 // Columns [c0, c0 + blk) of `scaled_dots` over int4 rows, their weights looked up rather than
@@ -152,7 +144,7 @@ inline void looked_up_block(const Q* const* w, const float* const* x, int64_t c0
   for (int i = 0; i < TW; ++i) {
     const __m512 table = block_table(w[i], vb, nb, c0 / blk);
     lo[i] = _mm512_castps512_ps256(table);
-    hi[i] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
+    hi[i] = upper_half(table);
   }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     const int64_t at = c / 2;
