@@ -11,7 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -933,7 +933,6 @@ ZEN4_TILES = {
     "COLIBRI_ONE_BLOCK_TO": 768,
     "COLIBRI_ONE_INPUT_FETCH": 1024,
     "COLIBRI_HELD_PAIRS": 0,
-    "COLIBRI_KEY_PAIRS": 0,
 }
 
 
@@ -986,14 +985,6 @@ def test_rows_of_384_columns_two_groups_a_pass_give_the_same_bits():
     _builds_agree(tiles, mats, xs, [(gate, up, down, xe, ids)])
 
 
-@cache
-def _pairs_library(pairs: int):
-    """A library whose held rows' one to four inputs and attention's keys for two to four
-    heads go in row pairs (1: the headers' default) or in the 8-lane tiles (0), the rest at
-    the headers' defaults; built once for the tests that compare the two."""
-    return kernels.build(tiles={"COLIBRI_HELD_PAIRS": pairs, "COLIBRI_KEY_PAIRS": pairs})
-
-
 @pytest.mark.skipif(len(kernels.isa_levels()) < 2, reason="no AVX-512: no row pairs")
 def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
     """Held rows (int4 with and without zero points, int8, FP8) met by one to four inputs:
@@ -1006,7 +997,7 @@ def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
     held = [f for f in FORMATS if f.scaled]
     results = []
     for pairs in (1, 0):
-        lib = _pairs_library(pairs)
+        lib = kernels.build(tiles={"COLIBRI_HELD_PAIRS": pairs})
         experts = expert_call(lib, f"colibri_held_pairs_{pairs}_experts")
         rng = np.random.default_rng(17)  # the same weights and inputs for both builds
         got = []
@@ -1038,59 +1029,11 @@ def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(len(kernels.isa_levels()) < 2, reason="no AVX-512: no key pairs")
-def test_attention_keys_in_pairs_or_in_8_lanes_give_the_same_bits():
-    """Decode attention where two to four query heads share a KV head: their keys in pairs
-    (two keys a 512-bit vector: the headers' default) and in the 8-lane tiles (as Zen 4 builds
-    take them: kernels.tuning) give the same bits, over odd and even numbers of positions, a
-    single one and several of the pairs' tiles with a key left over, one row and several, and
-    heads of 64 and 128 columns; and the masked softmax's values."""
-    from colibri.bench.kernel_calls import registered
-
-    results = []
-    for pairs in (1, 0):
-        lib = _pairs_library(pairs)
-        target = f"colibri_key_pairs_{pairs}_attend"
-        registered(lib, "ColibriAttend", target)
-        rng = np.random.default_rng(19)  # the same caches and queries for both builds
-        got = []
-        for group, head_dim in ((2, 64), (3, 64), (4, 128)):
-            S, C, Hkv = 3, 53, 2
-            H = Hkv * group
-            k = rng.standard_normal((S, Hkv, C, head_dim)).astype(np.float32)
-            v = rng.standard_normal((S, Hkv, C, head_dim)).astype(np.float32)
-            for pos in ([0], [1], [12], [52], [30, 7, 51]):
-                rows = len(pos)
-                q = rng.standard_normal((rows, H, head_dim)).astype(np.float32)
-                slots = np.arange(rows, dtype=np.int32) % S
-                out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-                scale = np.float32(1 / np.sqrt(head_dim))
-                mine = np.asarray(
-                    jax.ffi.ffi_call(target, out, vmap_method="sequential")(
-                        q, k, v, slots, np.asarray(pos, np.int32), scale=scale
-                    )
-                )
-                for b in range(rows):
-                    for h in range(H):
-                        keys = k[slots[b], h // group, : pos[b] + 1].astype(np.float64)
-                        vals = v[slots[b], h // group, : pos[b] + 1].astype(np.float64)
-                        sc = keys @ q[b, h] * scale
-                        p = np.exp(sc - sc.max())
-                        np.testing.assert_allclose(
-                            mine[b, h], p @ vals / p.sum(), rtol=1e-4, atol=1e-5
-                        )
-                got.append(mine)
-        results.append(got)
-    for a, b in zip(*results, strict=True):
-        np.testing.assert_array_equal(a, b)
-
-
 @pytest.mark.parametrize(
     ("cpuinfo", "tiles"),
     [
         (  # Zen 4: 9-16 inputs two groups a pass from 384 columns, rows of 768 columns whole,
-            # one input's rows 1 KiB ahead, held rows' one to four inputs and attention's
-            # keys for two to four heads in 8 lanes
+            # one input's rows 1 KiB ahead, held rows' one to four inputs in 8 lanes
             "vendor_id\t: AuthenticAMD\ncpu family\t: 25\nflags\t\t: fma avx2 avx512f",
             ZEN4_TILES,
         ),
@@ -1111,8 +1054,8 @@ def test_tile_choices_follow_the_cpu(monkeypatch, cpuinfo, tiles):
     """kernels.tuning() reads the vendor, family and flags of the CPU id the library is keyed
     by: Zen 4 alone among AMD cores takes 9 to 16 inputs two groups a pass from 384 columns,
     rows of 768 columns whole, fetches one input's rows ahead and takes held rows' one to four
-    inputs and attention's keys for two to four heads in the 8-lane tiles; an id without
-    fields (no /proc/cpuinfo) takes the headers' defaults."""
+    inputs in the 8-lane tiles; an id without fields (no /proc/cpuinfo) takes the headers'
+    defaults."""
     monkeypatch.setattr(kernels, "_cpu_id", lambda: cpuinfo)
     assert kernels.tuning() == tiles
 

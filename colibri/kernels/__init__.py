@@ -129,10 +129,9 @@ def tuning() -> dict[str, int]:
     KiB ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows
     of up to 768 columns go whole too, rows of 384 columns and more meet 9 to 16 inputs two
     groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), one input's tiles prefetch 1 KiB ahead,
-    held rows (int4, int8, FP8) meet one to four inputs in the 8-lane tiles instead of the
-    row pairs (COLIBRI_HELD_PAIRS), and so do attention's keys two to four query heads share
-    (COLIBRI_KEY_PAIRS); elsewhere the headers' defaults. Results are the same bits either
-    way."""
+    and held rows (int4, int8, FP8) meet one to four inputs in the 8-lane tiles instead of the
+    row pairs (COLIBRI_HELD_PAIRS); elsewhere the headers' defaults. Results are the same bits
+    either way."""
     cpu = _cpu_id()
     if "GenuineIntel" in cpu:
         return {
@@ -149,7 +148,6 @@ def tuning() -> dict[str, int]:
             "COLIBRI_ONE_BLOCK_TO": 768,
             "COLIBRI_ONE_INPUT_FETCH": 1024,
             "COLIBRI_HELD_PAIRS": 0,
-            "COLIBRI_KEY_PAIRS": 0,
         }
     return {}
 

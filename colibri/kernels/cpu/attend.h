@@ -19,14 +19,6 @@
 
 namespace ffi = xla::ffi;
 
-// Two to four query heads a KV head meet the keys in pairs (key_pair_scores, AVX-512 builds:
-// the headers' default), or, at 0, in tiles.h's 8-lane tiles: on Zen 4, whose 512-bit
-// operations each take a pair of its 256-bit pipes, the pairs' assembly bought nothing
-// (kernels.tuning(); docs/kernels.md, "Attention's keys in 8 lanes on Zen 4").
-#ifndef COLIBRI_KEY_PAIRS
-#define COLIBRI_KEY_PAIRS 1
-#endif
-
 namespace {
 
 // Decode attention, one new token per row, straight from the KV cache:
@@ -372,8 +364,7 @@ struct AttendCall : Gang {
 
   // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
   // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs; in
-  // AVX-512 builds two to four heads meet the keys a pair at a time (key_pair_scores; not
-  // where COLIBRI_KEY_PAIRS is 0), and
+  // AVX-512 builds two to four heads meet the keys a pair at a time (key_pair_scores), and
   // more than four the paired tiles over the heads packed once (into `packed`, kept from
   // item to item), three keys a tile, every head a pass over them, the keys lead_rows ahead
   // fetched as they go, and the next item's keys and a long item's values (v) a line a row as
@@ -414,7 +405,7 @@ struct AttendCall : Gang {
     (void)packed;
     (void)v;
 #endif
-#if COLIBRI_ROW_PAIRS && COLIBRI_KEY_PAIRS
+#if COLIBRI_ROW_PAIRS
     if (G >= 2 && G <= 4 && Dh % 8 == 0) {
       if (G == 2) return key_pair_scores<6, 2>(k, n, Dh, qs, s, ns, next);
       if (G == 3) return key_pair_scores<4, 3>(k, n, Dh, qs, s, ns, next);
