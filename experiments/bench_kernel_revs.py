@@ -7,7 +7,10 @@ its own and registered with XLA under names of their own; their calls alternate,
 meet the same phases of a machine whose speed moves by a quarter within minutes (runs in
 separate processes could not tell 5% apart here): step by step, the first to go alternating.
 Run it with --base HEAD on a clean tree (the same kernel twice) to see the spread that noise
-alone gives.
+alone gives. Calls of a few tens of µs (one-row attention) moved by up to 8% between two builds
+whose sources differed only in text the kernel does not run (docs/kernels.md, "Attention's keys
+in 8 lanes on Zen 4: not kept"): run a small change both ways round, the old version as the
+working tree and the new one as --base.
 
 --kernel experts (the routed experts): the routes the checkpoints of
 experiments/bench_peers.py (made there, or here if missing) choose when --rows conversations
