@@ -514,13 +514,15 @@ struct AttendCall : Gang {
 #endif
 
 #if COLIBRI_ROW_PAIRS
-  // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: key t + 2p in
-  // the low half of a 512-bit vector, t + 2p + 1 in the high, each head's eight columns in
-  // both, so that one multiply-add advances two keys' 8-lane sums, each half exactly the sum
-  // tiles.h's `dots` makes (and pair_hsums each half's horizontal sum, as `hsums`): the same
-  // bits, in half the multiply-adds of the 8-lane tiles. TP pairs a tile, a last odd key
-  // through `dots`; the next item's keys (or a long item's own, lead_rows ahead) fetched as
-  // the tiles go.
+  // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: one key in the
+  // low half of a 512-bit vector, another in the high, each head's eight columns in both, so
+  // that one multiply-add advances two keys' 8-lane sums, each half exactly the sum tiles.h's
+  // `dots` makes (and pair_hsums each half's horizontal sum, as `hsums`): the same bits, in
+  // half the multiply-adds of the 8-lane tiles. TP pairs a tile, its 2 TP keys a stream_gap
+  // apart (2 TP streams, as tiles.h reads rows: 2 TP neighbouring keys side by side took
+  // 1.10x the time at one row, 1.04x at four; docs/kernels.md, "Keys a stream apart"); the
+  // keys past them in neighbouring pairs, a last odd key through `dots`; the next item's keys
+  // (or a long item's own, lead_rows ahead) fetched as the tiles go.
   template <int TP, int G>
   static void key_pair_scores(const float* k, int64_t n, int64_t Dh, const float* const* qs,
                               float* s, int64_t ns, const Ahead& next) {
@@ -530,19 +532,28 @@ struct AttendCall : Gang {
       if (t < next.n) fetch(next.rows, t, std::min(t + m, next.n), Dh);
       if (t + lead < n) fetch(k, t + lead, std::min(t + lead + m, n), Dh);
     };
-    for (; t + 2 * TP <= n; t += 2 * TP) {
-      // The rows to fetch as the tile goes: the next item's (short items), else this one's
-      // lead_rows on (a long one), spread over its steps (a tile's 2 TP keys' lines at once
-      // left it waiting: 1.14x the time at 16 rows, 1.18x at 1024 positions).
-      const float* ahead = t + 2 * TP <= next.n        ? next.rows + t * Dh
-                           : t + lead + 2 * TP <= n ? k + (t + lead) * Dh
-                                                    : nullptr;
-      if (!ahead) fetches(2 * TP);
-      key_pairs<TP, G>(k, t, Dh, qs, s, ns, ahead);
+    const int64_t gap = stream_gap(n, 2 * TP);
+    int64_t idx[2 * TP];
+    for (int64_t r = 0; r < gap; ++r) {
+      for (int i = 0; i < 2 * TP; ++i) idx[i] = r + i * gap;
+      // The rows to fetch as the tile goes, those of its keys' own positions: the next item's
+      // (short items), else this one's lead_rows on (a long one), spread over its steps (a
+      // tile's rows' lines at once left it waiting: 1.14x the time at 16 rows, 1.18x at 1024
+      // positions).
+      const int64_t last = idx[2 * TP - 1];
+      const float* ahead = last < next.n ? next.rows : last + lead < n ? k + lead * Dh : nullptr;
+      if (!ahead)
+        for (int i = 0; i < 2 * TP; ++i) {
+          t = idx[i];
+          fetches(1);
+        }
+      key_pairs<TP, G>(k, idx, Dh, qs, s, ns, ahead);
     }
+    t = 2 * TP * gap;
     for (; t + 2 <= n; t += 2) {
       fetches(2);
-      key_pairs<1, G>(k, t, Dh, qs, s, ns, nullptr);
+      const int64_t two[2] = {t, t + 1};
+      key_pairs<1, G>(k, two, Dh, qs, s, ns, nullptr);
     }
     if (t < n) {
       fetches(1);
@@ -553,12 +564,13 @@ struct AttendCall : Gang {
     }
   }
 
-  // s[j * ns + t + i] = q[j] . k[t + i] for the 2 TP keys from t on and the G heads; the
-  // 2 TP rows (of Dh floats) from `ahead` on, if given, fetched into L2 meanwhile.
+  // s[j * ns + idx[i]] = q[j] . k[idx[i]] for the tile's 2 TP keys (pair p: keys idx[2p] and
+  // idx[2p + 1]) and the G heads; rows idx[i] of `ahead` (of Dh floats), if given, fetched
+  // into L2 meanwhile.
   template <int TP, int G>
-  __attribute__((always_inline)) static void key_pairs(const float* k, int64_t t, int64_t Dh,
-                                                       const float* const* qs, float* s,
-                                                       int64_t ns, const float* ahead) {
+  __attribute__((always_inline)) static void key_pairs(const float* k, const int64_t* idx,
+                                                       int64_t Dh, const float* const* qs,
+                                                       float* s, int64_t ns, const float* ahead) {
     v16 acc[TP][G];
     for (int p = 0; p < TP; ++p)
       for (int j = 0; j < G; ++j) acc[p][j] = v16{};
@@ -569,14 +581,15 @@ struct AttendCall : Gang {
         in_register(qv[j]);
       }
       for (int p = 0; p < TP; ++p) {
-        const float* a = k + (t + 2 * p) * Dh + c;
+        const float* a = k + idx[2 * p] * Dh + c;
+        const float* b = k + idx[2 * p + 1] * Dh + c;
         const v16 kv = reinterpret_cast<v16>(_mm512_insertf32x8(
-            _mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(a + Dh), 1));
+            _mm512_castps256_ps512(_mm256_loadu_ps(a)), _mm256_loadu_ps(b), 1));
         for (int j = 0; j < G; ++j) acc[p][j] = fma16(kv, qv[j], acc[p][j]);
         // 2 TP rows of `ahead` a share each step: the lines of rows 2p and 2p + 1 at c.
         if (ahead && c % 16 == 0) {
-          __builtin_prefetch(ahead + 2 * p * Dh + c, 0, 2);
-          __builtin_prefetch(ahead + (2 * p + 1) * Dh + c, 0, 2);
+          __builtin_prefetch(ahead + idx[2 * p] * Dh + c, 0, 2);
+          __builtin_prefetch(ahead + idx[2 * p + 1] * Dh + c, 0, 2);
         }
       }
     }
@@ -584,7 +597,7 @@ struct AttendCall : Gang {
     pair_hsums<TP * G>(&acc[0][0], out);
     for (int p = 0; p < TP; ++p)
       for (int j = 0; j < G; ++j)
-        for (int h = 0; h < 2; ++h) s[j * ns + t + 2 * p + h] = out[2 * (p * G + j) + h];
+        for (int h = 0; h < 2; ++h) s[j * ns + idx[2 * p + h]] = out[2 * (p * G + j) + h];
   }
 #endif
 
