@@ -1131,10 +1131,10 @@ def _the_small_kernels_agree(lib, isa: str, rng) -> None:
     ties = jnp.asarray(rng.integers(-3, 4, (16, 1001)), f32)  # ties everywhere
     theirs = call("ColibriGreedy", jax.ShapeDtypeStruct((16,), jnp.int32), ties)
     np.testing.assert_array_equal(np.asarray(theirs), np.asarray(jnp.argmax(ties, axis=-1)))
-    # Groups of 2, 3 and 4 query heads a KV head (keys in pairs, AVX-512 builds), of 8 and 9
-    # (the paired tiles from 5 on), positions over several blocks of values, an odd number of
-    # them, a head dimension with a tail past the tiles.
-    for heads, dim in ((4, 64), (6, 72), (8, 128), (6, 20), (16, 128), (18, 72)):
+    # Groups of 1 to 4 query heads a KV head (keys in pairs, AVX-512 builds), of 8 and 9 (the
+    # paired tiles from 5 on), positions over several blocks of values, an odd number of them,
+    # a head dimension with a tail past the tiles.
+    for heads, dim in ((2, 64), (4, 64), (6, 72), (8, 128), (6, 20), (16, 128), (18, 72)):
         k, v = (jnp.asarray(rng.standard_normal((3, 2, 90, dim)), f32) for _ in "kv")
         q = jnp.asarray(rng.standard_normal((4, heads, dim)), f32)
         slots, pos = jnp.asarray([0, 2, 1, 3], jnp.int32), jnp.asarray([89, 5, 40, 0], jnp.int32)

@@ -364,7 +364,7 @@ struct AttendCall : Gang {
 
   // s[j * ns + t] = q[j] . k[t] for the n keys of a block (rows of Dh floats) and G query
   // heads, and the next item's keys fetched a key a key (`next`): tiles.h's matvecs; in
-  // AVX-512 builds two to four heads meet the keys a pair at a time (key_pair_scores), and
+  // AVX-512 builds one to four heads meet the keys a pair at a time (key_pair_scores), and
   // more than four the paired tiles over the heads packed once (into `packed`, kept from
   // item to item), three keys a tile, every head a pass over them, the keys lead_rows ahead
   // fetched as they go, and the next item's keys and a long item's values (v) a line a row as
@@ -406,7 +406,8 @@ struct AttendCall : Gang {
     (void)v;
 #endif
 #if COLIBRI_ROW_PAIRS
-    if (G >= 2 && G <= 4 && Dh % 8 == 0) {
+    if (G <= 4 && Dh % 8 == 0) {
+      if (G == 1) return key_pair_scores<2, 1>(k, n, Dh, qs, s, ns, next);
       if (G == 2) return key_pair_scores<6, 2>(k, n, Dh, qs, s, ns, next);
       if (G == 3) return key_pair_scores<4, 3>(k, n, Dh, qs, s, ns, next);
       return key_pair_scores<3, 4>(k, n, Dh, qs, s, ns, next);
@@ -514,13 +515,14 @@ struct AttendCall : Gang {
 #endif
 
 #if COLIBRI_ROW_PAIRS
-  // `scores` for two to four heads a KV head (AVX-512 builds), keys in pairs: one key in the
+  // `scores` for one to four heads a KV head (AVX-512 builds), keys in pairs: one key in the
   // low half of a 512-bit vector, another in the high, each head's eight columns in both, so
   // that one multiply-add advances two keys' 8-lane sums, each half exactly the sum tiles.h's
   // `dots` makes (and pair_hsums each half's horizontal sum, as `hsums`): the same bits, in
   // half the multiply-adds of the 8-lane tiles. TP pairs a tile, its 2 TP keys a stream_gap
   // apart (2 TP streams, as tiles.h reads rows: 2 TP neighbouring keys side by side took
-  // 1.10x the time at one row, 1.04x at four; docs/kernels.md, "Keys a stream apart"); the
+  // 1.10x the time at one row, 1.04x at four; docs/kernels.md, "Keys a stream apart": one
+  // head's two pairs, four streams, as tiles.h's one-input tiles read theirs); the
   // keys past them in neighbouring pairs, a last odd key through `dots`; the next item's keys
   // (or a long item's own, lead_rows ahead) fetched as the tiles go.
   template <int TP, int G>
