@@ -174,7 +174,7 @@ Rate peak(int core, double seconds) {
 // more. Builds that keep held rows out of the row pairs (COLIBRI_HELD_PAIRS=0: Zen 4) do per
 // eight weights of a row what the 8-lane tiles do: int8 a zero-extension, a conversion and two
 // multiply-adds (scaled8); int4 a per-lane shift, a two-table 256-bit permute and a
-// multiply-add (looked_up_dots), the word already broadcast; eight rows.
+// multiply-add (tiles.h's looked_up_block), the word already broadcast; eight rows.
 Rate widen_peak(Held held, int core, double seconds) {
   pin(core);
 #if !COLIBRI_HELD_PAIRS

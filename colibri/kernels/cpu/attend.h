@@ -529,8 +529,8 @@ struct AttendCall : Gang {
   static void key_pair_scores(const float* k, int64_t n, int64_t Dh, const float* const* qs,
                               float* s, int64_t ns, const Ahead& next) {
     const int64_t lead = n * Dh * 4 > kAhead ? lead_rows(Dh) : n;  // (short: fetched already)
-    int64_t t = 0;
-    const auto fetches = [&](int64_t m) {
+    // Rows [t, t + m): the next item's, and this one's lead_rows on, fetched now.
+    const auto fetches = [&](int64_t t, int64_t m) {
       if (t < next.n) fetch(next.rows, t, std::min(t + m, next.n), Dh);
       if (t + lead < n) fetch(k, t + lead, std::min(t + lead + m, n), Dh);
     };
@@ -545,20 +545,17 @@ struct AttendCall : Gang {
       const int64_t last = idx[2 * TP - 1];
       const float* ahead = last < next.n ? next.rows : last + lead < n ? k + lead * Dh : nullptr;
       if (!ahead)
-        for (int i = 0; i < 2 * TP; ++i) {
-          t = idx[i];
-          fetches(1);
-        }
+        for (int i = 0; i < 2 * TP; ++i) fetches(idx[i], 1);
       key_pairs<TP, G>(k, idx, Dh, qs, s, ns, ahead);
     }
-    t = 2 * TP * gap;
+    int64_t t = 2 * TP * gap;
     for (; t + 2 <= n; t += 2) {
-      fetches(2);
+      fetches(t, 2);
       const int64_t two[2] = {t, t + 1};
       key_pairs<1, G>(k, two, Dh, qs, s, ns, nullptr);
     }
     if (t < n) {
-      fetches(1);
+      fetches(t, 1);
       const float* w[1] = {k + t * Dh};
       float out[G];
       dots<1, G>(w, qs, Dh, out);
