@@ -18,9 +18,11 @@ thread that ends early leaves the other streaming alone, at what one core can re
 Above those, per round (many short rounds say how a step fares at each speed of the memory,
 which moves minute by minute): the step against the memory roofline at the faster read, the
 step's µs in the kernels' calls and outside them, and the routed experts' and linear calls' GB/s
-against the read; beside the roofline, the most of it the step's arithmetic allows at the
-cores' multiply-add ceiling and at the rate the kernels' own 16-input tiles compute from DRAM
-(measured each round). More than two rounds: the calls of the slowest and fastest read's rounds.
+against the read; beside the roofline, the most of it the step's arithmetic allows part by part
+(the routed experts, the other weights, the keys and values: each the longer of its reads and
+its FLOPs) at the cores' multiply-add ceiling and with the weights at the rate the kernels' own
+16-input tiles compute from DRAM (measured each round). More than two rounds: the calls of the
+slowest and fastest read's rounds.
 
 Writes experiments/results/call_trace.md and .json (--out NAME: NAME.md, NAME.json).
 """
@@ -37,7 +39,14 @@ import pandas as pd
 from tqdm import tqdm
 
 from colibri.bench import anatomy
-from colibri.bench.accounting import distinct_experts, held_step_bytes, kv_bytes, step_flops
+from colibri.bench.accounting import (
+    attention_flops,
+    distinct_experts,
+    expert_flops,
+    held_step_bytes,
+    kv_bytes,
+    step_flops,
+)
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate, tiles_rate
 from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
@@ -150,11 +159,29 @@ def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dic
     }
 
 
-def allowed(step_bytes: float, read: float, flops: float, ceiling: float) -> float:
+def allowed(parts: dict, read: float, rates: dict) -> float:
     """The most of the memory roofline (the step's bytes at `read` GB/s) a step can reach
-    where its multiply-adds at the cores' `ceiling` (GFLOP/s) take longer than its reads."""
-    reading, computing = step_bytes / read, flops / ceiling
-    return reading / max(reading, computing)
+    where each of its parts (`parts`: {name: (bytes, FLOPs)}) takes the longer of reading its
+    bytes and computing its FLOPs at its rate (`rates`: {name: GFLOP/s}): a part bound by its
+    arithmetic cannot lend time to one bound by its reads (1: the reads bound every part)."""
+    reading = sum(b for b, _ in parts.values()) / read
+    return reading / sum(max(b / read, f / rates[name]) for name, (b, f) in parts.items())
+
+
+def step_parts(model, chosen: list[float], rows: int, prompt: int, tokens: int) -> dict:
+    """{part: (bytes, FLOPs)} of a decode step: the routed experts the rows chose (each read
+    once), the rest of the weights (attention's projections, routers, lm_head), and the keys
+    and values over the mean context."""
+    cfg = model.cfg
+    experts = held_step_bytes({}, model.experts, chosen)
+    weights = held_step_bytes(model.params, model.experts, chosen)
+    attention = attention_flops(cfg, rows, prompt, tokens)
+    routed = expert_flops(cfg, rows)
+    return {
+        "experts": (experts, routed),
+        "dense": (weights - experts, step_flops(cfg, rows, prompt, tokens) - routed - attention),
+        "attention": (kv_bytes(cfg, rows, prompt, tokens), attention),
+    }
 
 
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:
@@ -172,10 +199,9 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     routes: list = []
     decode(routes)  # compiles every program the rounds run; the steps' routes (greedy: theirs)
     chosen = distinct_experts(routes, rows)
-    step_bytes = held_step_bytes(model.params, model.experts, chosen) + kv_bytes(
-        model.cfg, rows, prompt_len, tokens
-    )
-    flops = step_flops(model.cfg, rows, prompt_len, tokens)
+    step = step_parts(model, chosen, rows, prompt_len, tokens)
+    step_bytes = sum(b for b, _ in step.values())
+    flops = sum(f for _, f in step.values())
     ceiling = fma_ceiling()
     names = linear_names(model.params, rows)
     probe = probe_array(1.0)
@@ -195,7 +221,12 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                 "tok_s": rate,
                 "roofline_ratio": rate / rows * step_bytes / 1e9 / max(before, after),
                 "tiles_gflop_s": tiles,
-                "tiles_allowed": allowed(step_bytes, max(before, after), flops, tiles),
+                # The weights' parts at the tiles' rate; attention's at the cores' ceiling.
+                "tiles_allowed": allowed(
+                    step,
+                    max(before, after),
+                    {"experts": tiles, "dense": tiles, "attention": ceiling},
+                ),
                 "calls": len(calls),
                 **step_summary(calls, tokens, rows, rate),
                 "parts": table.reset_index().to_dict(orient="records"),
@@ -205,11 +236,12 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     # busy (XLA's threads after a decode) reads low, never high.
     ceiling = max(ceiling, fma_ceiling())
     for rnd in out:
-        rnd["roofline_allowed"] = allowed(step_bytes, max(rnd["read_gb_s"]), flops, ceiling)
+        rnd["roofline_allowed"] = allowed(step, max(rnd["read_gb_s"]), dict.fromkeys(step, ceiling))
     return {
         "rows": rows,
         "step_bytes": step_bytes,
         "step_flops": flops,
+        "step_parts": {name: {"bytes": b, "flops": f} for name, (b, f) in step.items()},
         "fma_gflop_s": ceiling,
         "distinct_experts": float(np.mean(chosen)),
         "rounds": out,
@@ -299,11 +331,13 @@ def write(results: dict, args, stem: str) -> None:
     lines += [
         "/ roofline: the step's bytes (weights as held, the experts the rows chose counted "
         "once, the mean step's keys and values) over the faster read, against the step; "
-        "allowed: the most of it a step can reach where its FLOPs at the cores' multiply-add "
-        "ceiling take longer than its reads (1: the reads bound it); tiles allow: the same "
-        "where its FLOPs go at the rate the kernels' own tiles compute 16 inputs over rows of "
-        "the model's hidden size streaming from DRAM on every core (the linear kernel over "
-        "the probe's GiB, measured after the round's second read); in "
+        "allowed: the most of it a step can reach where each of its parts (the routed "
+        "experts, the other weights, the keys and values) takes the longer of reading its "
+        "bytes at the faster read and computing its FLOPs at the cores' multiply-add ceiling "
+        "(1: the reads bound every part); tiles allow: the same with the weights' FLOPs at "
+        "the rate the kernels' own tiles compute 16 inputs over rows of the model's hidden "
+        "size streaming from DRAM on every core (the linear kernel over the probe's GiB, "
+        "measured after the round's second read); in "
         "calls: µs a step in the calls of the kernels that share their work among threads "
         "(the traced ones, the small calls they run on the caller alone too); outside: the "
         "rest of the step (XLA's ops, the other kernels: norms, the routers' choice, the "

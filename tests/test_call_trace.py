@@ -83,14 +83,26 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     assert rnd["roofline_ratio"] == pytest.approx(
         rnd["tok_s"] * res["step_bytes"] / 1e9 / max(rnd["read_gb_s"])
     )
-    # Beside it, the most of the roofline the step's FLOPs at the cores' ceiling allow.
-    reading = res["step_bytes"] / max(rnd["read_gb_s"])
-    computing = res["step_flops"] / res["fma_gflop_s"]
-    assert rnd["roofline_allowed"] == pytest.approx(min(1.0, reading / computing))
-    # And at the rate the kernels' own tiles computed 16 inputs from DRAM that round.
-    assert rnd["tiles_gflop_s"] > 0
-    tiles = res["step_flops"] / rnd["tiles_gflop_s"]
-    assert rnd["tiles_allowed"] == pytest.approx(min(1.0, reading / tiles))
+    # Beside it, the most of the roofline the step's parts allow, each the longer of reading
+    # its bytes and computing its FLOPs at the cores' ceiling.
+    step = res["step_parts"]
+    assert set(step) == {"experts", "dense", "attention"}
+    assert sum(p["bytes"] for p in step.values()) == pytest.approx(res["step_bytes"])
+    assert sum(p["flops"] for p in step.values()) == pytest.approx(res["step_flops"])
+    read = max(rnd["read_gb_s"])
+    reading = res["step_bytes"] / read
+
+    def bound(rates):
+        return reading / sum(max(p["bytes"] / read, p["flops"] / rates[n]) for n, p in step.items())
+
+    ceiling = res["fma_gflop_s"]
+    assert rnd["roofline_allowed"] == pytest.approx(bound(dict.fromkeys(step, ceiling)))
+    assert 0 < rnd["roofline_allowed"] <= 1
+    # And with the weights at the rate the kernels' own tiles computed 16 inputs from DRAM.
+    tiles = rnd["tiles_gflop_s"]
+    assert tiles > 0
+    rates = {"experts": tiles, "dense": tiles, "attention": ceiling}
+    assert rnd["tiles_allowed"] == pytest.approx(bound(rates))
     experts = parts["routed experts"]
     assert rnd["experts_gb_s"] == pytest.approx(experts["GB/s"])
     report = out.with_suffix(".md").read_text()
@@ -126,3 +138,13 @@ def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
     assert list(table.index) == [3, 0, 2, 1, 4]  # slowest read first
     assert table.loc[1, "/ roofline"] == "0.90*" and table.loc[2, "/ roofline"] == "0.90"
     assert table.loc[2, "experts / read"] == pytest.approx(30.0 / 46.0)
+
+
+def test_a_part_bound_by_its_arithmetic_lends_no_time_to_one_bound_by_its_reads():
+    ct = experiment("call_trace")
+    # As long to read the one as to compute the other: the whole step would look balanced.
+    parts = {"attention": (100.0, 0.0), "experts": (0.0, 200.0)}
+    assert ct.allowed(parts, 1.0, {"attention": 1.0, "experts": 2.0}) == pytest.approx(0.5)
+    parts = {"attention": (100.0, 50.0), "experts": (300.0, 200.0)}
+    assert ct.allowed(parts, 1.0, dict.fromkeys(parts, 1.0)) == pytest.approx(400 / 400)
+    assert ct.allowed(parts, 2.0, dict.fromkeys(parts, 1.0)) == pytest.approx(200 / 250)

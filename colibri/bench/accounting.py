@@ -56,10 +56,17 @@ def step_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
     D, V, L = cfg.hidden, cfg.vocab_size, cfg.num_layers
     q = cfg.num_heads * cfg.head_dim
     kv = 2 * cfg.num_kv_heads * cfg.head_dim
+    per_row = L * (D * q + D * kv + q * D + D * cfg.moe.num_experts) + V * D
+    return (
+        2.0 * rows * per_row + expert_flops(cfg, rows) + attention_flops(cfg, rows, prompt, tokens)
+    )
+
+
+def expert_flops(cfg, rows: int) -> float:
+    """FLOPs of one decode step's routed experts: every row's every chosen expert, in every
+    layer (step_flops' share of them)."""
     m = cfg.moe
-    per_row = L * (D * q + D * kv + q * D + D * m.num_experts + m.top_k * 3 * D * m.moe_ff)
-    per_row += V * D
-    return 2.0 * rows * per_row + attention_flops(cfg, rows, prompt, tokens)
+    return 2.0 * rows * cfg.num_layers * m.top_k * 3 * cfg.hidden * m.moe_ff
 
 
 def attention_flops(cfg, rows: int, prompt: int, tokens: int) -> float:
