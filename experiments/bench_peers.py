@@ -32,12 +32,15 @@ the same colibri run: workers.expert_stream_rate). At 4 and 16 rows the experts 
 are the distinct experts colibri's routers chose, counted per layer, and the table of several
 conversations counts their keys and values too (a 16-row step's rows attend over 16 contexts:
 7-22% of its bytes here), with the GB/s each batch size moves; each round's 16-row rate is
-also held against the probe run just before that round. A step of 16 rows is as much
-arithmetic as memory traffic (8 FLOP a byte of the experts many rows chose), so that table also
-gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 rows streaming the
-probe's 1 GiB (both cores); what 16 slots at 6x batch 1 would have to move and compute; and
-what 16 rows at 85% of their memory roofline would compute, against the multiply-add ceiling and
-that kernel's rate.
+also held against the probe run just before that round, beside the most of that roofline the
+step's parts allow (the routed experts, the other weights, the keys and values, each the longer
+of its reads at the probe's rate and its FLOPs, the weights' at the rate that probe's 16-row
+kernel computed on rows of the model's hidden size: accounting.part_bound). A step of 16 rows
+is as much arithmetic as memory traffic (8 FLOP a byte of the experts many rows chose), so that
+table also gives the tok/s its FLOPs allow at the rate of colibri's linear kernel on 16 rows
+streaming the probe's 1 GiB (both cores); what 16 slots at 6x batch 1 would have to move and
+compute; and what 16 rows at 85% of their memory roofline would compute, against the
+multiply-add ceiling and that kernel's rate.
 llama.cpp runs with an f32 KV cache, as colibri keeps. --shapes takes any of
 colibri.bench.shapes.ALL_SHAPES: `wide` has the rows of Qwen3-30B-A3B (hidden 2048, moe_ff 768)
 in 4 layers of 32 experts, where the default shapes' rows are 512 and 768 columns.
@@ -53,7 +56,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from colibri.bench.accounting import kv_bytes, step_bytes, step_flops, streaming_bound
+from colibri.bench.accounting import (
+    f32_step_parts,
+    kv_bytes,
+    part_bound,
+    step_bytes,
+    step_flops,
+    streaming_bound,
+)
 from colibri.bench.bandwidth import memory_bandwidth
 from colibri.bench.conversations import conversation_prompts, prompt_ids
 from colibri.bench.shapes import ALL_SHAPES, CACHE, SHAPES, ensure_inputs
@@ -119,7 +129,8 @@ def main() -> None:
             print(f"round {rnd + 1}/{args.rounds}, {name}", flush=True)
             for peer in order:
                 if peer == "colibri":  # the roofline of this very round (paired below)
-                    runs.setdefault((name, "probe"), []).append(run_probe())
+                    hidden = (ALL_SHAPES[name].hidden,)  # and the 16-row tiles' rate on its rows
+                    runs.setdefault((name, "probe"), []).append(run_probe(hidden))
                 res = run_worker(
                     peer, inputs[name][peer], prompt, args.tokens, conversations=conversations
                 )
@@ -210,6 +221,14 @@ def main() -> None:
             c["decode_tok_s_16"] / (16 * g * 1e9 / moved_by(cfg, c, 16, args))
             for g, c in zip(probes, runs[(name, "colibri")], strict=True)
         ]
+        # The most of that roofline the step's parts allow, each the longer of reading its
+        # bytes at the probe's rate and computing its FLOPs: the weights' at the rate the
+        # 16-row kernel computed on the model's rows in that probe, attention's at the cores'
+        # multiply-add ceiling (accounting.part_bound).
+        summary[name]["roofline_paired"]["rows_16_parts_allow"] = [
+            rows_16_bound(cfg, c, p, args)
+            for p, c in zip(runs[(name, "probe")], runs[(name, "colibri")], strict=True)
+        ]
         by_pass = {  # every pass of every round
             b: [x for r in runs[(name, "colibri")] for x in r[f"x_vs_1_by_pass_{b}"]]
             for b in (4, 16)
@@ -257,6 +276,20 @@ def moved_by(cfg, run: dict, b: int, args) -> float:
     on these shapes; at one row 1-2%)."""
     experts = run[f"distinct_experts_{b}"]
     return step_bytes(cfg, experts, b) + kv_bytes(cfg, b, args.prompt, args.tokens)
+
+
+def rows_16_bound(cfg, run: dict, probe: dict, args) -> float | None:
+    """The most of a round's 16-row memory roofline (at its probe's rate) the step's parts
+    allow: the routed experts the run's rows chose, the other weights, the keys and values,
+    each the longer of its reads and its FLOPs, the weights' at the probe's 16-row kernel rate
+    on rows of the model's hidden size, attention's at the multiply-add ceiling (None where the
+    probe has no such rate: no kernels)."""
+    rate = probe.get("kernel_16_gflop_s_at", {}).get(str(cfg.hidden), 0.0)
+    ceiling = max(probe.get("fma_peak_gflop_s", 0.0), probe.get("fma_peak_512_gflop_s", 0.0))
+    if not rate or not ceiling:
+        return None
+    parts = f32_step_parts(cfg, run["distinct_experts_16"], 16, args.prompt, args.tokens)
+    return part_bound(parts, probe["gb_s"], {"experts": rate, "dense": rate, "attention": ceiling})
 
 
 def llama_rows(summary: dict) -> str:
@@ -390,13 +423,19 @@ def write_results(
         markdown_table(batch, index=False),
         "",
         "16 rows against the memory roofline of the probe run just before each round (that "
-        "round's own rate and distinct experts): "
+        "round's own rate and distinct experts; the most of it the step's parts allow, the "
+        "routed experts, the other weights and the keys and values each the longer of its reads "
+        "and its FLOPs, the weights' at the rate the probe's 16-row kernel computed on the "
+        "model's rows from DRAM): "
         + "; ".join(
             f"{n} "
             + ", ".join(
-                f"{r:.2f} ({g:.1f} GB/s)"
-                for r, g in zip(
-                    s["roofline_paired"]["rows_16_ratio"], s["roofline_paired"]["gb_s"], strict=True
+                f"{r:.2f} ({g:.1f} GB/s" + (f"; {b:.2f})" if b is not None else ")")
+                for r, g, b in zip(
+                    s["roofline_paired"]["rows_16_ratio"],
+                    s["roofline_paired"]["gb_s"],
+                    s["roofline_paired"]["rows_16_parts_allow"],
+                    strict=True,
                 )
             )
             for n, s in summary.items()

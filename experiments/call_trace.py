@@ -45,6 +45,7 @@ from colibri.bench.accounting import (
     expert_flops,
     held_step_bytes,
     kv_bytes,
+    part_bound,
     step_flops,
 )
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate, tiles_rate
@@ -159,15 +160,6 @@ def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dic
     }
 
 
-def allowed(parts: dict, read: float, rates: dict) -> float:
-    """The most of the memory roofline (the step's bytes at `read` GB/s) a step can reach
-    where each of its parts (`parts`: {name: (bytes, FLOPs)}) takes the longer of reading its
-    bytes and computing its FLOPs at its rate (`rates`: {name: GFLOP/s}): a part bound by its
-    arithmetic cannot lend time to one bound by its reads (1: the reads bound every part)."""
-    reading = sum(b for b, _ in parts.values()) / read
-    return reading / sum(max(b / read, f / rates[name]) for name, (b, f) in parts.items())
-
-
 def step_parts(model, chosen: list[float], rows: int, prompt: int, tokens: int) -> dict:
     """{part: (bytes, FLOPs)} of a decode step: the routed experts the rows chose (each read
     once), the rest of the weights (attention's projections, routers, lm_head), and the keys
@@ -222,7 +214,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                 "roofline_ratio": rate / rows * step_bytes / 1e9 / max(before, after),
                 "tiles_gflop_s": tiles,
                 # The weights' parts at the tiles' rate; attention's at the cores' ceiling.
-                "tiles_allowed": allowed(
+                "tiles_allowed": part_bound(
                     step,
                     max(before, after),
                     {"experts": tiles, "dense": tiles, "attention": ceiling},
@@ -236,7 +228,9 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     # busy (XLA's threads after a decode) reads low, never high.
     ceiling = max(ceiling, fma_ceiling())
     for rnd in out:
-        rnd["roofline_allowed"] = allowed(step, max(rnd["read_gb_s"]), dict.fromkeys(step, ceiling))
+        rnd["roofline_allowed"] = part_bound(
+            step, max(rnd["read_gb_s"]), dict.fromkeys(step, ceiling)
+        )
     return {
         "rows": rows,
         "step_bytes": step_bytes,

@@ -9,7 +9,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from colibri.bench.accounting import attention_flops, kv_bytes, step_bytes, step_flops
+from colibri.bench.accounting import (
+    attention_flops,
+    expert_flops,
+    f32_step_parts,
+    kv_bytes,
+    part_bound,
+    step_bytes,
+    step_flops,
+)
 from colibri.config import load_config
 from colibri.synth import SynthSpec, synthesize
 
@@ -104,3 +112,30 @@ def test_mla_reads_its_latent_cache_and_computes_the_absorbed_form(tmp_path):
     assert kv_bytes(cfg, ROWS, PROMPT, tokens=1) == ROWS * (PROMPT + 1) * 2 * (r + R) * 4
     per_position = 2 * cfg.num_heads * (2 * r + R) * 2  # two layers, a multiply-add 2 FLOP
     assert attention_flops(cfg, ROWS, PROMPT, tokens=1) == ROWS * (PROMPT + 1) * per_position
+
+
+def test_a_step_split_into_parts_is_the_whole_step(decoded):
+    """The routed experts, the other weights and the keys and values: their bytes and FLOPs
+    add up to the step's, the experts' FLOPs those torch counts in the experts alone."""
+    cfg = decoded[0]
+    chosen = [2.0] * cfg.num_layers
+    parts = f32_step_parts(cfg, chosen, ROWS, PROMPT, tokens=1)
+    assert set(parts) == {"experts", "dense", "attention"}
+    whole = step_bytes(cfg, chosen, ROWS) + kv_bytes(cfg, ROWS, PROMPT, tokens=1)
+    assert sum(b for b, _ in parts.values()) == pytest.approx(whole)
+    assert sum(f for _, f in parts.values()) == pytest.approx(step_flops(cfg, ROWS, PROMPT, 1))
+    assert parts["experts"] == (
+        4.0 * sum(chosen) * 3 * cfg.hidden * cfg.moe.moe_ff,
+        expert_flops(cfg, ROWS),
+    )
+    assert parts["attention"][1] == attention_flops(cfg, ROWS, PROMPT, tokens=1)
+    assert min(b for b, _ in parts.values()) > 0 and min(f for _, f in parts.values()) > 0
+
+
+def test_a_part_bound_by_its_arithmetic_lends_no_time_to_one_bound_by_its_reads():
+    # As long to read the one as to compute the other: the whole step would look balanced.
+    parts = {"attention": (100.0, 0.0), "experts": (0.0, 200.0)}
+    assert part_bound(parts, 1.0, {"attention": 1.0, "experts": 2.0}) == pytest.approx(0.5)
+    parts = {"attention": (100.0, 50.0), "experts": (300.0, 200.0)}
+    assert part_bound(parts, 1.0, dict.fromkeys(parts, 1.0)) == pytest.approx(400 / 400)
+    assert part_bound(parts, 2.0, dict.fromkeys(parts, 1.0)) == pytest.approx(200 / 250)

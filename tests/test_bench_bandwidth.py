@@ -44,3 +44,33 @@ def test_tiles_rate_is_the_16_row_linear_kernels_rate():
     a = bandwidth.probe_array(1 / 32)
     rate = bandwidth.tiles_rate(a, 512, rows=16, repeats=2, chunk_rows=1024)
     assert 0 < rate < 10 * kernels.fma_peak(16)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the native kernels' linear calls")
+def test_the_probe_times_the_16_row_kernel_on_the_rows_it_is_given():
+    bw = bandwidth.memory_bandwidth(gib=1 / 32, repeats=1, columns=(512, 768))
+    assert set(bw["kernel_16_gflop_s_at"]) == {"512", "768"}
+    assert all(r > 0 for r in bw["kernel_16_gflop_s_at"].values())
+    assert bandwidth.memory_bandwidth(gib=1 / 64, repeats=1)["kernel_16_gflop_s_at"] == {}
+
+
+def test_the_peers_16_row_bound_is_the_steps_parts_at_the_probes_rates():
+    from experiment_util import experiment
+
+    from colibri.bench.accounting import f32_step_parts, part_bound
+    from colibri.bench.shapes import SHAPES
+    from colibri.config import config_from_dict
+    from colibri.synth import hf_config
+
+    peers = experiment("bench_peers")
+    cfg = config_from_dict(hf_config(SHAPES["qwen3_moe"]))
+    args = type("Args", (), {"prompt": 128, "tokens": 64})()
+    run = {"distinct_experts_16": [18.0] * cfg.num_layers}
+    probe = {"gb_s": 33.0, "kernel_16_gflop_s_at": {"768": 180.0}, "fma_peak_gflop_s": 230.0}
+    parts = f32_step_parts(cfg, run["distinct_experts_16"], 16, 128, 64)
+    rates = {"experts": 180.0, "dense": 180.0, "attention": 230.0}
+    bound = peers.rows_16_bound(cfg, run, probe, args)
+    assert bound == pytest.approx(part_bound(parts, 33.0, rates)) and 0 < bound <= 1
+    # A faster memory leaves the weights' arithmetic longer than their reads: a lower bound.
+    assert peers.rows_16_bound(cfg, run, {**probe, "gb_s": 60.0}, args) < bound
+    assert peers.rows_16_bound(cfg, run, {**probe, "kernel_16_gflop_s_at": {}}, args) is None

@@ -138,13 +138,3 @@ def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
     assert list(table.index) == [3, 0, 2, 1, 4]  # slowest read first
     assert table.loc[1, "/ roofline"] == "0.90*" and table.loc[2, "/ roofline"] == "0.90"
     assert table.loc[2, "experts / read"] == pytest.approx(30.0 / 46.0)
-
-
-def test_a_part_bound_by_its_arithmetic_lends_no_time_to_one_bound_by_its_reads():
-    ct = experiment("call_trace")
-    # As long to read the one as to compute the other: the whole step would look balanced.
-    parts = {"attention": (100.0, 0.0), "experts": (0.0, 200.0)}
-    assert ct.allowed(parts, 1.0, {"attention": 1.0, "experts": 2.0}) == pytest.approx(0.5)
-    parts = {"attention": (100.0, 50.0), "experts": (300.0, 200.0)}
-    assert ct.allowed(parts, 1.0, dict.fromkeys(parts, 1.0)) == pytest.approx(400 / 400)
-    assert ct.allowed(parts, 2.0, dict.fromkeys(parts, 1.0)) == pytest.approx(200 / 250)

@@ -104,3 +104,28 @@ def streaming_bound(step: float, experts: float, stream_gb_s: float, probe_gb_s:
     step at the probe's rate; at most 1."""
     at_best = experts / stream_gb_s + (step - experts) / probe_gb_s
     return min(1.0, step / probe_gb_s / at_best)
+
+
+def part_bound(parts: dict, read_gb_s: float, rates: dict) -> float:
+    """The most of the memory roofline (every part's bytes at `read_gb_s`) a step can reach
+    where each of its parts (`parts`: {name: (bytes, FLOPs)}) takes the longer of reading its
+    bytes and computing its FLOPs at its rate (`rates`: {name: GFLOP/s}): a part bound by its
+    arithmetic lends no time to one bound by its reads (1: the reads bound every part)."""
+    reading = sum(b for b, _ in parts.values()) / read_gb_s
+    return reading / sum(max(b / read_gb_s, f / rates[n]) for n, (b, f) in parts.items())
+
+
+def f32_step_parts(cfg, experts_per_layer: list[float], rows: int, prompt: int, tokens: int):
+    """{part: (bytes, FLOPs)} of a decode step of `rows` rows with float32 weights: the routed
+    experts the rows chose (each read once), the rest of the weights, and the keys and values
+    over the mean context (step_bytes, kv_bytes and step_flops split so)."""
+    m = cfg.moe
+    experts = 4.0 * sum(experts_per_layer) * 3 * cfg.hidden * m.moe_ff
+    weights = step_bytes(cfg, experts_per_layer, rows)
+    attention = attention_flops(cfg, rows, prompt, tokens)
+    routed = expert_flops(cfg, rows)
+    return {
+        "experts": (experts, routed),
+        "dense": (weights - experts, step_flops(cfg, rows, prompt, tokens) - routed - attention),
+        "attention": (kv_bytes(cfg, rows, prompt, tokens), attention),
+    }

@@ -71,7 +71,7 @@ class PassProbe:
         self.rates.append(max(read_rate(self.array) for _ in range(2)))
 
 
-def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5, columns: tuple[int, ...] = ()) -> dict:
     """Read bandwidth GB/s: the best of plain reads over every core's share (`kernels.read_sum`:
     eight 8-lane sums, nothing else), numpy sums, OpenBLAS gemv, XLA's matrix-vector product
     (x @ A, A [K, N]: its fastest layout here) and colibri's own linear kernel on one row (its
@@ -80,7 +80,8 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
     of that kernel on 16 rows over the same array (`kernel_16_gflop_s`): what the cores compute
     when every weight meets 16 inputs as it streams in from DRAM; and the ceiling of that
     arithmetic, the cores' multiply-add rate on 256-bit and (where the build has them) 512-bit
-    vectors (`fma_peak_gflop_s`, `fma_peak_512_gflop_s`)."""
+    vectors (`fma_peak_gflop_s`, `fma_peak_512_gflop_s`). `columns`: that 16-row rate also over
+    rows of each of these widths (`kernel_16_gflop_s_at`, by width: a model's hidden size)."""
     a = probe_array(gib)
     best_sum = best_read = 0.0
     for _ in range(repeats):
@@ -123,6 +124,7 @@ def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> dict:
         "kernel_gemv_gb_s": best_kernel,
         "gb_s": max(best_read, best_sum, best_gemv, best_xla, best_kernel),
         "kernel_16_gflop_s": tiles_rate(a, 4096, repeats=repeats),
+        "kernel_16_gflop_s_at": {str(c): tiles_rate(a, c, repeats=repeats) for c in columns},
         "fma_peak_gflop_s": max(kernels.fma_peak(8) for _ in range(repeats)),
         "fma_peak_512_gflop_s": max(kernels.fma_peak(16) for _ in range(repeats)),
     }

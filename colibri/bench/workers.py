@@ -221,7 +221,8 @@ def work_llama(
 
 def worker(args) -> None:
     if args.worker == "bandwidth":
-        Path(args.out).write_text(json.dumps(memory_bandwidth()))
+        columns = tuple(int(c) for c in args.columns.split(",") if c) if args.columns else ()
+        Path(args.out).write_text(json.dumps(memory_bandwidth(columns=columns)))
         return
     prompt = json.loads(args.prompt_ids)
     if args.worker == "colibri":
@@ -244,6 +245,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-ids")
     ap.add_argument("--conversations", help="llama: prompts (JSON) to decode together as well")
+    ap.add_argument(
+        "--columns", help="bandwidth: row widths (comma-separated) to time the 16-row kernel on"
+    )
     ap.add_argument("--out", required=True)
     worker(ap.parse_args())
 
@@ -290,10 +294,14 @@ def run_worker(
     return res
 
 
-def run_probe() -> dict:
-    """memory_bandwidth() in a process of its own, as each configuration runs."""
+def run_probe(columns: tuple[int, ...] = ()) -> dict:
+    """memory_bandwidth() in a process of its own, as each configuration runs; `columns`: its
+    16-row kernel's rate over rows of those widths too."""
     out = CACHE / f"probe-{os.getpid()}.json"
-    subprocess.run(worker_command("bandwidth", out), check=True, stdout=subprocess.DEVNULL)
+    cmd = worker_command("bandwidth", out)
+    if columns:
+        cmd += ["--columns", ",".join(map(str, columns))]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     res = json.loads(out.read_text())
     out.unlink()
     print(f"  {'bandwidth probe':16s} {res['gb_s']:7.2f} GB/s", flush=True)
