@@ -112,7 +112,8 @@ def part_bound(parts: dict, read_gb_s: float, rates: dict) -> float:
     bytes and computing its FLOPs at its rate (`rates`: {name: GFLOP/s}): a part bound by its
     arithmetic lends no time to one bound by its reads (1: the reads bound every part)."""
     reading = sum(b for b, _ in parts.values()) / read_gb_s
-    return reading / sum(max(b / read_gb_s, f / rates[n]) for n, (b, f) in parts.items())
+    at_best = sum(max(b / read_gb_s, f / rates[n]) for n, (b, f) in parts.items())
+    return min(1.0, reading / at_best)  # (the two sums, in their orders, may round apart)
 
 
 def f32_step_parts(cfg, experts_per_layer: list[float], rows: int, prompt: int, tokens: int):
