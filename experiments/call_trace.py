@@ -38,16 +38,8 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from colibri.bench import anatomy
-from colibri.bench.accounting import (
-    attention_flops,
-    distinct_experts,
-    expert_flops,
-    held_step_bytes,
-    kv_bytes,
-    part_bound,
-    step_flops,
-)
+from colibri.bench import accounting, anatomy
+from colibri.bench.accounting import distinct_experts, held_step_bytes, part_bound
 from colibri.bench.bandwidth import fma_ceiling, probe_array, read_rate, tiles_rate
 from colibri.bench.conversations import BURST, STREAM_MS
 from colibri.engine.hwinfo import cpu_detail, host
@@ -161,19 +153,12 @@ def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dic
 
 
 def step_parts(model, chosen: list[float], rows: int, prompt: int, tokens: int) -> dict:
-    """{part: (bytes, FLOPs)} of a decode step: the routed experts the rows chose (each read
-    once), the rest of the weights (attention's projections, routers, lm_head), and the keys
-    and values over the mean context."""
-    cfg = model.cfg
+    """{part: (bytes, FLOPs)} of a decode step (accounting.step_parts), its weights as the
+    model holds them: the routed experts the rows chose (each read once), the rest of the
+    weights (attention's projections, routers, lm_head), the keys and values."""
     experts = held_step_bytes({}, model.experts, chosen)
     weights = held_step_bytes(model.params, model.experts, chosen)
-    attention = attention_flops(cfg, rows, prompt, tokens)
-    routed = expert_flops(cfg, rows)
-    return {
-        "experts": (experts, routed),
-        "dense": (weights - experts, step_flops(cfg, rows, prompt, tokens) - routed - attention),
-        "attention": (kv_bytes(cfg, rows, prompt, tokens), attention),
-    }
+    return accounting.step_parts(model.cfg, experts, weights, rows, prompt, tokens)
 
 
 def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) -> dict:

@@ -120,9 +120,15 @@ def f32_step_parts(cfg, experts_per_layer: list[float], rows: int, prompt: int, 
     """{part: (bytes, FLOPs)} of a decode step of `rows` rows with float32 weights: the routed
     experts the rows chose (each read once), the rest of the weights, and the keys and values
     over the mean context (step_bytes, kv_bytes and step_flops split so)."""
-    m = cfg.moe
-    experts = 4.0 * sum(experts_per_layer) * 3 * cfg.hidden * m.moe_ff
+    experts = 4.0 * sum(experts_per_layer) * 3 * cfg.hidden * cfg.moe.moe_ff
     weights = step_bytes(cfg, experts_per_layer, rows)
+    return step_parts(cfg, experts, weights, rows, prompt, tokens)
+
+
+def step_parts(cfg, experts: float, weights: float, rows: int, prompt: int, tokens: int):
+    """{part: (bytes, FLOPs)} of a decode step of `rows` rows whose routed experts' bytes are
+    `experts` of the `weights` bytes of weights it reads (as held): the routed experts, the
+    rest of the weights, the keys and values over the mean context."""
     attention = attention_flops(cfg, rows, prompt, tokens)
     routed = expert_flops(cfg, rows)
     return {
