@@ -60,6 +60,7 @@ from colibri.bench.accounting import (
     f32_step_parts,
     kv_bytes,
     part_bound,
+    part_rates,
     step_bytes,
     step_flops,
     streaming_bound,
@@ -289,7 +290,7 @@ def rows_16_bound(cfg, run: dict, probe: dict, args) -> float | None:
     if not rate or not ceiling:
         return None
     parts = f32_step_parts(cfg, run["distinct_experts_16"], 16, args.prompt, args.tokens)
-    return part_bound(parts, probe["gb_s"], {"experts": rate, "dense": rate, "attention": ceiling})
+    return part_bound(parts, probe["gb_s"], part_rates(rate, ceiling))
 
 
 def llama_rows(summary: dict) -> str:

@@ -200,9 +200,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                 "tiles_gflop_s": tiles,
                 # The weights' parts at the tiles' rate; attention's at the cores' ceiling.
                 "tiles_allowed": part_bound(
-                    step,
-                    max(before, after),
-                    {"experts": tiles, "dense": tiles, "attention": ceiling},
+                    step, max(before, after), accounting.part_rates(tiles, ceiling)
                 ),
                 "calls": len(calls),
                 **step_summary(calls, tokens, rows, rate),
@@ -214,7 +212,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     ceiling = max(ceiling, fma_ceiling())
     for rnd in out:
         rnd["roofline_allowed"] = part_bound(
-            step, max(rnd["read_gb_s"]), dict.fromkeys(step, ceiling)
+            step, max(rnd["read_gb_s"]), accounting.part_rates(ceiling, ceiling)
         )
     return {
         "rows": rows,

@@ -120,8 +120,8 @@ def f32_step_parts(cfg, experts_per_layer: list[float], rows: int, prompt: int, 
     """{part: (bytes, FLOPs)} of a decode step of `rows` rows with float32 weights: the routed
     experts the rows chose (each read once), the rest of the weights, and the keys and values
     over the mean context (step_bytes, kv_bytes and step_flops split so)."""
-    experts = 4.0 * sum(experts_per_layer) * 3 * cfg.hidden * cfg.moe.moe_ff
     weights = step_bytes(cfg, experts_per_layer, rows)
+    experts = weights - step_bytes(cfg, [0.0] * len(experts_per_layer), rows)
     return step_parts(cfg, experts, weights, rows, prompt, tokens)
 
 
@@ -136,3 +136,9 @@ def step_parts(cfg, experts: float, weights: float, rows: int, prompt: int, toke
         "dense": (weights - experts, step_flops(cfg, rows, prompt, tokens) - routed - attention),
         "attention": (kv_bytes(cfg, rows, prompt, tokens), attention),
     }
+
+
+def part_rates(weights_gflop_s: float, attention_gflop_s: float) -> dict:
+    """`part_bound`'s rates for step_parts' parts: the weights' (routed experts and the rest)
+    at one rate, the keys and values at another."""
+    return {"experts": weights_gflop_s, "dense": weights_gflop_s, "attention": attention_gflop_s}
