@@ -147,6 +147,11 @@ def test_the_heads_products_refuse_rows_past_the_heads():
         jax.block_until_ready(kernels.linear_heads_t(x, w, first=2))
 
 
+# Rows of the held-linear tests: decode's few, and either side of NATIVE_ROWS (the native
+# kernel up to it, XLA's products past it).
+LINEAR_ROWS = st.integers(1, 20) | st.integers(layers.NATIVE_ROWS - 2, layers.NATIVE_ROWS + 3)
+
+
 def _held_linear_is_widened_linear(x: np.ndarray, held: np.ndarray, wide: np.ndarray) -> None:
     """Up to NATIVE_ROWS rows (the native kernel) the linear over weights `held` as bf16 bits,
     FP8 or int4 rows is bitwise the linear over `wide`, the float32 they stand for, each row as
@@ -163,15 +168,15 @@ def _held_linear_is_widened_linear(x: np.ndarray, held: np.ndarray, wide: np.nda
 
 @settings(max_examples=10, deadline=None)
 @given(
-    rows=st.integers(1, 20),
+    rows=LINEAR_ROWS,
     dim_in=st.integers(1, 40),
     dim_out=st.integers(1, 70),
     seed=st.integers(0, 2**16),
 )
 def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_in, dim_out, seed):
-    """Weights held as bfloat16 bits: up to 16 rows (the native kernel) bitwise what the same
-    weights widened to float32 give, each row as it is alone; more rows (XLA) the same to
-    float32 rounding."""
+    """Weights held as bfloat16 bits: up to NATIVE_ROWS rows (the native kernel) bitwise what
+    the same weights widened to float32 give, each row as it is alone; more rows (XLA) the same
+    to float32 rounding."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, dim_in)).astype(np.float32)
     bits = rng.standard_normal((dim_out, dim_in)).astype(np.float32).view(np.uint32) >> 16
@@ -182,7 +187,7 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
 
 @settings(max_examples=10, deadline=None)
 @given(
-    rows=st.integers(1, 20),
+    rows=LINEAR_ROWS,
     blocks=st.integers(1, 5),
     block=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
@@ -194,7 +199,7 @@ def test_linear_over_bfloat16_bits_is_linear_over_the_widened_weights(rows, dim_
 def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
     rows, blocks, block, dim_out, seed
 ):
-    """Weights held as FP8 rows (e4m3 values, then block scales): up to 16 rows (the native
+    """Weights held as FP8 rows (e4m3 values, then block scales): up to NATIVE_ROWS rows (the native
     kernel) bitwise what the dequantized float32 weights give, each row as it is alone; more
     rows (XLA) the same to float32 rounding. Some blocks' scales are 2^8 or more (two exact
     steps instead of one folded scale), beside rows whose scales are not."""
@@ -213,7 +218,7 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 
 @settings(max_examples=10, deadline=None)
 @given(
-    rows=st.integers(1, 20),
+    rows=LINEAR_ROWS,
     groups=st.integers(1, 5),
     group=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
@@ -225,7 +230,7 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, seed
 ):
     """Weights held as int4 rows (four-bit values two a byte, then group scales; with zero
-    points, words of values, scales and offsets): up to 16 rows (the native kernel) bitwise
+    points, words of values, scales and offsets): up to NATIVE_ROWS rows (the native kernel) bitwise
     what the dequantized float32 weights give, each row as it is alone; more rows (XLA) the
     same to float32 rounding."""
     rng = np.random.default_rng(seed)
@@ -251,7 +256,7 @@ def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
 
 @settings(max_examples=8, deadline=None)
 @given(
-    rows=st.integers(1, 20),
+    rows=LINEAR_ROWS,
     groups=st.integers(1, 5),
     group=st.sampled_from([8, 16, 32, 128]),
     dim_out=st.integers(1, 70),
@@ -264,9 +269,9 @@ def test_linear_over_int8_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, sym, seed
 ):
     """Weights held as int8 rows (bytes of values four a word, group scales, offsets):
-    compressed-tensors' symmetric ones (zero point 128) and GPTQ's asymmetric grid, up to 16
-    rows (the native kernel) bitwise what the dequantized float32 weights give, each row as
-    it is alone; more rows (XLA) the same to float32 rounding."""
+    compressed-tensors' symmetric ones (zero point 128) and GPTQ's asymmetric grid, up to
+    NATIVE_ROWS rows (the native kernel) bitwise what the dequantized float32 weights give,
+    each row as it is alone; more rows (XLA) the same to float32 rounding."""
     rng = np.random.default_rng(seed)
     dim_in = groups * group
     x = rng.standard_normal((rows, dim_in)).astype(np.float32)

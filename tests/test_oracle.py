@@ -12,7 +12,7 @@ from conftest import FAMILIES, VARIANTS
 
 from colibri.engine.model import load_model
 from colibri.engine.runner import Row, Runner
-from colibri.model import transformer
+from colibri.model import layers, transformer
 from colibri.weights import load_dense
 
 PROMPT = "def add(a, b): The quick brown fox, naïve café 🐦"
@@ -63,7 +63,7 @@ def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
     if model.cfg.attention == "gqa":
         assert "qkv" in attn and "q" not in attn
     separate = dataclasses.replace(model, params=jax.device_put(load_dense(model.ckpt, model.cfg)))
-    ids = model.tokenizer.encode(PROMPT)[:12]  # a prefill of <= 16 rows runs on the kernels
+    ids = model.tokenizer.encode(PROMPT)[:12]  # a prefill of <= 64 rows runs on the kernels
 
     def run(m):
         runner = Runner(m, slots=2, capacity=64)
@@ -76,6 +76,27 @@ def test_stacked_qkv_computes_bitwise_what_three_projections_do(case):
         np.testing.assert_array_equal(run(model), run(separate))
     else:  # a GPU's library may sum one stacked product in another order than three apart
         np.testing.assert_allclose(run(model), run(separate), rtol=0, atol=1e-4)
+
+
+def test_a_prefill_gives_bitwise_what_its_tokens_fed_one_by_one_give(case):
+    """A prefill of up to NATIVE_ROWS tokens runs on the kernels, each token as it would alone:
+    its last logits and every token's routes are bitwise those of the same tokens fed one at a
+    time. MLA's prefill expands the cached latents through kv_b where a token alone scores
+    them in the latent space: the same within float32 rounding, as on a GPU (XLA's
+    products)."""
+    _, model, _ = case
+    ids = (model.tokenizer.encode(PROMPT) * 4)[: layers.NATIVE_ROWS]
+    assert len(ids) == layers.NATIVE_ROWS
+    whole = Runner(model, slots=1, capacity=128)
+    logits, routes = whole.prefill(0, ids)
+    one = Runner(model, slots=1, capacity=128)
+    steps = [one.prefill(0, [t], start=p) for p, t in enumerate(ids)]
+    last, by_one = steps[-1][0], np.concatenate([r for _, r in steps], axis=-2)
+    if jax.default_backend() == "cpu" and model.cfg.attention != "mla":
+        np.testing.assert_array_equal(logits, last)
+        np.testing.assert_array_equal(routes, by_one)
+    else:
+        np.testing.assert_allclose(logits, last, rtol=0, atol=1e-4)
 
 
 def test_a_rows_logits_are_the_same_alone_and_among_sixteen(case):
@@ -95,11 +116,11 @@ def test_greedy_tokens_identical_to_transformers_generate(case):
 
 def test_every_product_asks_for_float32_precision(case):
     """JAX's default lets a GPU run a float32 product as TF32 (it did, on an H200: the logits
-    missed the oracle's 1e-4): every product of a 32-token prefill, XLA's and not the
-    kernels', asks for float32 precision itself, whatever the process's setting."""
+    missed the oracle's 1e-4): every product of a prefill longer than NATIVE_ROWS, XLA's and
+    not the kernels', asks for float32 precision itself, whatever the process's setting."""
     _, model, _ = case
-    runner = Runner(model, slots=1, capacity=64)
-    T = 32
+    runner = Runner(model, slots=1, capacity=128)
+    T = 2 * layers.NATIVE_ROWS
     hlo = transformer.forward.lower(
         runner.cfg,
         model.params,
@@ -109,7 +130,7 @@ def test_every_product_asks_for_float32_precision(case):
         np.arange(T, dtype=np.int32)[None],
         np.zeros(1, np.int32),
         np.full(1, T - 1, np.int32),
-        kv_len=64,
+        kv_len=128,
     ).as_text()
     dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
     assert dots

@@ -18,23 +18,17 @@ EXACT = jax.lax.Precision.HIGHEST
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32 (on CPU, for the rows of a decode step,
-    by the native kernel: one call instead of XLA's four ops)."""
+    """RMSNorm over the last axis, computed in float32 (on CPU by the native kernel, each row
+    as it is alone: one call instead of XLA's four ops)."""
     x = x.astype(jnp.float32)
     rows = math.prod(x.shape[:-1])
-    if 0 < rows <= NATIVE_NORM_ROWS and w.ndim == 1 and kernels.usable(x, w):
+    if rows > 0 and w.ndim == 1 and kernels.usable(x, w):
         return _native_rms_norm(x.reshape(rows, -1), w, eps).reshape(x.shape)
     return _xla_rms_norm(x, w, eps)
 
 
 def _xla_rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps))
-
-
-# Rows up to which a float32 RMSNorm on CPU is one native call (single-threaded): a decode
-# step's, per-head query and key norms of 16 rows included; longer prefill chunks keep XLA's
-# fusions.
-NATIVE_NORM_ROWS = 256
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -54,10 +48,14 @@ def _native_rms_norm_bwd(eps, res, dy):  # XLA's gradient of the same norm
 _native_rms_norm.defvjp(_native_rms_norm_fwd, _native_rms_norm_bwd)
 
 
-# Up to this many rows (a decode step of up to 16 conversations), float32 linears on CPU go to
-# the native kernel: it streams w once for all rows at memory speed on every core, where
-# XLA's small matrix products cost several passes (experiments/results/peers.md).
-NATIVE_ROWS = 16
+# Up to this many rows (a decode step of up to 16 conversations, a prefill chunk of up to 64
+# tokens), linears on CPU go to the native kernel: it streams w once for all rows on every
+# core, where XLA's small products cost several passes (and over held rows widen the whole
+# matrix first); past it XLA's blocked products are as fast or faster
+# (experiments/bench_linear_rows.py). Each row's result is what it alone gives, so such a
+# prefill's tokens get bitwise what decoding them one by one gives (docs/kernels.md,
+# "Prefill chunks of up to 64 tokens through the kernel").
+NATIVE_ROWS = 64
 
 
 def widen(w: jax.Array) -> jax.Array:
