@@ -403,7 +403,13 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
       widen_tile<TW>(W, rows, ld, L, blk, wide, row + 1 < gap);
       pair_tiles<TW>(w, rows, x, emit, 0, x.groups());
     }
-    for (int64_t row = gap * TW; row < R; ++row) {
+    int64_t row = gap * TW;
+    for (; row + TW <= R; row += TW) {  // the rest in tiles of TW adjacent rows while they last
+      for (int i = 0; i < TW; ++i) rows[i] = row + i;
+      widen_tile<TW>(W, rows, ld, L, blk, wide, false);
+      pair_tiles<TW>(w, rows, x, emit, 0, x.groups());
+    }
+    for (; row < R; ++row) {
       widen_row(W + row * ld, L, blk, wide);
       pair_tiles<1>(w, &row, x, emit, 0, x.groups());
     }
@@ -434,7 +440,18 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
           }
           pair_tiles<TW>(w, rows, x, emit, g, g + 1);
         }
-      for (int64_t row = gap * TW; row < R; ++row) {
+      // The rows past the tiles' (up to 2 TW + 1 of them: stream_gap keeps the tiles' streams
+      // an odd number of rows apart) in tiles of TW adjacent rows while they last, then one by
+      // one: a row alone meets its inputs at half the tiles' rate or less.
+      int64_t row = gap * TW;
+      for (; row + TW <= R; row += TW) {
+        for (int i = 0; i < TW; ++i) {
+          rows[i] = row + i;
+          w[i] = W + rows[i] * ld;
+        }
+        pair_tiles<TW>(w, rows, x, emit, g, g + n);
+      }
+      for (; row < R; ++row) {
         w[0] = W + row * ld;
         pair_tiles<1>(w, &row, x, emit, g, g + n);
       }
