@@ -440,7 +440,7 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
           }
           pair_tiles<TW>(w, rows, x, emit, g, g + 1);
         }
-      // The rows past the tiles' (up to 2 TW + 1 of them: stream_gap keeps the tiles' streams
+      // The rows past the tiles' (up to 2 TW - 1 of them: stream_gap keeps the tiles' streams
       // an odd number of rows apart) in tiles of TW adjacent rows while they last, then one by
       // one: a row alone meets its inputs at half the tiles' rate or less.
       int64_t row = gap * TW;
