@@ -441,8 +441,8 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
           pair_tiles<TW>(w, rows, x, emit, g, g + 1);
         }
       // The rows past the tiles' (up to 2 TW - 1 of them: stream_gap keeps the tiles' streams
-      // an odd number of rows apart) in tiles of TW adjacent rows while they last, then one by
-      // one: a row alone meets its inputs at half the tiles' rate or less.
+      // an odd number of rows apart) in tiles of TW adjacent rows while they last, then of two,
+      // then one by one: a row alone meets its inputs at half the tiles' rate or less.
       int64_t row = gap * TW;
       for (; row + TW <= R; row += TW) {
         for (int i = 0; i < TW; ++i) {
@@ -450,6 +450,14 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
           w[i] = W + rows[i] * ld;
         }
         pair_tiles<TW>(w, rows, x, emit, g, g + n);
+      }
+      if (row + 2 <= R) {
+        for (int i = 0; i < 2; ++i) {
+          rows[i] = row + i;
+          w[i] = W + rows[i] * ld;
+        }
+        pair_tiles<2>(w, rows, x, emit, g, g + n);
+        row += 2;
       }
       for (; row < R; ++row) {
         w[0] = W + row * ld;
