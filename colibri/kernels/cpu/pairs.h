@@ -444,25 +444,18 @@ inline void pair_matvecs(const T* W, int64_t R, int64_t L, const Packed& x, Emit
       // an odd number of rows apart) in tiles of TW adjacent rows while they last, then of two,
       // then one by one: a row alone meets its inputs at half the tiles' rate or less.
       int64_t row = gap * TW;
-      for (; row + TW <= R; row += TW) {
-        for (int i = 0; i < TW; ++i) {
+      const auto adjacent = [&](auto k) {  // a tile of the next k rows
+        constexpr int K = decltype(k)::value;
+        for (int i = 0; i < K; ++i) {
           rows[i] = row + i;
           w[i] = W + rows[i] * ld;
         }
-        pair_tiles<TW>(w, rows, x, emit, g, g + n);
-      }
-      if (row + 2 <= R) {
-        for (int i = 0; i < 2; ++i) {
-          rows[i] = row + i;
-          w[i] = W + rows[i] * ld;
-        }
-        pair_tiles<2>(w, rows, x, emit, g, g + n);
-        row += 2;
-      }
-      for (; row < R; ++row) {
-        w[0] = W + row * ld;
-        pair_tiles<1>(w, &row, x, emit, g, g + n);
-      }
+        pair_tiles<K>(w, rows, x, emit, g, g + n);
+        row += K;
+      };
+      while (row + TW <= R) adjacent(std::integral_constant<int, TW>{});
+      if (row + 2 <= R) adjacent(std::integral_constant<int, 2>{});
+      while (row < R) adjacent(std::integral_constant<int, 1>{});
       g += n;
     }
   }
