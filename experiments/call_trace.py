@@ -8,12 +8,13 @@ Each round, on the peers benchmark's f32 checkpoints (or --ckpt): a plain read o
 every core, --tokens greedy steps of --rows conversations in the engine's bursts (as
 experiments/step_anatomy.py decodes them), the calls they made, and the read again. Per kind of
 call (the routed experts, attention, each linear layer by its weights): calls a step, µs a
-call, how long the caller took to schedule its helper and how late the helper began its share
-after the call began (µs; calls too small to share run on the caller alone), how far apart the
-caller and the helper ended, and the share of the call both threads were at work. Medians over
-the round's calls, with their 90th percentiles where a few calls differ; at up to four rows,
-the GB/s at which each weight call streams its weights (as float32), against the faster read. A
-thread that ends early leaves the other streaming alone, at what one core can read.
+call, how long the caller took to schedule its helper (or to hand the call to one that waited
+for it) and how late the helper began its share after the call began (µs; calls too small to
+share run on the caller alone), how far apart the caller and the helper ended, and the share of
+the call both threads were at work. Medians over the round's calls, with their 90th percentiles
+where a few calls differ; at up to four rows, the GB/s at which each weight call streams its
+weights (as float32), against the faster read. A thread that ends early leaves the other
+streaming alone, at what one core can read.
 
 Above those, per round (many short rounds say how a step fares at each speed of the memory,
 which moves minute by minute): the step against the memory roofline at the faster read, the
@@ -71,7 +72,8 @@ def parts(
 ) -> pd.DataFrame:
     """Per kind of call (TRACE_KINDS; linear calls by their weights, `names`, else their work),
     the calls a step and, in µs, the median call, the helper's lateness, the threads' end gap
-    and the share of the call both threads worked (medians; p90 beside the two gaps); for the
+    and the share of the call both threads worked (medians; p90 beside the two gaps), and the
+    share of the shared calls handed to a helper waiting for the next call; for the
     weight calls of up to four rows (one pass over the weights), the GB/s their weights as
     float32 stream at over all their calls, and that against `read`."""
     from colibri import kernels
@@ -98,6 +100,7 @@ def parts(
             "late": late,
             "gap": gap,
             "both": both_share,
+            "handed": calls["handed"] > 0,
         }
     )
     df["work"] = calls["work"]
@@ -115,6 +118,7 @@ def parts(
                 "µs a step": g.us.sum() / steps,
                 "shared": len(s) / len(g),
                 "scheduling, µs": s.scheduling.median() if len(s) else np.nan,
+                "handed": s.handed.mean() if len(s) else np.nan,
                 "helper late, µs": s.late.median() if len(s) else np.nan,
                 "late p90": s.late.quantile(0.9) if len(s) else np.nan,
                 "ends apart, µs": s.gap.median() if len(s) else np.nan,
@@ -325,7 +329,9 @@ def write(results: dict, args, stem: str) -> None:
         "calls a step: over the round's steps; µs a call: the median, from the call's start to "
         "its return; shared: the calls a helper joined (the others, under ~512 KiB of work, run "
         "on the caller alone); scheduling: from the call's start to the caller's own first work "
-        "(waking its helper); helper late: from the call's start to the helper's first work; "
+        "(waking its helper, or handing the call to one waiting for the next call); handed: the "
+        "shared calls handed to a helper that waited for them (the others scheduled a task of "
+        "XLA's pool); helper late: from the call's start to the helper's first work; "
         "ends apart: between the caller's and the helper's last work (the one that ends first "
         "waits, or leaves); both at work: the share of the call from the helper's start to the "
         "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "

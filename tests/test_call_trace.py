@@ -47,6 +47,67 @@ def test_a_traced_build_records_every_call_and_gives_the_same_bits():
         assert first["enter"] <= first["helper_start"] <= first["helper_end"] <= first["done"]
 
 
+def test_a_decode_call_hands_its_work_to_the_helper_waiting_for_it_and_a_prefill_call_not():
+    """A helper that has done its share of a call of up to 16 rows (a decode step's) waits for
+    the next call (gang.h's `serve`; here up to 0.1 s, COLIBRI_LINGER_NS): each such call of a
+    chain finds the helper that joined the call before it and hands it its work instead of
+    scheduling a task of the pool. After calls of more rows (a prefill's) the helpers go back
+    to the pool at once. The same bits either way."""
+    tiles = {**kernels.tuning(), "COLIBRI_LINGER_NS": 10**8}
+    lib_path = kernels.build(tiles=tiles, trace=True)
+    lib = ctypes.cdll.LoadLibrary(str(lib_path))
+    traced = linear_call(lib_path, "colibri_handed_linear")
+    rng = np.random.default_rng(1)
+    ws = [rng.standard_normal((1024, 1024)).astype(np.float32) / 32 for _ in range(6)]
+
+    def chain(x, *ws):
+        for w in ws:
+            x = traced(x, w)
+        return x
+
+    def run(rows):
+        x = rng.standard_normal((rows, 1024)).astype(np.float32)
+        kernels.take_traced_calls(lib)
+        got = np.asarray(jax.jit(chain)(x, *ws))
+        calls = kernels.take_traced_calls(lib)
+        want = x
+        for w in ws:
+            want = kernels.linear(want, w)
+        np.testing.assert_array_equal(got, np.asarray(want))
+        assert len(calls) == len(ws) and all(calls["threads"] == 2)
+        return calls
+
+    prefill = run(32)
+    assert (prefill["handed"] == 0).all()
+    decode = run(2)
+    assert decode["handed"][0] == 0  # no helper waits after the prefill's calls
+    joined = decode["helper_start"][:-1] > 0
+    assert joined.any()  # (a helper comes too late for a call only where the machine is busy)
+    # The helper that joined a call waits before that call can end: the next call hands it
+    # its work.
+    assert (decode["handed"][1:][joined] == 1).all()
+
+
+def test_calls_made_at_once_from_several_threads_give_the_bits_of_one_at_a_time():
+    """Calls from several threads at once share the helpers waiting for a call among them
+    (gang.h's `serve`, `run`): each call's results are those it gives alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((1536, 1024)).astype(np.float32)  # 6 MB: shared out
+    xs = [rng.standard_normal((r, 1024)).astype(np.float32) for r in (1, 3, 16, 2)]
+    call = jax.jit(kernels.linear)
+    want = [np.asarray(call(x, w)) for x in xs]
+
+    def calls(i):
+        return [np.asarray(call(xs[i % len(xs)], w)) for _ in range(12)]
+
+    with ThreadPoolExecutor(4) as pool:
+        for i, got in enumerate(pool.map(calls, range(8))):
+            for g in got:
+                np.testing.assert_array_equal(g, want[i % len(xs)])
+
+
 def test_the_engines_own_library_does_not_trace():
     if os.environ.get("COLIBRI_KERNEL_TRACE") == "1":
         pytest.skip("this run traces its kernels")

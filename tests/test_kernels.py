@@ -1050,6 +1050,7 @@ def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
                 "COLIBRI_TWO_GROUPS_FROM": 384,
                 "COLIBRI_ONE_BLOCK_TO": 768,
                 "COLIBRI_ONE_INPUT_FETCH": 4096,
+                "COLIBRI_LINGER_NS": 200_000,
             },
         ),
         ("x86_64", {}),  # no /proc/cpuinfo: platform.processor()

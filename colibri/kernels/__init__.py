@@ -122,13 +122,14 @@ def _cpu_id() -> str:
 
 
 def tuning() -> dict[str, int]:
-    """Tile choices the kernels take by the CPU, as defines of cpu/'s headers: on Intel cores
-    rows of 384 columns and more meet 9 to 16 inputs two groups a pass
+    """Tile and thread choices the kernels take by the CPU, as defines of cpu/'s headers: on
+    Intel cores rows of 384 columns and more meet 9 to 16 inputs two groups a pass
     (COLIBRI_TWO_GROUPS_FROM), rows of up to 768 columns go whole, a tile's rows a third of the
-    matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), and one input's tiles prefetch their rows 4
-    KiB ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h); on AMD Zen 4 (family 25 with AVX-512) rows
-    of up to 768 columns go whole too, rows of 384 columns and more meet 9 to 16 inputs two
-    groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), one input's tiles prefetch 1 KiB ahead,
+    matrix apart (COLIBRI_ONE_BLOCK_TO; pairs.h), one input's tiles prefetch their rows 4 KiB
+    ahead (COLIBRI_ONE_INPUT_FETCH; tiles.h), and the helpers of a decode step's calls wait 200
+    µs for the next call (COLIBRI_LINGER_NS; gang.h); on AMD Zen 4 (family 25 with AVX-512)
+    rows of up to 768 columns go whole too, rows of 384 columns and more meet 9 to 16 inputs
+    two groups a pass (COLIBRI_TWO_GROUPS_ALONE_FROM), one input's tiles prefetch 1 KiB ahead,
     and held rows (int4, int8, FP8) meet one to four inputs in the 8-lane tiles instead of the
     row pairs (COLIBRI_HELD_PAIRS); elsewhere the headers' defaults. Results are the same bits
     either way."""
@@ -138,6 +139,7 @@ def tuning() -> dict[str, int]:
             "COLIBRI_TWO_GROUPS_FROM": 384,
             "COLIBRI_ONE_BLOCK_TO": 768,
             "COLIBRI_ONE_INPUT_FETCH": 4096,
+            "COLIBRI_LINGER_NS": 200_000,
         }
     lines = (ln.split(":", 1) for ln in cpu.splitlines() if ":" in ln)
     fields = {k.strip(): v.split() for k, v in lines}
@@ -543,11 +545,12 @@ def read_sum(a: np.ndarray) -> float:
 
 
 # A traced call's fields (cpu/gang.h's CallRecord): nanoseconds of the steady clock at which
-# the kernel's run began (before its helpers were scheduled), the caller began its own share
+# the kernel's run began (before its helpers were scheduled or handed it), the caller began its own share
 # (once they were), its first helper began and its last one ended (0: none joined), the
 # caller's share ended and the call returned; then the call's work (bytes of weights as float32
-# times their passes; keys and values times the query heads), work items, threads and kernel
-# (TRACE_KINDS).
+# times their passes; keys and values times the query heads), work items, threads, kernel
+# (TRACE_KINDS) and how many of its helpers were handed it as they waited for a call (gang.h's
+# `serve`), not scheduled as tasks of XLA's pool.
 TRACE_FIELDS = (
     "enter",
     "caller_start",
@@ -559,6 +562,7 @@ TRACE_FIELDS = (
     "items",
     "threads",
     "kind",
+    "handed",
 )
 # The kernels a traced call's `kind` names (cpu/gang.h's CallKind).
 TRACE_KINDS = {

@@ -818,7 +818,7 @@ ffi::Error attend_into(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, const floa
   // Work: the keys and values once for each query head that reads them, as the linear
   // kernel counts a pass over its weights for every four inputs (a call whose bytes alone are
   // under kSoloWork, one row of a grouped-query model, costs several times their streaming).
-  run(pool, call, call->items(), bytes * (H / Hkv), CallKind::kAttention);
+  run(pool, call, call->items(), bytes * (H / Hkv), CallKind::kAttention, B);
   return ffi::Error::Success();
 }
 
@@ -870,7 +870,7 @@ ffi::Error MlaAttend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   call->keep_len = md[1];
   int64_t bytes = 0;  // latents and roped keys read
   for (int64_t b = 0; b < B; ++b) bytes += call->positions(b) * (r + R) * 4;
-  run(pool, call, call->items(), bytes * H, CallKind::kLatentAttention);
+  run(pool, call, call->items(), bytes * H, CallKind::kLatentAttention, B);
   return ffi::Error::Success();
 }
 

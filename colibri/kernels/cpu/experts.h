@@ -366,7 +366,7 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<WT> gate, ffi::Buffer<WT
   call->packed.reset(new std::atomic<int>[experts]());
   const int64_t passes = experts ? (staged / experts + 3) / 4 : 1;  // tiles of 4 rows each
   run(pool, call, p.total(), experts * 3 * F * value_bytes(kind, D) * passes,
-      CallKind::kExperts);
+      CallKind::kExperts, N);
   return ffi::Error::Success();
 }
 

@@ -9,7 +9,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -34,10 +36,11 @@ enum class CallKind : int64_t { kExperts = 1, kLinear, kHeads, kAttention, kLate
 // A traced call, in nanoseconds of the steady clock: run() entered (before the helpers are
 // scheduled), the caller's own drain began (once they are), the first helper's drain began and
 // the last one's ended (0: none joined), the caller's drain ended, and the call returned; its
-// work (as `run` takes it), work items, threads and kernel (CallKind).
+// work (as `run` takes it), work items, threads, kernel (CallKind) and the helpers handed it
+// as they waited for a call (`serve`), not scheduled.
 struct CallRecord {
   int64_t enter, caller_start, helper_start, helper_end, caller_end, done, work, items, threads,
-      kind;
+      kind, handed;
 };
 constexpr int64_t kTracedCalls = COLIBRI_TRACE_CALLS ? 1 << 16 : 1;  // the latest kept
 constexpr int64_t kRecordFields = sizeof(CallRecord) / sizeof(int64_t);
@@ -75,16 +78,20 @@ struct Gang {
   static constexpr int64_t kClosed = int64_t{1} << 40;
   std::atomic<int64_t> state{0};  // helpers running, plus kClosed once the caller is done
   int64_t threads = 1;            // the caller and the helpers run() schedules
+  bool then_wait = false;         // whether its helpers wait for the next call (serve)
   CallRecord record{};            // traced builds: this call's times (written as it goes)
   std::atomic<int64_t> helper_start{0}, helper_end{0};
 
   virtual ~Gang() = default;
   virtual void drain() = 0;
 
-  void help() {
+  // A helper's share: items until none is left (none once the caller has closed the call);
+  // then done(), before the caller can see this helper finished.
+  template <typename Done>
+  void help(Done done) {
     int64_t s = state.load(std::memory_order_relaxed);
     do {
-      if (s & kClosed) return;
+      if (s & kClosed) return done();
     } while (!state.compare_exchange_weak(s, s + 1, std::memory_order_acquire));
     if constexpr (COLIBRI_TRACE_CALLS) {
       int64_t first = 0;
@@ -92,6 +99,7 @@ struct Gang {
     }
     drain();
     if constexpr (COLIBRI_TRACE_CALLS) helper_end.store(now_ns(), std::memory_order_relaxed);
+    done();
     state.fetch_sub(1, std::memory_order_release);
   }
 
@@ -130,16 +138,102 @@ int64_t take_traced(int64_t* out, int64_t n) {
 // of four inputs, or per query head).
 constexpr int64_t kSoloWork = 512 << 10;
 
-// Run `gang`, a call of kernel `kind`, on the caller and up to items - 1 helpers from the pool
-// (none below kSoloWork).
+// Helpers that have done their share of a decode step's call wait a little for the next call
+// (kLingerNs), which hands them its work, where a task of the pool would wake a thread the
+// pool had put to sleep: between the shared calls of a 16-row step the XLA ops and the calls
+// too small to share outlasted the pool's own spinning, and a call then spent up to 20 µs
+// scheduling its helper, which began 15-25 µs after that (docs/kernels.md, "Helpers that wait
+// for the next call"). A prefill's calls (more than kWaitRows rows) leave their helpers to the
+// pool at once: there XLA's own products of the longer chunks want its threads (a 128-token
+// prefill took 1.2x the time with helpers waiting after every call). Builds for Intel cores
+// (kernels.tuning()); elsewhere unmeasured, and on AMD Zen 5 helpers that waited 50 µs after
+// every call made decode 0.92x as fast, the XLA executor wanting their thread. Never
+// destroyed: a helper may still wait as the process ends.
+struct Lingering {
+  std::mutex m;
+  std::vector<std::shared_ptr<Gang>> offered;  // calls handed over, one for each helper taken
+  int64_t idle = 0;  // helpers waiting that no call has taken: waiting ones less offered ones
+  std::atomic<int64_t> pending{0};  // offered.size(), read without the lock
+};
+inline Lingering& lingering() {
+  static Lingering* const l = new Lingering;
+  return *l;
+}
+
+// How long a helper waits for the next call before it goes back to the pool (0: it does not
+// wait), and the most rows a call may have for its helpers to wait after it (a decode step's).
+#ifndef COLIBRI_LINGER_NS
+#define COLIBRI_LINGER_NS 0
+#endif
+constexpr int64_t kLingerNs = COLIBRI_LINGER_NS;
+constexpr int64_t kWaitRows = 16;
+
+// A helper: its share of `gang`, then of every call handed to it as it waits (spinning, and
+// giving its core away every 64 spins: the thread that makes the next call may want it) until
+// kLingerNs pass without one. It counts as waiting before its call can end, so that the
+// caller's next call finds it. At most `most` helpers wait at once (the pool's threads less
+// one, which XLA's own tasks keep).
+inline void serve(std::shared_ptr<Gang> gang, int64_t most) {
+  Lingering& l = lingering();
+  while (gang) {
+    bool waits = false;
+    gang->help([&] {
+      if (kLingerNs == 0 || !gang->then_wait) return;
+      std::lock_guard<std::mutex> lock(l.m);
+      waits = l.idle + static_cast<int64_t>(l.offered.size()) < most;
+      l.idle += waits;
+    });
+    gang.reset();
+    if (!waits) return;
+    const int64_t until = now_ns() + kLingerNs;
+    for (int spins = 1; !gang; ++spins) {
+      const bool offer = l.pending.load(std::memory_order_acquire) > 0;
+      if (offer || spins % 64 == 0) {
+        const bool late = !offer && now_ns() > until;
+        if (offer || late) {
+          std::lock_guard<std::mutex> lock(l.m);
+          if (!l.offered.empty()) {  // (each meant for a waiting helper: any of them)
+            gang = std::move(l.offered.back());
+            l.offered.pop_back();
+            l.pending.store(static_cast<int64_t>(l.offered.size()), std::memory_order_release);
+            continue;
+          }
+          if (late) {
+            --l.idle;
+            return;
+          }
+        }
+        std::this_thread::yield();
+      }
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    }
+  }
+}
+
+// Run `gang`, a call of kernel `kind` over `rows` rows (tokens), on the caller and up to
+// items - 1 helpers (none below kSoloWork): those waiting for a call first, then tasks of the
+// pool.
 void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items, int64_t work,
-         CallKind kind) {
+         CallKind kind, int64_t rows) {
   const int64_t most = work < kSoloWork ? 0 : std::max<int64_t>(pool.num_threads() - 1, 0);
   const int64_t helpers = std::max<int64_t>(std::min<int64_t>(most, items - 1), 0);
   gang->threads = helpers + 1;
+  gang->then_wait = rows <= kWaitRows;
   if constexpr (COLIBRI_TRACE_CALLS)
-    gang->record = {now_ns(), 0, 0, 0, 0, 0, work, items, gang->threads, int64_t(kind)};
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([gang] { gang->help(); });
+    gang->record = {now_ns(), 0, 0, 0, 0, 0, work, items, gang->threads, int64_t(kind), 0};
+  int64_t handed = 0;
+  if (helpers > 0) {
+    Lingering& l = lingering();
+    std::lock_guard<std::mutex> lock(l.m);
+    handed = std::min(helpers, l.idle);
+    l.idle -= handed;
+    l.offered.insert(l.offered.end(), handed, gang);
+    l.pending.store(static_cast<int64_t>(l.offered.size()), std::memory_order_release);
+  }
+  if constexpr (COLIBRI_TRACE_CALLS) gang->record.handed = handed;
+  for (int64_t t = handed; t < helpers; ++t) pool.Schedule([gang, most] { serve(gang, most); });
   gang->finish();
 }
 

@@ -160,7 +160,7 @@ ffi::Error LinearHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   call->per_head = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->items = call->H * call->per_head;
   run(pool, call, call->items, call->H * O * I * int64_t{sizeof(float)} * ((call->M + 3) / 4),
-      CallKind::kHeads);
+      CallKind::kHeads, call->M);
   return ffi::Error::Success();
 }
 
@@ -194,7 +194,7 @@ ffi::Error LinearHeadsT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
     return e;
   const int64_t C = call->C = y->dimensions()[2], H = call->H;
   run(pool, call, H, H * call->I * C * int64_t{sizeof(float)} * ((call->M + 3) / 4),
-      CallKind::kHeads);
+      CallKind::kHeads, call->M);
   return ffi::Error::Success();
 }
 

@@ -126,7 +126,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   // Work: the weights as float32, a pass for every four inputs (held rows cost their widening,
   // about what float32 rows cost to stream: a one-row call over 270 KB of int8 rows took a
   // core 26 µs).
-  run(pool, call, items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear);
+  run(pool, call, items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear, M);
   return ffi::Error::Success();
 }
 
