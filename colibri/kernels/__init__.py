@@ -545,12 +545,12 @@ def read_sum(a: np.ndarray) -> float:
 
 
 # A traced call's fields (cpu/gang.h's CallRecord): nanoseconds of the steady clock at which
-# the kernel's run began (before its helpers were scheduled or handed it), the caller began its own share
-# (once they were), its first helper began and its last one ended (0: none joined), the
-# caller's share ended and the call returned; then the call's work (bytes of weights as float32
-# times their passes; keys and values times the query heads), work items, threads, kernel
-# (TRACE_KINDS) and how many of its helpers were handed it as they waited for a call (gang.h's
-# `serve`), not scheduled as tasks of XLA's pool.
+# the kernel's run began (before its helpers were scheduled or handed it), the caller began its
+# own share (once they were), its first helper began and its last one ended (0: none joined),
+# the caller's share ended and the call returned; then the call's work (bytes of weights as
+# float32 times their passes; keys and values times the query heads), work items, threads,
+# kernel (TRACE_KINDS) and how many of its helpers were handed it as they waited for a call
+# (gang.h's `serve`), not scheduled as tasks of XLA's pool.
 TRACE_FIELDS = (
     "enter",
     "caller_start",
