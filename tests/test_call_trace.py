@@ -49,43 +49,56 @@ def test_a_traced_build_records_every_call_and_gives_the_same_bits():
 
 def test_a_decode_call_hands_its_work_to_the_helper_waiting_for_it_and_a_prefill_call_not():
     """A helper that has done its share of a call of up to 16 rows (a decode step's) waits for
-    the next call (gang.h's `serve`; here up to 0.1 s, COLIBRI_LINGER_NS): each such call of a
-    chain finds the helper that joined the call before it and hands it its work instead of
-    scheduling a task of the pool. After calls of more rows (a prefill's) the helpers go back
-    to the pool at once. The same bits either way."""
+    the next call (gang.h's `serve`; here up to 0.1 s, COLIBRI_LINGER_NS): the call after it
+    finds that helper and hands it its work instead of scheduling a task of the pool. After
+    calls of more rows (a prefill's) the helpers go back to the pool at once. The same bits
+    either way."""
+    import time
+
     tiles = {**kernels.tuning(), "COLIBRI_LINGER_NS": 10**8}
     lib_path = kernels.build(tiles=tiles, trace=True)
     lib = ctypes.cdll.LoadLibrary(str(lib_path))
     traced = linear_call(lib_path, "colibri_handed_linear")
     rng = np.random.default_rng(1)
-    ws = [rng.standard_normal((1024, 1024)).astype(np.float32) / 32 for _ in range(6)]
+    w = rng.standard_normal((2048, 2048)).astype(np.float32) / 45  # 16 MB: shared out
 
-    def chain(x, *ws):
-        for w in ws:
+    @jax.jit
+    def chain(x):
+        for _ in range(6):
             x = traced(x, w)
         return x
 
     def run(rows):
-        x = rng.standard_normal((rows, 1024)).astype(np.float32)
+        x = rng.standard_normal((rows, 2048)).astype(np.float32)
+        time.sleep(0.25)  # every helper of the calls before back in the pool
         kernels.take_traced_calls(lib)
-        got = np.asarray(jax.jit(chain)(x, *ws))
+        got = np.asarray(chain(x))
         calls = kernels.take_traced_calls(lib)
         want = x
-        for w in ws:
+        for _ in range(6):
             want = kernels.linear(want, w)
         np.testing.assert_array_equal(got, np.asarray(want))
-        assert len(calls) == len(ws) and all(calls["threads"] == 2)
+        assert len(calls) == 6
         return calls
 
     prefill = run(32)
+    if (prefill["threads"] < 2).any():
+        pytest.skip("XLA's pool has one thread here: no helpers")
     assert (prefill["handed"] == 0).all()
-    decode = run(2)
-    assert decode["handed"][0] == 0  # no helper waits after the prefill's calls
-    joined = decode["helper_start"][:-1] > 0
-    assert joined.any()  # (a helper comes too late for a call only where the machine is busy)
-    # The helper that joined a call waits before that call can end: the next call hands it
-    # its work.
-    assert (decode["handed"][1:][joined] == 1).all()
+    # A helper comes too late for every call of a chain only where the machine is busy: a
+    # few chains, until one has a call its helper joined.
+    for _ in range(10):
+        decode = run(2)
+        assert decode["handed"][0] == 0  # no helper waits from before
+        joined = np.flatnonzero(decode["helper_start"][:-1] > 0)
+        if len(joined):
+            break
+    else:
+        pytest.skip("no helper joined a call here: the cores were busy throughout")
+    # The first helper to join a call counts itself as waiting before that call can end: the
+    # next call hands it its work. (Later ones may be handed to it before it is back from the
+    # core it gave away, where other threads want the cores.)
+    assert decode["handed"][joined[0] + 1] == 1
 
 
 def test_calls_made_at_once_from_several_threads_give_the_bits_of_one_at_a_time():
