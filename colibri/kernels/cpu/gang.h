@@ -143,11 +143,12 @@ constexpr int64_t kSoloWork = 512 << 10;
 // pool had put to sleep: between the shared calls of a 16-row step the XLA ops and the calls
 // too small to share outlasted the pool's own spinning, and a call then spent up to 20 µs
 // scheduling its helper, which began 15-25 µs after that (docs/kernels.md, "Helpers that wait
-// for the next call, on the Xeon"). A prefill's calls (more than kWaitRows rows) leave their helpers to the
-// pool at once: there XLA's own products of the longer chunks want its threads (a 128-token
-// prefill took 1.2x the time with helpers waiting after every call). Builds for Intel cores
-// (kernels.tuning()): on AMD Zen 5 helpers that waited 50 µs after one-row calls, bound there
-// by the memory, left decode within its noise, and after every call made it 0.92x as fast.
+// for the next call, on the Xeon"). A prefill's calls (more than kWaitRows rows) leave their
+// helpers to the pool at once: there XLA's own products of the longer chunks want its threads
+// (a 128-token prefill took 1.2x the time with helpers waiting after every call). Builds for
+// Intel cores (kernels.tuning()): on AMD Zen 5 helpers that waited 50 µs after one-row calls,
+// bound there by the memory, left decode within its noise, and after every call made it 0.92x
+// as fast.
 // Never destroyed: a helper may still wait as the process ends.
 struct Lingering {
   std::mutex m;
@@ -224,7 +225,7 @@ void run(ffi::ThreadPool& pool, const std::shared_ptr<Gang>& gang, int64_t items
   if constexpr (COLIBRI_TRACE_CALLS)
     gang->record = {now_ns(), 0, 0, 0, 0, 0, work, items, gang->threads, int64_t(kind), 0};
   int64_t handed = 0;
-  if (helpers > 0) {
+  if (kLingerNs > 0 && helpers > 0) {  // (none wait where helpers do not: no lock taken)
     Lingering& l = lingering();
     std::lock_guard<std::mutex> lock(l.m);
     handed = std::min(helpers, l.idle);
