@@ -29,6 +29,32 @@ E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.fl
 # Bytes of two four-bit values -> (q - 8, q' - 8), the first value in the low nibble.
 UNPACK4 = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
 
+# Int4 rows whose scale blocks are a multiple of LANE_GROUP columns hold each 64 of them lane by
+# lane (the kernels' eight lanes): byte 4 l + k of the group's 32 holds column 8 k + l in its
+# low nibble and 8 (k + 4) + l in its high one (l < 8, k < 4), so that a 32-byte load has eight
+# steps of eight lanes, each a shift away (docs/kernels.md, "Int4 values lane by lane").
+# LANE_COLUMNS[j]: the column of a group's j-th held value (2 b + 1: byte b's high nibble).
+LANE_GROUP = 64
+LANE_COLUMNS = np.array(
+    [8 * (k + 4 * h) + lane for lane in range(8) for k in range(4) for h in range(2)]
+)
+
+
+def lane_major(cols: int, blocks: int) -> bool:
+    """Whether int4 rows of `cols` values in `blocks` scale blocks hold them lane by lane."""
+    return blocks > 0 and (cols // blocks) % LANE_GROUP == 0
+
+
+def _lanes(values: np.ndarray, blocks: int) -> np.ndarray:
+    """Int4 rows' value bytes [rows, n] (columns in order, the first of two in the low nibble)
+    as held: lane by lane where their blocks call for it (`lane_major`), else as they are."""
+    rows, n = values.shape
+    if not lane_major(2 * n, blocks):
+        return values
+    q = np.stack([values & 15, values >> 4], axis=-1).reshape(rows, -1, LANE_GROUP)
+    q = q[..., LANE_COLUMNS]
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8).reshape(rows, n)
+
 
 @dataclass(frozen=True)
 class HeldFormat:
@@ -54,10 +80,13 @@ class HeldFormat:
     def pack(
         self, values: np.ndarray, scales: np.ndarray, offsets: np.ndarray | None = None
     ) -> np.ndarray:
-        """Rows as held, flat: each row's stored values (any dtype, whole rows [rows, ...]),
-        then its float32 block scales [rows, blocks], then for zero points its offsets."""
+        """Rows as held, flat: each row's stored values (any dtype, whole rows [rows, ...]; int4
+        values in column order, laid out lane by lane here where `lane_major`), then its
+        float32 block scales [rows, blocks], then for zero points its offsets."""
         rows = scales.shape[0]
         parts = [np.ascontiguousarray(values).reshape(rows, -1).view(np.uint8)]
+        if self.value_bits == 4:
+            parts[0] = _lanes(parts[0], scales.shape[1])
         parts.append(np.ascontiguousarray(scales, "<f4").view(np.uint8))
         if self.zero_points:
             if offsets is None:
@@ -75,10 +104,11 @@ class HeldFormat:
 # bf16: a bfloat16 weight's bit pattern, the top half of the float32 it stands for. bf16p: the
 # same bits, in products whose inputs are rounded to bfloat16 (`round_inputs`). fp8: each
 # row's float8_e4m3fn values, then its scales. int4: each row's four-bit values two a byte (the
-# first in the low nibble, each offset by 8), then its scales. int4z: the same values as words
-# (eight a word, the first in the lowest bits), then scales and offsets (GPTQ's asymmetric and
-# AWQ's weights). int8: each row's values as stored (unsigned bytes, four a word), then scales
-# and offsets (the zero point 128 when symmetric).
+# first in the low nibble, each offset by 8; lane by lane where `lane_major`), then its scales.
+# int4z: the same values as words (eight a word, the first in the lowest bits, or lane by lane),
+# then scales and offsets (GPTQ's asymmetric and AWQ's weights). int8: each row's values as
+# stored (unsigned bytes, four a word), then scales and offsets (the zero point 128 when
+# symmetric).
 FLOAT32 = HeldFormat("float32", np.dtype("<f4"), "", 32)
 BF16 = HeldFormat("bf16", np.dtype("<u2"), "_bf16", 16, what="bfloat16 bits")
 BF16P = HeldFormat(
@@ -154,7 +184,10 @@ def _table_rows(w: jax.Array, cols: int, n: int, table: np.ndarray) -> jax.Array
     import jax.numpy as jnp
 
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
-    values = jnp.asarray(table)[w[..., :n]].reshape(*lead, blocks, cols // blocks)
+    values = jnp.asarray(table)[w[..., :n]]
+    if table is UNPACK4:
+        values = _in_order(values.reshape(*lead, cols), cols, blocks)
+    values = values.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n:].reshape(*lead, blocks, 4), jnp.float32)
     return (values * scales[..., None]).reshape(*lead, cols)
 
@@ -167,6 +200,8 @@ def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 2
     shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
     q = ((w[..., :n, None] >> shifts) & (2**bits - 1)).astype(jnp.float32)  # [..., n, 32 / bits]
+    if bits == 4:
+        q = _in_order(q.reshape(*lead, cols), cols, blocks)
     q = q.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n : n + blocks], jnp.float32)[..., None]
     offsets = jax.lax.bitcast_convert_type(w[..., n + blocks :], jnp.float32)[..., None]
@@ -174,10 +209,13 @@ def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
     return ((q + zeros) * scales).reshape(*lead, cols)
 
 
-def _bitcast(w: jax.Array, dtype) -> jax.Array:
-    import jax
-
-    return jax.lax.bitcast_convert_type(w, dtype)
+def _in_order(values: jax.Array, cols: int, blocks: int) -> jax.Array:
+    """Int4 values [..., cols] as held back in column order (`_lanes` undone)."""
+    if not lane_major(cols, blocks):
+        return values
+    lead = values.shape[:-1]
+    grouped = values.reshape(*lead, cols // LANE_GROUP, LANE_GROUP)
+    return grouped[..., np.argsort(LANE_COLUMNS)].reshape(*lead, cols)
 
 
 def _bitcast(w: jax.Array, dtype) -> jax.Array:

@@ -56,8 +56,8 @@ def _rows(fmt, rows: int, cols: int, block: int, rng):
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scaled], ids=lambda f: f.name)
-@given(rows=st.integers(1, 4), blocks=st.integers(1, 3), block=st.sampled_from([8, 16]))
-@settings(deadline=None, max_examples=10)  # each new shape compiles (~1 s)
+@given(rows=st.integers(1, 4), blocks=st.integers(1, 3), block=st.sampled_from([8, 16, 64, 128]))
+@settings(deadline=None, max_examples=12)  # each new shape compiles (~1 s)
 def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks, block):
     rng = np.random.default_rng(rows * 100 + blocks * 10 + block)
     cols = blocks * block
@@ -66,6 +66,27 @@ def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks
     assert held.size == rows * fmt.row_elements(cols, block)
     got = np.asarray(fmt.unpack(jnp.asarray(held.reshape(rows, -1)), cols))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", [formats.INT4, formats.INT4Z], ids=lambda f: f.name)
+def test_int4_values_in_blocks_of_64_columns_are_held_lane_by_lane(fmt):
+    """In blocks of a multiple of 64 columns, byte 4 l + k of each 64 columns' 32 bytes holds
+    column 8 k + l in its low nibble and 8 (k + 4) + l in its high one (the kernels' lanes);
+    shorter blocks keep their columns in order, two a byte, the first in the low nibble."""
+    rng = np.random.default_rng(5)
+    rows, cols = 2, 256
+    q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+    words = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
+    for block, lanes in ((64, True), (128, True), (256, True), (32, False), (16, False)):
+        assert formats.lane_major(cols, cols // block) == lanes
+        scales = np.ones((rows, cols // block), np.float32)
+        held = fmt.pack(words, scales, -8 * scales if fmt.zero_points else None)
+        values = held.reshape(rows, -1).view(np.uint8)[:, : cols // 2]
+        nibbles = np.stack([values & 15, values >> 4], axis=-1).reshape(rows, cols)
+        col = np.arange(cols)
+        g, k, lane = col // 64, col % 64 // 8, col % 8
+        at = 64 * g + 2 * (4 * lane + k % 4) + k // 4 if lanes else col
+        np.testing.assert_array_equal(nibbles[:, at], q)
 
 
 def test_checkpoint_packers_lay_rows_out_as_the_registry_does():

@@ -14,6 +14,7 @@ import tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from colibri import formats
 from colibri.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -47,6 +48,17 @@ def _write(tmp_path, weights: dict, quant: dict | None, scale_dtype="F16", where
     return Checkpoint(tmp_path)
 
 
+def _in_columns(q: np.ndarray, group: int) -> np.ndarray:
+    """Int4 values [rows, cols] as held back in column order: a held value j of 64 columns
+    held lane by lane stands for column formats.LANE_COLUMNS[j]."""
+    rows, cols = q.shape
+    if not formats.lane_major(cols, cols // group):
+        return q
+    out = np.empty_like(q).reshape(rows, -1, formats.LANE_GROUP)
+    out[..., formats.LANE_COLUMNS] = q.reshape(out.shape)
+    return out.reshape(rows, cols)
+
+
 def _rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, np.dtype | None]:
     """Where weight `name` fits rows of its values (`packed_fit`): its rows as held (INT4_ROWS,
     with zero points INT4Z_ROWS, 8-bit INT8_ROWS) decoded here, value by value, are `want`
@@ -58,7 +70,8 @@ def _rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, np
     words = ck.read(name, held=held)
     if held == INT4_ROWS:
         nibbles = words[:, : cols // 2].view(np.uint8)
-        q = np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols) - 8.0
+        q = _in_columns(np.stack([nibbles & 15, nibbles >> 4], axis=2).reshape(rows, cols), group)
+        q = q - 8.0
         scales = words[:, cols // 2 :].copy().view("<f4")
         np.testing.assert_array_equal(q.astype(np.float32) * np.repeat(scales, group, 1), want)
         return group, held
@@ -66,6 +79,8 @@ def _rows_widen_to(ck: Checkpoint, name: str, want: np.ndarray) -> tuple[int, np
     n, g = cols * bits // 32, cols // group
     words = words.view(np.uint32)
     q = (words[:, :n, None] >> np.arange(0, 32, bits, dtype=np.uint32)) & (2**bits - 1)
+    if bits == 4:
+        q = _in_columns(q.reshape(rows, cols), group)
     scales = words[:, n : n + g].copy().view("<f4").astype(np.float64)
     offsets = words[:, n + g :].copy().view("<f4").astype(np.float64)
     # fma(q, s, -z s): the exact q s - z s, rounded once to float32.

@@ -220,7 +220,7 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 @given(
     rows=LINEAR_ROWS,
     groups=st.integers(1, 5),
-    group=st.sampled_from([8, 16, 32, 128]),
+    group=st.sampled_from([8, 16, 32, 64, 128]),
     dim_out=st.integers(1, 70),
     seed=st.integers(0, 2**16),
 )
@@ -895,14 +895,16 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # Scaled rows come in blocks of 8; the others have a scalar tail past the vectors.
             # Rows longer than 512 columns take two groups of inputs a pass (pairs.h).
             # Scaled rows in blocks of 8 and of 32 (int4 rows with AVX-512 VBMI take two
-            # steps at a time in blocks of a multiple of 16: tiles.h, nibble_pair_block).
+            # steps at a time in blocks of a multiple of 16: tiles.h, nibble_pair_block; in
+            # blocks of a multiple of 64, int4 values lane by lane: nibble_pair_line).
             D, F = (96, 48) if f.scaled else (99, 45)
             cases = [(D, (1, 2, 3, 4, 5, 16, 37), 8), (D + 520, (9, 11, 13, 16, 37), 8)]
             if f.scaled:
                 cases.append((D, (1, 2, 3, 4, 16), 32))
                 # Blocks of whole cache lines of values (row pairs take those a line at a
-                # time; int8 and FP8 rows with AVX-512 VBMI by byte permutes, tiles.h).
-                cases.append((256, (1, 2, 3, 4), 128))
+                # time; int8 and FP8 rows with AVX-512 VBMI by byte permutes, tiles.h), and
+                # widened for more than four inputs.
+                cases.append((256, (1, 2, 3, 4, 5, 16), 128))
             for cols, counts, block in cases:
                 w = jnp.asarray(_held_rows(f, rng, 70, cols, block))
                 for rows in counts:
@@ -916,7 +918,10 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # this D: items from f0 > 0 on); and of rows over 512 columns (two groups a pass,
             # their results packed for the down projections).
             big = 1400 if f.scaled else 1403
-            for cols, ff, block in ((D, F, 16), (D, big, 8), (D + 520, F, 8)):
+            shapes = [(D, F, 16), (D, big, 8), (D + 520, F, 8)]
+            if f.scaled:
+                shapes.append((128, 64, 64))  # int4 values lane by lane in both projections
+            for cols, ff, block in shapes:
                 gate, up = (
                     jnp.asarray(_held_rows(f, rng, 6 * ff, cols, block).reshape(6, ff, -1))
                     for _ in "gu"

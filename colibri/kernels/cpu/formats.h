@@ -130,10 +130,20 @@ struct Bf16P {
 template <typename T>
 constexpr bool kProducts = std::is_same_v<T, Bf16P>;
 
-// A byte of int4 rows (two four-bit values, the first in the low nibble, each offset by 8).
+// A byte of int4 rows (two four-bit values, each offset by 8). In a block of a multiple of 64
+// columns (`lane_major`) each 64 columns are 32 bytes held lane by lane: byte 4 l + k holds
+// column 8 k + l in its low nibble and column 8 (k + 4) + l in its high one (l < 8, k < 4),
+// so that one 32-byte load gives eight steps of eight lanes, a step's nibbles a shift away
+// in every 32-bit lane. Shorter blocks hold their columns in order, the first of two in the
+// low nibble. (colibri/formats.py packs and unpacks them so.)
 struct Int4 {
   uint8_t byte;
 };
+
+constexpr int64_t kLaneGroup = 64;  // columns a lane-major group of int4 values holds
+
+// Whether int4 rows with scale blocks of blk columns hold their values lane-major.
+constexpr bool lane_major(int64_t blk) { return blk % kLaneGroup == 0; }
 
 // A byte of int4 rows with zero points: the same values, each group's scale and then its
 // offset (-zero point x scale) after them.
@@ -173,19 +183,55 @@ inline int64_t value_bytes(const Int4*, int64_t L) { return L / 2; }
 inline int64_t value_bytes(const Int4Z*, int64_t L) { return L / 2; }
 inline int64_t value_bytes(const Int8Z*, int64_t L) { return L; }
 
-// The eight nibbles of four bytes (0 to 15, the stored values before their offset),
-// exactly, as float32: each lane shifts the word right to its nibble and masks it.
-inline v8 nibbles8(const void* p) {
-  uint32_t word;
-  std::memcpy(&word, p, sizeof word);
+// The bit of its 32-bit lane at which the value of column c (a multiple of 8) of an int4 row
+// held lane-major starts, in its group's 32 bytes: 8 (k % 4) + 4 (k / 4) for the group's step
+// k.
+constexpr int lane_shift(int64_t c) {
+  const int k = static_cast<int>((c & (kLaneGroup - 1)) / 8);
+  return 8 * (k % 4) + 4 * (k / 4);
+}
+
+// Column c's group of 64: loops over lane-major rows step through `group_of(c) + 8 s`, whose
+// shifts the compiler then knows (a shift by an immediate, not one by a register loaded from
+// a general one: an operation more on the port of the permutes).
+constexpr int64_t group_of(int64_t c) { return c & ~(kLaneGroup - 1); }
+
 #if defined(__AVX2__)
-  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shift),
-                                       _mm256_set1_epi32(15));
+// The values of columns c .. c + 8 of an int4 row (c a multiple of 8) in the low four bits of
+// their 32-bit lanes (the bits above them: other values). Lane-major: the group's 32 bytes
+// shifted by the step's lane_shift; in order: the step's four bytes in every lane, each
+// shifted to its own.
+template <bool Lanes>
+inline __m256i nibble_lanes(const void* w, int64_t c) {
+  const uint8_t* b = static_cast<const uint8_t*>(w);
+  if constexpr (Lanes) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + group_of(c) / 2));
+    return _mm256_srl_epi32(v, _mm_cvtsi32_si128(lane_shift(c)));
+  } else {
+    uint32_t word;
+    std::memcpy(&word, b + c / 2, sizeof word);
+    return _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(word)),
+                             _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+  }
+}
+#endif
+
+// The eight values of an int4 row from column c (0 to 15, the stored values before their
+// offset), exactly, as float32: each lane shifted to its nibble and masked.
+template <bool Lanes>
+inline v8 nibbles8(const void* w, int64_t c) {
+#if defined(__AVX2__)
+  const __m256i nib = _mm256_and_si256(nibble_lanes<Lanes>(w, c), _mm256_set1_epi32(15));
   return reinterpret_cast<v8>(_mm256_cvtepi32_ps(nib));
 #else
+  const uint8_t* b = static_cast<const uint8_t*>(w);
+  const int64_t k = (c - group_of(c)) / 8;  // lane-major: the group's step
   v8 v;
-  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>((word >> (4 * i)) & 15);
+  for (int i = 0; i < 8; ++i) {
+    const int64_t at = Lanes ? group_of(c) / 2 + 4 * i + k % 4 : (c + i) / 2;
+    const int shift = Lanes ? 4 * static_cast<int>(k / 4) : 4 * static_cast<int>((c + i) % 2);
+    v[i] = static_cast<float>((b[at] >> shift) & 15);
+  }
   return v;
 #endif
 }
@@ -204,8 +250,9 @@ inline v8 bytes8(const void* p) {
 }
 
 // Eight weights of a scaled row from column c: widened, times their block's scale (`scale`,
-// and for FP8 the 2^120 its widening leaves out, folded into the scale unless Huge).
-template <bool Huge>
+// and for FP8 the 2^120 its widening leaves out, folded into the scale unless Huge). Lanes:
+// int4 values held lane-major (the others ignore it).
+template <bool Huge, bool Lanes = false>
 inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale, v8) {
   return Huge ? (e4m3x8(w + c) * 0x1p120f) * scale : e4m3x8(w + c) * scale;
 }
@@ -214,15 +261,15 @@ inline v8 scaled8(const uint8_t* w, int64_t c, v8 scale, v8) {
 // exact: 8 s, or for Int4Z the stored offset, checked exact when the rows are made) it is
 // that same rounding of the same exact value, one instruction fewer. (The int4 offset is
 // made here from the scale: an offset vector of its own was slower.)
-template <bool Huge>
+template <bool Huge, bool Lanes = false>
 inline v8 scaled8(const Int4* w, int64_t c, v8 scale, v8) {
-  return fma8(nibbles8(w + c / 2), scale, scale * -8.0f);
+  return fma8(nibbles8<Lanes>(w, c), scale, scale * -8.0f);
 }
-template <bool Huge>
+template <bool Huge, bool Lanes = false>
 inline v8 scaled8(const Int4Z* w, int64_t c, v8 scale, v8 offset) {
-  return fma8(nibbles8(w + c / 2), scale, offset);
+  return fma8(nibbles8<Lanes>(w, c), scale, offset);
 }
-template <bool Huge>
+template <bool Huge, bool Lanes = false>
 inline v8 scaled8(const Int8Z* w, int64_t c, v8 scale, v8 offset) {
   return fma8(bytes8(w + c), scale, offset);
 }
@@ -257,30 +304,39 @@ inline __m512 block_table(const Q* w, int64_t vb, int64_t nb, int64_t k) {
 
 // The eight weights of an int4 row from column c, looked up in their block's table, given as
 // its halves (lo, hi: tiles keep them split for the block's steps), or whole.
+template <bool Lanes>
 inline v8 looked_up8(const void* w, int64_t c, __m256 lo, __m256 hi) {
-  uint32_t word;
-  std::memcpy(&word, static_cast<const uint8_t*>(w) + c / 2, sizeof word);
-  const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i q = _mm256_srlv_epi32(_mm256_set1_epi32(word), shift);
-  return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo, q, hi));
+  return reinterpret_cast<v8>(_mm256_permutex2var_ps(lo, nibble_lanes<Lanes>(w, c), hi));
 }
 inline __m256 upper_half(__m512 table) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(table), 1));
 }
+template <bool Lanes>
 inline v8 looked_up8(const void* w, int64_t c, __m512 table) {
-  return looked_up8(w, c, _mm512_castps512_ps256(table), upper_half(table));
+  return looked_up8<Lanes>(w, c, _mm512_castps512_ps256(table), upper_half(table));
 }
 
-// Sixteen weights of a row from column c, as looked_up8 and scaled8 make eight (the same
-// operations on every lane: the same bits), where widen_row writes a row out whole.
+// Sixteen weights of a row from column c (two steps), as looked_up8 and scaled8 make eight
+// (the same operations on every lane: the same bits), where widen_row writes a row out whole.
+template <bool Lanes>
 inline v16 looked_up16(const void* w, int64_t c, __m512 table) {
-  uint32_t lo, hi;
-  std::memcpy(&lo, static_cast<const uint8_t*>(w) + c / 2, sizeof lo);
-  std::memcpy(&hi, static_cast<const uint8_t*>(w) + c / 2 + 4, sizeof hi);
-  const __m512i shift =
-      _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  const __m512i q =
-      _mm512_srlv_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(lo), 0xff00, hi), shift);
+  const uint8_t* b = static_cast<const uint8_t*>(w);
+  __m512i q;
+  if constexpr (Lanes) {  // both steps from the group's 32 bytes, each half shifted to its own
+    const __m512i v = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + group_of(c) / 2)));
+    q = _mm512_srlv_epi32(
+        v, _mm512_mask_set1_epi32(_mm512_set1_epi32(lane_shift(c)), 0xff00, lane_shift(c + 8)));
+  } else {
+    uint32_t lo, hi;
+    std::memcpy(&lo, b + c / 2, sizeof lo);
+    std::memcpy(&hi, b + c / 2 + 4, sizeof hi);
+    const __m512i shift =
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    q = _mm512_srlv_epi32(_mm512_mask_set1_epi32(_mm512_set1_epi32(static_cast<int>(lo)), 0xff00,
+                                                 static_cast<int>(hi)),
+                          shift);
+  }
   return reinterpret_cast<v16>(_mm512_permutexvar_ps(q, table));
 }
 

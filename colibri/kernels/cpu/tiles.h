@@ -93,19 +93,32 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
 }
 
 // One step of `scaled_block`: the same over rows widened and scaled as they are loaded.
-template <bool Huge, int TR, typename Q, size_t... I>
+template <bool Huge, bool Lanes, int TR, typename Q, size_t... I>
 __attribute__((always_inline)) inline void scaled_step(const Q* const* w, const float* const* x,
                                                        int64_t c, const v8* scale,
                                                        const v8* offset, v8 (*acc)[TR],
                                                        std::index_sequence<I...>) {
-  multiply_add<TR>(acc, x, c, scaled8<Huge>(w[I], c, scale[I], offset[I])...);
+  multiply_add<TR>(acc, x, c, scaled8<Huge, Lanes>(w[I], c, scale[I], offset[I])...);
 }
 
 // Columns [c0, c0 + blk) of `dots` over scaled rows (FP8 or int4): each weight widened and
-// times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up).
-template <int TW, int TR, bool Huge, typename Q>
+// times scale[i], its row's block scale as scaled8 takes it (Huge: FP8 scales from 2^8 up;
+// Lanes: int4 values lane-major).
+template <int TW, int TR, bool Huge, bool Lanes, typename Q>
 inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
                          const v8* scale, const v8* offset, v8 (*acc)[TR]) {
+  if constexpr (Lanes) {  // a group's steps unrolled, their shifts known (formats.h's group_of)
+    for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
+      if (g % 128 == 0)  // once a cache line, 2 KiB ahead into L1
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + 2048, 0, 3);
+#pragma GCC unroll 8
+      for (int64_t s = 0; s < kLaneGroup; s += 8)
+        scaled_step<Huge, true>(w, x, group_of(g) + s, scale, offset, acc,
+                                std::make_index_sequence<TW>{});
+    }
+    return;
+  }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     {
       // Once a cache line of values, into L1 2 KiB ahead (into L2 as `dots` does: up to 1.17x
@@ -117,27 +130,27 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
         for (int i = 0; i < TW; ++i)
           __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
     }
-    scaled_step<Huge>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
+    scaled_step<Huge, Lanes>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
   }
 }
 
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 // One step of `looked_up_block`: the eight weights of each row from column c, looked up in its
 // block's table (lo, hi: its halves; formats.h's looked_up8), then multiplied in.
-template <int TR, typename Q, size_t... I>
+template <bool Lanes, int TR, typename Q, size_t... I>
 __attribute__((always_inline)) inline void looked_up_step(const Q* const* w,
                                                           const float* const* x, int64_t c,
                                                           const __m256* lo, const __m256* hi,
                                                           v8 (*acc)[TR],
                                                           std::index_sequence<I...>) {
-  multiply_add<TR>(acc, x, c, looked_up8(w[I], c, lo[I], hi[I])...);
+  multiply_add<TR>(acc, x, c, looked_up8<Lanes>(w[I], c, lo[I], hi[I])...);
 }
 
 // Columns [c0, c0 + blk) of `scaled_dots` over int4 rows, their weights looked up rather than
 // made: the block's sixteen weights of each row made once (block_table), each step's by a
 // shift and a permute of 256 bits. The same weights and multiply-adds in the same order: the
 // same bits.
-template <int TW, int TR, typename Q>
+template <int TW, int TR, bool Lanes, typename Q>
 inline void looked_up_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
                             int64_t vb, int64_t nb, v8 (*acc)[TR]) {
   __m256 lo[TW], hi[TW];
@@ -146,12 +159,24 @@ inline void looked_up_block(const Q* const* w, const float* const* x, int64_t c0
     lo[i] = _mm512_castps512_ps256(table);
     hi[i] = upper_half(table);
   }
+  if constexpr (Lanes) {  // a group's steps unrolled, their shifts known (formats.h's group_of)
+    for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
+      if (g % 128 == 0)  // once a cache line, 1 KiB ahead into L1
+        for (int i = 0; i < TW; ++i)
+          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + 1024, 0, 3);
+#pragma GCC unroll 8
+      for (int64_t s = 0; s < kLaneGroup; s += 8)
+        looked_up_step<true, TR>(w, x, group_of(g) + s, lo, hi, acc,
+                                 std::make_index_sequence<TW>{});
+    }
+    return;
+  }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     const int64_t at = c / 2;
     if (at % 64 == 0)  // once a cache line, 1 KiB ahead into L1
       for (int i = 0; i < TW; ++i)
         __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 1024, 0, 3);
-    looked_up_step<TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
+    looked_up_step<false, TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
   }
 }
 #endif
@@ -170,7 +195,10 @@ inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, flo
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
     if constexpr (kNibbles<Q>) {  // int4 weights looked up (AVX-512's 256-bit permutes)
-      looked_up_block<TW, TR>(w, x, c0, blk, vb, nb, acc);
+      if (lane_major(blk))
+        looked_up_block<TW, TR, true>(w, x, c0, blk, vb, nb, acc);
+      else
+        looked_up_block<TW, TR, false>(w, x, c0, blk, vb, nb, acc);
       continue;
     }
 #endif
@@ -186,10 +214,16 @@ inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, flo
     // Only Int4Z rows keep offsets: the others pass their scales in their place, unused.
     const v8* off = kOffsets<Q> ? offset : scale;
     if (huge) {
-      scaled_block<TW, TR, true>(w, x, c0, blk, scale, off, acc);
+      scaled_block<TW, TR, true, false>(w, x, c0, blk, scale, off, acc);
     } else {
       for (int i = 0; i < TW; ++i) scale[i] = scale[i] * folded(w[i]);
-      scaled_block<TW, TR, false>(w, x, c0, blk, scale, off, acc);
+      if constexpr (kNibbles<Q>) {
+        if (lane_major(blk)) {
+          scaled_block<TW, TR, false, true>(w, x, c0, blk, scale, off, acc);
+          continue;
+        }
+      }
+      scaled_block<TW, TR, false, false>(w, x, c0, blk, scale, off, acc);
     }
   }
   hsums<TW * TR>(&acc[0][0], out);
@@ -251,8 +285,9 @@ __attribute__((always_inline)) inline v16 byte_weights(__m512i lanes, __m512 ta,
 }
 
 // Sixteen weights of rows a and b (a's in the low half) from the value byte `at` of each, made
-// as scaled8 makes them. Int4: looked up in the rows' block tables (ta, tb: formats.h) by one
-// shift, one mask (the second row's table bit) and one two-table permute. Int8: sixteen bytes
+// as scaled8 makes them. Int4 (in order; lane-major rows take nibble_pair_line): looked up in
+// the rows' block tables (ta, tb: formats.h) by one shift, one mask (the second row's table
+// bit) and one two-table permute. Int8: sixteen bytes
 // zero-extended; FP8: sign-extended and shifted by 20; then byte_weights.
 template <bool Huge, typename Q>
 __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, const uint8_t* b,
@@ -282,9 +317,61 @@ __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, con
   }
 }
 
+// Columns [c0, c0 + blk) of `row_pair_dots` over int4 rows held lane-major (blk a multiple of
+// 64), eight steps at a time: a group's 32 bytes of each row of a pair in one 512-bit vector,
+// a row's in each half. One mask (A & 15 in every byte, the second row's table bit set) makes
+// the indices of steps 0-3 in the four bytes of every lane, one shift and one mask those of
+// steps 4-7, and a shift by 8, 16 or 24 brings a step's byte down to its lane's index, where
+// the permute reads its five low bits only: ten operations for eight steps of a pair, which
+// in order take four (a broadcast, a multishift, a mask and a shift) for every two steps.
+// The same lookups, the same multiply-adds in the same order as row_pair_weights'.
+template <int TP, int TR>
+inline void nibble_pair_line(const void* const* w, const float* const* x, int64_t c0,
+                             int64_t blk, const __m512* table, v16 (*acc)[TR]) {
+  constexpr int TW = 2 * TP;
+  const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x10101010, 0x10101010,
+                                           0x10101010, 0x10101010, 0x10101010, 0x10101010,
+                                           0x10101010, 0x10101010);
+  const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
+  for (int64_t c = c0; c < c0 + blk; c += kLaneGroup) {
+    const int64_t at = c / 2;
+    if (at % 64 == 0)  // as row_pair_block: once a cache line, 1024 columns ahead into L1
+      for (int i = 0; i < TW; ++i)
+        __builtin_prefetch(static_cast<const char*>(w[i]) + at + 512, 0, 3);
+    for (int p = 0; p < TP; ++p) {
+      const auto group = [&](int i) {
+        return _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(static_cast<const char*>(w[i]) + at));
+      };
+      const __m512i both =
+          _mm512_inserti64x4(_mm512_castsi256_si512(group(2 * p)), group(2 * p + 1), 1);
+      const __m512i early = _mm512_ternarylogic_epi32(both, low, second, 0xea);  // A & B | C
+      const __m512i late =
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(both, 4), low, second, 0xea);
+      // Every step's indices before the first permute, which may then overwrite its own.
+      __m512i index[8];
+#pragma GCC unroll 8
+      for (int s = 7; s >= 0; --s) {
+        const __m512i from = s < 4 ? early : late;
+        index[s] = s % 4 == 0 ? from : _mm512_srli_epi32(from, 8 * (s % 4));
+      }
+#pragma GCC unroll 8
+      for (int s = 0; s < 8; ++s) {
+        const v16 wv = reinterpret_cast<v16>(
+            _mm512_permutex2var_ps(table[2 * p], index[s], table[2 * p + 1]));
+        for (int j = 0; j < TR; ++j)
+          acc[p][j] = fma16(wv,
+                            reinterpret_cast<v16>(
+                                _mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c + 8 * s))),
+                            acc[p][j]);
+      }
+    }
+  }
+}
+
 #if defined(__AVX512VBMI__)
-// Columns [c0, c0 + blk) of `row_pair_dots` over int4 rows (blk a multiple of 16), two steps
-// at a time: eight bytes of each row of a pair (the nibbles of columns c .. c + 16) in one
+// Columns [c0, c0 + blk) of `row_pair_dots` over int4 rows in order (blk a multiple of 16),
+// two steps at a time: eight bytes of each row of a pair (the nibbles of columns c .. c + 16) in one
 // 512-bit vector, a row's in each half, and both steps' indices picked from them by one
 // multishift (each lane's bytes 0 and 1 from its nibbles' bits on), where row_pair_weights
 // broadcasts four bytes of each row a step and shifts them. The same lookups, the same
@@ -387,6 +474,11 @@ template <bool Huge, int TP, int TR, typename Q>
 inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
                            const __m512* table, v16 (*acc)[TR]) {
   constexpr int TW = 2 * TP;
+  if constexpr (kNibbles<Q>) {
+    if (lane_major(blk))
+      return nibble_pair_line<TP, TR>(reinterpret_cast<const void* const*>(w), x, c0, blk,
+                                      table, acc);
+  }
 #if defined(__AVX512VBMI__)
   // (At three and four inputs the two steps' inputs and sums leave too few registers: those
   // tiles took 1.04x the time in olmoe's four-row expert calls.)
@@ -517,13 +609,23 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   if constexpr (kNibbles<Q>) {
     const __m512 table = block_table(w, vb, nb, c0 / blk);
+    if (lane_major(blk)) {
+      for (int64_t c = c0; c < c0 + blk; c += 64) {
+#pragma GCC unroll 4
+        for (int64_t s = 0; s < 64; s += 16) {
+          const v16 v = looked_up16<true>(w, group_of(c) + s, table);
+          std::memcpy(out + c + s, &v, sizeof v);
+        }
+      }
+      return;
+    }
     int64_t c = c0;
     for (; c + 16 <= c0 + blk; c += 16) {
-      const v16 v = looked_up16(w, c, table);
+      const v16 v = looked_up16<false>(w, c, table);
       std::memcpy(out + c, &v, sizeof v);
     }
     for (; c < c0 + blk; c += 8) {
-      const v8 v = looked_up8(w, c, table);
+      const v8 v = looked_up8<false>(w, c, table);
       std::memcpy(out + c, &v, sizeof v);
     }
     return;
@@ -536,6 +638,16 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
     return;
   }
 #endif
+  if (kNibbles<Q> && lane_major(blk)) {  // int4 rows held lane by lane
+    for (int64_t c = c0; c < c0 + blk; c += kLaneGroup) {
+#pragma GCC unroll 8
+      for (int64_t s = 0; s < kLaneGroup; s += 8) {
+        const v8 v = scaled8<false, true>(w, group_of(c) + s, scale, offset);
+        std::memcpy(out + c + s, &v, sizeof v);
+      }
+    }
+    return;
+  }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
     const v8 v = huge ? scaled8<true>(w, c, scale, offset) : scaled8<false>(w, c, scale, offset);
     std::memcpy(out + c, &v, sizeof v);
