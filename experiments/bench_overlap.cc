@@ -166,15 +166,16 @@ Rate peak(int core, double seconds) {
 // The operations that make one input's held weights and multiply them in, in registers,
 // nothing loaded: per 32 weights of a row pair what the tiles do at one input (tiles.h):
 // int8 two steps of a byte permute, a conversion, a multiply-add making the weights
-// (byte_weights) and one summing them (byte_pair_line); int4 a multishift, a ternary logic,
-// a shift, two two-table permutes and two multiply-adds (nibble_pair_block). Four pairs as a
-// tile of eight rows, their bytes already in registers (each pair's made anew a step by an
-// empty asm, so that nothing is hoisted). The rate a core's widening allows one input at most
-// (GB/s of the rows as held): the loads, and the broadcasts that bring int4's bytes in, cost
-// more. Builds that keep held rows out of the row pairs (COLIBRI_HELD_PAIRS=0: Zen 4) do per
-// eight weights of a row what the 8-lane tiles do: int8 a zero-extension, a conversion and two
-// multiply-adds (scaled8); int4 a per-lane shift, a two-table 256-bit permute and a
-// multiply-add (tiles.h's looked_up_block), the word already broadcast; eight rows.
+// (byte_weights) and one summing them (byte_pair_line); int4, held lane by lane, per 128
+// weights two ternary logics, seven shifts, eight two-table permutes and eight multiply-adds
+// (nibble_pair_line). Four pairs as a tile of eight rows, their bytes already in registers
+// (each pair's made anew a round by an empty asm, so that nothing is hoisted). The rate a
+// core's widening allows one input at most (GB/s of the rows as held): the loads, and the
+// insert that brings a pair's int4 bytes into one vector, cost more. Builds that keep held
+// rows out of the row pairs (COLIBRI_HELD_PAIRS=0: Zen 4) do per eight weights of a row what
+// the 8-lane tiles do: int8 a zero-extension, a conversion and two multiply-adds (scaled8);
+// int4 a shift, a two-table 256-bit permute and a multiply-add (tiles.h's looked_up_block),
+// the group's bytes already loaded; eight rows.
 Rate widen_peak(Held held, int core, double seconds) {
   pin(core);
 #if !COLIBRI_HELD_PAIRS
@@ -184,7 +185,6 @@ Rate widen_peak(Held held, int core, double seconds) {
     __m256 lo[TW], hi[TW];
     v8 acc[TW], scale = v8{} + 1.0f / 128, offset = v8{} - 1.0f;
     const v8 xv = v8{} + 0.5f;
-    const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     for (int i = 0; i < TW; ++i) {
       bytes[i] = _mm256_set1_epi32(0x01020304 * (i + 1));
       lo[i] = _mm256_set1_ps(1.0f / 128);
@@ -205,7 +205,7 @@ Rate widen_peak(Held held, int core, double seconds) {
           const v8 w = fma8(reinterpret_cast<v8>(_mm256_cvtepi32_ps(q)), scale, offset);
           acc[i] = fma8(w, xv, acc[i]);
         } else {
-          const __m256i q = _mm256_srlv_epi32(b, shift);
+          const __m256i q = _mm256_srli_epi32(b, 4);
           acc[i] = fma8(reinterpret_cast<v8>(_mm256_permutex2var_ps(lo[i], q, hi[i])), xv,
                         acc[i]);
         }
@@ -241,8 +241,7 @@ Rate widen_peak(Held held, int core, double seconds) {
       idx[4 * lane] = static_cast<uint8_t>((lane < 8 ? 0 : 32) + 8 * s + lane % 8);
     pick[s] = _mm512_load_si512(idx);
   }
-  const __m512i shifts = _mm512_set1_epi64(0x0000240400002000), low = _mm512_set1_epi32(0x0f0f),
-                second = _mm512_set1_epi32(0x1010);
+  const __m512i low = _mm512_set1_epi32(0x0f0f0f0f), second = _mm512_set1_epi32(0x10101010);
   const __mmask64 at = 0x1111111111111111ull;
   int64_t rounds = 0;
   const auto t0 = std::chrono::steady_clock::now();
@@ -250,29 +249,36 @@ Rate widen_peak(Held held, int core, double seconds) {
   using seconds_f = std::chrono::duration<double>;
   for (; s < seconds; s = seconds_f(std::chrono::steady_clock::now() - t0).count())
     for (int n = 0; n < 10000; ++n, ++rounds)
+      if (held == Held::kInt8) {
 #pragma GCC unroll 2
-      for (int step = 0; step < 4; step += 2)
-        for (int p = 0; p < TP; ++p) {
-          asm("" : "+v"(both[p]));
-          if (held == Held::kInt8) {
+        for (int step = 0; step < 4; step += 2)
+          for (int p = 0; p < TP; ++p) {
+            asm("" : "+v"(both[p]));
             for (int h = 0; h < 2; ++h) {
               const __m512i q = _mm512_maskz_permutexvar_epi8(at, pick[step + h], both[p]);
               acc[p] = fma16(byte_weights<false, Int8Z>(q, ta[p], tb[p]), xv, acc[p]);
             }
-          } else {
-            const __m512i i0 = _mm512_ternarylogic_epi32(
-                _mm512_multishift_epi64_epi8(shifts, both[p]), low, second, 0xea);
-            const __m512i i1 = _mm512_srli_epi32(i0, 8);
-            acc[p] = fma16(reinterpret_cast<v16>(_mm512_permutex2var_ps(ta[p], i0, tb[p])), xv,
-                           acc[p]);
-            acc[p] = fma16(reinterpret_cast<v16>(_mm512_permutex2var_ps(ta[p], i1, tb[p])), xv,
+          }
+      } else {
+        for (int p = 0; p < TP; ++p) {
+          asm("" : "+v"(both[p]));
+          const __m512i early = _mm512_ternarylogic_epi32(both[p], low, second, 0xea);
+          const __m512i late =
+              _mm512_ternarylogic_epi32(_mm512_srli_epi32(both[p], 4), low, second, 0xea);
+#pragma GCC unroll 8
+          for (int step = 0; step < 8; ++step) {
+            const __m512i from = step < 4 ? early : late;
+            const __m512i i = step % 4 ? _mm512_srli_epi32(from, 8 * (step % 4)) : from;
+            acc[p] = fma16(reinterpret_cast<v16>(_mm512_permutex2var_ps(ta[p], i, tb[p])), xv,
                            acc[p]);
           }
         }
+      }
   float sum = 0;
   for (int p = 0; p < TP; ++p) sum += acc[p][0];
   if (sum == 42.0f) std::printf("#\n");  // keeps the sums
-  const double weights = double(rounds) * 2 * TP * 32 / s;  // 2 TP rows, 32 columns a round
+  // A round: 2 TP rows of 64 columns (int4: a group lane by lane), of 32 (int8: four steps).
+  const double weights = double(rounds) * 2 * TP * (held == Held::kInt8 ? 32 : 64) / s;
   return {weights * row_bytes(held, kBlock) / kBlock / 1e9, weights * 2 / 1e9};
 }
 #endif
