@@ -89,6 +89,20 @@ def test_int4_values_in_blocks_of_64_columns_are_held_lane_by_lane(fmt):
         np.testing.assert_array_equal(nibbles[:, at], q)
 
 
+def test_int4_rows_are_laid_out_the_same_without_the_kernels(monkeypatch):
+    """The kernels' library lays int4 values out lane by lane (fast); without it, numpy does,
+    to the same bytes."""
+    from colibri import kernels
+
+    if not kernels.available():
+        pytest.skip("the kernels are off or failed to build")
+    values = np.random.default_rng(3).integers(0, 256, (5, 96), dtype=np.uint8)
+    native = formats._lanes(values, 3)
+    assert not np.array_equal(native, values)
+    monkeypatch.setattr(kernels, "int4_lanes", lambda v: None)
+    np.testing.assert_array_equal(formats._lanes(values, 3), native)
+
+
 def test_checkpoint_packers_lay_rows_out_as_the_registry_does():
     """Fp8Scales.pack and GroupScales.pack are the registry's pack of the same parts."""
     rng = np.random.default_rng(0)

@@ -275,6 +275,8 @@ def _load() -> ctypes.CDLL | None:
                 target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu"
             )
         lib.colibri_request_cut.argtypes = [ctypes.c_int32]
+        lanes = lib.colibri_int4_lanes
+        lanes.restype, lanes.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     except (OSError, RuntimeError, AttributeError) as err:
         log.warning("colibri CPU kernels unavailable, using XLA loops: %s", err)
         return None
@@ -542,6 +544,22 @@ def read_sum(a: np.ndarray) -> float:
     read = lib.colibri_read_sum
     read.restype, read.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_int64]
     return float(read(a.ctypes.data, a.size))
+
+
+def int4_lanes(values: np.ndarray) -> np.ndarray | None:
+    """Int4 values in column order (uint8, two a byte, a multiple of 32 bytes in all) laid out
+    lane by lane, each 64 columns as `formats.LANE_COLUMNS` says (cpu/formats.h's int4_lanes,
+    on the calling thread; ctypes lets go of the GIL); None where the kernels are off or failed
+    to build."""
+    lib = _library()
+    if lib is None:
+        return None
+    values = np.ascontiguousarray(values, np.uint8)
+    if values.size % 32:
+        raise ValueError("int4_lanes takes whole groups of 64 values (32 bytes)")
+    out = np.empty_like(values)
+    lib.colibri_int4_lanes(values.ctypes.data, out.ctypes.data, values.size // 32)
+    return out
 
 
 # A traced call's fields (cpu/gang.h's CallRecord): nanoseconds of the steady clock at which

@@ -57,6 +57,11 @@ extern "C" void colibri_request_cut(int32_t on) {
   cut_flag.store(on, std::memory_order_release);
 }
 
+// Int4 rows' values laid out lane by lane (formats.h), for colibri/formats.py's packing.
+extern "C" void colibri_int4_lanes(const uint8_t* in, uint8_t* out, int64_t groups) {
+  int4_lanes(in, out, groups);
+}
+
 // Traced builds (gang.h's COLIBRI_TRACE_CALLS): the calls timed since the last take.
 extern "C" int64_t colibri_take_traced_calls(int64_t* out, int64_t n) {
   return take_traced(out, n);
