@@ -92,6 +92,21 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
       }
 }
 
+// Columns [c0, c0 + blk) of TW int4 rows held lane-major (blk a multiple of 64), a group at a
+// time, its eight steps unrolled so that their shifts are known (formats.h's group_of):
+// step(c) for each, the rows fetched `ahead` bytes ahead into L1 once a cache line.
+template <int TW, typename Q, typename Step>
+__attribute__((always_inline)) inline void lane_steps(const Q* const* w, int64_t c0,
+                                                      int64_t blk, int64_t ahead, Step step) {
+  for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
+    if (g % 128 == 0)
+      for (int i = 0; i < TW; ++i)
+        __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + ahead, 0, 3);
+#pragma GCC unroll 8
+    for (int64_t s = 0; s < kLaneGroup; s += 8) step(group_of(g) + s);
+  }
+}
+
 // One step of `scaled_block`: the same over rows widened and scaled as they are loaded.
 template <bool Huge, bool Lanes, int TR, typename Q, size_t... I>
 __attribute__((always_inline)) inline void scaled_step(const Q* const* w, const float* const* x,
@@ -107,16 +122,10 @@ __attribute__((always_inline)) inline void scaled_step(const Q* const* w, const 
 template <int TW, int TR, bool Huge, bool Lanes, typename Q>
 inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
                          const v8* scale, const v8* offset, v8 (*acc)[TR]) {
-  if constexpr (Lanes) {  // a group's steps unrolled, their shifts known (formats.h's group_of)
-    for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
-      if (g % 128 == 0)  // once a cache line, 2 KiB ahead into L1
-        for (int i = 0; i < TW; ++i)
-          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + 2048, 0, 3);
-#pragma GCC unroll 8
-      for (int64_t s = 0; s < kLaneGroup; s += 8)
-        scaled_step<Huge, true>(w, x, group_of(g) + s, scale, offset, acc,
-                                std::make_index_sequence<TW>{});
-    }
+  if constexpr (Lanes) {  // 2 KiB ahead, as below
+    lane_steps<TW>(w, c0, blk, 2048, [&](int64_t c) __attribute__((always_inline)) {
+      scaled_step<Huge, true>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
+    });
     return;
   }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
@@ -130,7 +139,7 @@ inline void scaled_block(const Q* const* w, const float* const* x, int64_t c0, i
         for (int i = 0; i < TW; ++i)
           __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + at + 2048, 0, 3);
     }
-    scaled_step<Huge, Lanes>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
+    scaled_step<Huge, false>(w, x, c, scale, offset, acc, std::make_index_sequence<TW>{});
   }
 }
 
@@ -159,16 +168,10 @@ inline void looked_up_block(const Q* const* w, const float* const* x, int64_t c0
     lo[i] = _mm512_castps512_ps256(table);
     hi[i] = upper_half(table);
   }
-  if constexpr (Lanes) {  // a group's steps unrolled, their shifts known (formats.h's group_of)
-    for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
-      if (g % 128 == 0)  // once a cache line, 1 KiB ahead into L1
-        for (int i = 0; i < TW; ++i)
-          __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + 1024, 0, 3);
-#pragma GCC unroll 8
-      for (int64_t s = 0; s < kLaneGroup; s += 8)
-        looked_up_step<true, TR>(w, x, group_of(g) + s, lo, hi, acc,
-                                 std::make_index_sequence<TW>{});
-    }
+  if constexpr (Lanes) {  // 1 KiB ahead, as below
+    lane_steps<TW>(w, c0, blk, 1024, [&](int64_t c) __attribute__((always_inline)) {
+      looked_up_step<true, TR>(w, x, c, lo, hi, acc, std::make_index_sequence<TW>{});
+    });
     return;
   }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
