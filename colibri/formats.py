@@ -38,6 +38,7 @@ LANE_GROUP = 64
 LANE_COLUMNS = np.array(
     [8 * (k + 4 * h) + lane for lane in range(8) for k in range(4) for h in range(2)]
 )
+_IN_ORDER = np.argsort(LANE_COLUMNS)  # the held value that stands for each column of a group
 
 
 def lane_major(cols: int, blocks: int) -> bool:
@@ -184,13 +185,15 @@ def round_inputs(x: jax.Array, w_dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(r, jnp.float32)
 
 
-def _table_rows(w: jax.Array, cols: int, n: int, table: np.ndarray) -> jax.Array:
+def _table_rows(
+    w: jax.Array, cols: int, n: int, table: np.ndarray, nibbles: bool = False
+) -> jax.Array:
     import jax
     import jax.numpy as jnp
 
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
     values = jnp.asarray(table)[w[..., :n]]
-    if table is UNPACK4:
+    if nibbles:  # int4 values, lane by lane where `lane_major`
         values = _in_order(values.reshape(*lead, cols), cols, blocks)
     values = values.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n:].reshape(*lead, blocks, 4), jnp.float32)
@@ -220,7 +223,7 @@ def _in_order(values: jax.Array, cols: int, blocks: int) -> jax.Array:
         return values
     lead = values.shape[:-1]
     grouped = values.reshape(*lead, cols // LANE_GROUP, LANE_GROUP)
-    return grouped[..., np.argsort(LANE_COLUMNS)].reshape(*lead, cols)
+    return grouped[..., _IN_ORDER].reshape(*lead, cols)
 
 
 def _bitcast(w: jax.Array, dtype) -> jax.Array:
@@ -234,7 +237,7 @@ _UNPACK = {
     "bf16": _widen_bf16,
     "bf16p": lambda w, cols: _widen_bf16(_bitcast(w, np.uint16), cols),
     "fp8": lambda w, cols: _table_rows(w, cols, cols, E4M3),
-    "int4": lambda w, cols: _table_rows(_bitcast(w, np.uint8), cols, cols // 2, UNPACK4),
+    "int4": lambda w, cols: _table_rows(_bitcast(w, np.uint8), cols, cols // 2, UNPACK4, True),
     "int4z": lambda w, cols: _zero_point_rows(w, cols, 4),
     "int8": lambda w, cols: _zero_point_rows(_bitcast(w, np.uint32), cols, 8),
 }
