@@ -29,10 +29,12 @@ E4M3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.fl
 # Bytes of two four-bit values -> (q - 8, q' - 8), the first value in the low nibble.
 UNPACK4 = np.stack([np.arange(256) & 15, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
 
-# Int4 rows whose scale blocks are a multiple of LANE_GROUP columns hold each 64 of them lane by
-# lane (the kernels' eight lanes): byte 4 l + k of the group's 32 holds column 8 k + l in its
-# low nibble and 8 (k + 4) + l in its high one (l < 8, k < 4), so that a 32-byte load has eight
-# steps of eight lanes, each a shift away (docs/kernels.md, "Int4 values lane by lane").
+# Int4 rows of whole groups of LANE_GROUP columns whose scale blocks are a multiple of half a
+# group hold each 64 columns lane by lane (the kernels' eight lanes): byte 4 l + k of the
+# group's 32 holds column 8 k + l in its low nibble and 8 (k + 4) + l in its high one (l < 8,
+# k < 4), so that a 32-byte load has eight steps of eight lanes, each a shift away (a block of
+# 32 columns: the low or the high nibbles of its group's bytes; docs/kernels.md, "Int4 values
+# lane by lane").
 # LANE_COLUMNS[j]: the column of a group's j-th held value (2 b + 1: byte b's high nibble).
 LANE_GROUP = 64
 LANE_COLUMNS = np.array(
@@ -42,8 +44,9 @@ _IN_ORDER = np.argsort(LANE_COLUMNS)  # the held value that stands for each colu
 
 
 def lane_major(cols: int, blocks: int) -> bool:
-    """Whether int4 rows of `cols` values in `blocks` scale blocks hold them lane by lane."""
-    return blocks > 0 and (cols // blocks) % LANE_GROUP == 0
+    """Whether int4 rows of `cols` values in `blocks` scale blocks hold them lane by lane (as
+    cpu/formats.h's lane_major decides)."""
+    return blocks > 0 and (cols // blocks) % (LANE_GROUP // 2) == 0 and cols % LANE_GROUP == 0
 
 
 def _lanes(values: np.ndarray, blocks: int) -> np.ndarray:

@@ -264,6 +264,7 @@ VALUE_BYTES = {
     "bf16p": (2, 0),
     "fp8": (1, 1),
     "int4": (0.5, 1),
+    "int4g32": (0.5, 1),
     "awq4": (0.5, 2),
     "int8": (1, 2),
 }
@@ -346,7 +347,8 @@ def main() -> None:
         choices=("float32", *VALUE_BYTES),
         default="float32",
         help="experts and linear: the weights as float32, as bfloat16 bits, or quantized as "
-        "FP8, int4, AWQ's int4 or int8 rows (bench_quantized.py)",
+        "FP8, int4 (in groups of 128, or of 32: int4g32), AWQ's int4 or int8 rows "
+        "(bench_quantized.py)",
     )
     ap.add_argument(
         "--prompt",

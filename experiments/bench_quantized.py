@@ -1,4 +1,5 @@
-"""python experiments/bench_quantized.py [--format fp8|int4|awq4|int8] [--shapes qwen3_moe,olmoe]
+"""python experiments/bench_quantized.py [--format fp8|int4|int4g32|awq4|int8]
+                                     [--shapes qwen3_moe,olmoe]
                                      [--level kernel,engine] [--passes N] [--rounds N]
 
 What holding a quantized checkpoint's routed experts in their quantized form buys against the
@@ -10,6 +11,7 @@ benchmark's shapes (experiments/bench_peers.py):
 - --format int4: pack-quantized int4 (compressed-tensors' W4A16, a bfloat16 scale per 128
   columns), held as int4 rows (each row's four-bit values two a byte and its float32 group
   scales), against COLIBRI_INT4=0;
+- --format int4g32: the same in groups of 32 columns (Kimi K2's int4 experts);
 - --format awq4: AutoAWQ's int4 with zero points (a float16 scale and a zero point per 128
   columns), held as int4 rows with zero points (values eight a word, then the group scales
   and offsets), against COLIBRI_INT4=0;

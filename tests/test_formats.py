@@ -56,7 +56,11 @@ def _rows(fmt, rows: int, cols: int, block: int, rng):
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f.scaled], ids=lambda f: f.name)
-@given(rows=st.integers(1, 4), blocks=st.integers(1, 3), block=st.sampled_from([8, 16, 64, 128]))
+@given(
+    rows=st.integers(1, 4),
+    blocks=st.integers(1, 3),
+    block=st.sampled_from([8, 16, 32, 64, 96, 128]),
+)
 @settings(deadline=None, max_examples=12)  # each new shape compiles (~1 s)
 def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks, block):
     rng = np.random.default_rng(rows * 100 + blocks * 10 + block)
@@ -69,15 +73,18 @@ def test_packed_rows_unpack_to_their_values_times_their_scales(fmt, rows, blocks
 
 
 @pytest.mark.parametrize("fmt", [formats.INT4, formats.INT4Z], ids=lambda f: f.name)
-def test_int4_values_in_blocks_of_64_columns_are_held_lane_by_lane(fmt):
-    """In blocks of a multiple of 64 columns, byte 4 l + k of each 64 columns' 32 bytes holds
-    column 8 k + l in its low nibble and 8 (k + 4) + l in its high one (the kernels' lanes);
-    shorter blocks keep their columns in order, two a byte, the first in the low nibble."""
+def test_int4_values_in_blocks_of_32_columns_are_held_lane_by_lane(fmt):
+    """In rows of whole 64 columns with blocks of a multiple of 32, byte 4 l + k of each 64
+    columns' 32 bytes holds column 8 k + l in its low nibble and 8 (k + 4) + l in its high one
+    (the kernels' lanes); other rows keep their columns in order, two a byte, the first in the
+    low nibble."""
     rng = np.random.default_rng(5)
-    rows, cols = 2, 256
-    q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
-    words = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
-    for block, lanes in ((64, True), (128, True), (256, True), (32, False), (16, False)):
+    rows = 2
+    cases = [(256, 64, True), (256, 128, True), (256, 256, True), (256, 32, True)]
+    cases += [(192, 96, True), (256, 16, False), (96, 32, False), (160, 32, False)]
+    for cols, block, lanes in cases:
+        q = rng.integers(0, 16, (rows, cols)).astype(np.uint8)
+        words = np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view("<u4")
         assert formats.lane_major(cols, cols // block) == lanes
         scales = np.ones((rows, cols // block), np.float32)
         held = fmt.pack(words, scales, -8 * scales if fmt.zero_points else None)

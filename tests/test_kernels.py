@@ -226,6 +226,7 @@ def test_linear_over_fp8_rows_is_linear_over_the_dequantized_weights(
 )
 @example(rows=1, groups=2, group=128, dim_out=9, seed=1)
 @example(rows=3, groups=2, group=128, dim_out=13, seed=2)
+@example(rows=2, groups=4, group=32, dim_out=11, seed=3)  # lane by lane in half groups
 def test_linear_over_int4_rows_is_linear_over_the_dequantized_weights(
     rows, groups, group, dim_out, seed
 ):
@@ -896,11 +897,13 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             # Rows longer than 512 columns take two groups of inputs a pass (pairs.h).
             # Scaled rows in blocks of 8 and of 32 (int4 rows with AVX-512 VBMI take two
             # steps at a time in blocks of a multiple of 16: tiles.h, nibble_pair_block; in
-            # blocks of a multiple of 64, int4 values lane by lane: nibble_pair_line).
+            # rows of whole 64 columns and blocks of a multiple of 32, int4 values lane by
+            # lane: nibble_pair_line, by half groups where a block begins or ends in one).
             D, F = (96, 48) if f.scaled else (99, 45)
             cases = [(D, (1, 2, 3, 4, 5, 16, 37), 8), (D + 520, (9, 11, 13, 16, 37), 8)]
             if f.scaled:
                 cases.append((D, (1, 2, 3, 4, 16), 32))
+                cases += [(128, (1, 2, 3, 4, 5, 16), 32), (192, (1, 2, 4, 5), 96)]
                 # Blocks of whole cache lines of values (row pairs take those a line at a
                 # time; int8 and FP8 rows with AVX-512 VBMI by byte permutes, tiles.h), and
                 # widened for more than four inputs.
@@ -920,7 +923,8 @@ def test_every_isa_level_the_cpu_has_gives_the_same_bits():
             big = 1400 if f.scaled else 1403
             shapes = [(D, F, 16), (D, big, 8), (D + 520, F, 8)]
             if f.scaled:
-                shapes.append((128, 64, 64))  # int4 values lane by lane in both projections
+                # Int4 values lane by lane in both projections, in whole and in half groups.
+                shapes += [(128, 64, 64), (128, 64, 32)]
             for cols, ff, block in shapes:
                 gate, up = (
                     jnp.asarray(_held_rows(f, rng, 6 * ff, cols, block).reshape(6, ff, -1))
@@ -1014,7 +1018,7 @@ def test_held_rows_in_row_pairs_or_in_8_lanes_give_the_same_bits():
         for f in held:
             target = f"colibri_held_pairs_{pairs}_linear{f.suffix}"
             registered(lib, "ColibriLinear" + kernels.symbol_suffix(f.suffix), target)
-            for cols, block in ((96, 8), (96, 32), (256, 128)):
+            for cols, block in ((96, 8), (96, 32), (128, 32), (256, 128)):
                 rows_held = _held_rows(f, rng, 70, cols, block)
                 w = jnp.asarray(rows_held)
                 for rows in (1, 2, 3, 4):

@@ -1,4 +1,4 @@
-"""The quantized formats the benchmarks hold experts in (fp8, int4, awq4, int8): how random
+"""The quantized formats the benchmarks hold experts in (fp8, int4, int4g32, awq4, int8): how random
 experts are quantized into each format's rows, and what the engine and the report need of each
 format."""
 
@@ -13,6 +13,7 @@ from colibri.formats import FP8_ROWS, INT4_ROWS, INT4Z_ROWS, INT8_ROWS, Holding
 
 BLOCK = 128  # fp8: the side of a block sharing one scale
 GROUP = 128  # int4, int8: the columns sharing one scale
+KIMI_GROUP = 32  # int4g32: Kimi K2's int4 experts (compressed-tensors W4A16, groups of 32)
 
 
 def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -26,14 +27,14 @@ def fp8_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(rows), np.stack(wide)
 
 
-def packed_pair(a: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def packed_pair(a: np.ndarray, bits: int = 4, group: int = GROUP) -> tuple[np.ndarray, np.ndarray]:
     """Experts [S, R, C] pack-quantized one by one: (int4 rows, or int8 rows for 8 bits, the
     float32 they stand for)."""
     rows, wide = [], []
     for w in np.asarray(a, np.float32):
-        packed, scale, _ = quantize_packed(w, bits, GROUP)
+        packed, scale, _ = quantize_packed(w, bits, group)
         C = w.shape[1]
-        scales = GroupScales(scale, np.arange(C) // GROUP, bits, C, GROUP)
+        scales = GroupScales(scale, np.arange(C) // group, bits, C, group)
         raw = packed.view(np.uint8).reshape(-1)
         rows.append(scales.pack(raw, scales.held).reshape(w.shape[0], -1))
         wide.append(scales.dequantize(raw).reshape(w.shape))
@@ -78,6 +79,17 @@ FORMATS = {
         "(COLIBRI_INT4=experts: attention dequantized at load).",
         modes={"int4, dense float32": Holding(int4="experts")},
         llama="q4_0",  # blocks of 32 with an f16 scale: the nearest GGUF format
+    ),
+    "int4g32": dict(
+        held=INT4_ROWS,
+        off=Holding(int4="none"),
+        pair=partial(packed_pair, group=KIMI_GROUP),
+        synth=dict(dtype="int4", group=KIMI_GROUP),
+        blocks=(KIMI_GROUP, KIMI_GROUP),
+        title="int4 experts in groups of 32 held as int4 rows or dequantized to float32",
+        note=f"Pack-quantized int4 (compressed-tensors W4A16), a scale per {KIMI_GROUP} "
+        "columns, as Kimi K2's experts.",
+        llama="q4_0",
     ),
     "awq4": dict(
         held=INT4Z_ROWS,

@@ -105,9 +105,10 @@ def held_checkpoint(name: str, dtype: str) -> Path:
     return shape_checkpoint(name, dtype, **FORMATS.get(dtype, {}).get("synth", {}))
 
 
-def shape_checkpoint(name: str, dtype: str, **changes) -> Path:
-    """The shape `name` (ALL_SHAPES) synthesized in `dtype` (cached under .cache/bench-peers)."""
+def shape_checkpoint(name: str, dtype: str, /, **changes) -> Path:
+    """The shape `name` (ALL_SHAPES) synthesized in `dtype` (cached under .cache/bench-peers;
+    `changes` may name the synthesized dtype where `dtype` only names the cache)."""
     out = CACHE / f"{name}-{dtype}"
     if not (out / "config.json").exists():
-        synthesize(dataclasses.replace(ALL_SHAPES[name], dtype=dtype, **changes), out)
+        synthesize(dataclasses.replace(ALL_SHAPES[name], **{"dtype": dtype, **changes}), out)
     return out

@@ -92,19 +92,21 @@ inline void dots(const T* const* w, const float* const* x, int64_t L, float* out
       }
 }
 
-// Columns [c0, c0 + blk) of TW int4 rows held lane-major (blk a multiple of 64), a group at a
-// time, its eight steps unrolled so that their shifts are known (formats.h's group_of):
-// step(c) for each, the rows fetched `ahead` bytes ahead into L1 once a cache line.
+// Columns [c0, c0 + blk) of TW int4 rows held lane-major (blk a multiple of 32), a group (or
+// half of one) at a time, its steps unrolled so that their shifts are known (formats.h's
+// lane_pieces): step(c) for each, the rows fetched `ahead` bytes ahead into L1 once a cache
+// line.
 template <int TW, typename Q, typename Step>
 __attribute__((always_inline)) inline void lane_steps(const Q* const* w, int64_t c0,
                                                       int64_t blk, int64_t ahead, Step step) {
-  for (int64_t g = c0; g < c0 + blk; g += kLaneGroup) {
-    if (g % 128 == 0)
+  lane_pieces(c0, blk, [&](int64_t g, auto first, auto steps) __attribute__((always_inline)) {
+    constexpr int s0 = decltype(first)::value, s1 = s0 + decltype(steps)::value;
+    if (g % 128 == 0 && s0 == 0)
       for (int i = 0; i < TW; ++i)
         __builtin_prefetch(reinterpret_cast<const char*>(w[i]) + g / 2 + ahead, 0, 3);
 #pragma GCC unroll 8
-    for (int64_t s = 0; s < kLaneGroup; s += 8) step(group_of(g) + s);
-  }
+    for (int s = s0; s < s1; ++s) step(g + 8 * s);
+  });
 }
 
 // One step of `scaled_block`: the same over rows widened and scaled as they are loaded.
@@ -198,7 +200,7 @@ inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, flo
   for (int64_t c0 = 0; c0 < L; c0 += blk) {
 #if defined(__AVX512F__) && defined(__AVX512VL__)
     if constexpr (kNibbles<Q>) {  // int4 weights looked up (AVX-512's 256-bit permutes)
-      if (lane_major(blk))
+      if (lane_major(blk, L))
         looked_up_block<TW, TR, true>(w, x, c0, blk, vb, nb, acc);
       else
         looked_up_block<TW, TR, false>(w, x, c0, blk, vb, nb, acc);
@@ -221,7 +223,7 @@ inline void scaled_dots(const Q* const* w, const float* const* x, int64_t L, flo
     } else {
       for (int i = 0; i < TW; ++i) scale[i] = scale[i] * folded(w[i]);
       if constexpr (kNibbles<Q>) {
-        if (lane_major(blk)) {
+        if (lane_major(blk, L)) {
           scaled_block<TW, TR, false, true>(w, x, c0, blk, scale, off, acc);
           continue;
         }
@@ -321,13 +323,14 @@ __attribute__((always_inline)) inline v16 row_pair_weights(const uint8_t* a, con
 }
 
 // Columns [c0, c0 + blk) of `row_pair_dots` over int4 rows held lane-major (blk a multiple of
-// 64), eight steps at a time: a group's 32 bytes of each row of a pair in one 512-bit vector,
-// a row's in each half. One mask (A & 15 in every byte, the second row's table bit set) makes
-// the indices of steps 0-3 in the four bytes of every lane, one shift and one mask those of
-// steps 4-7, and a shift by 8, 16 or 24 brings a step's byte down to its lane's index, where
-// the permute reads its five low bits only: ten operations for eight steps of a pair, which
-// in order take four (a broadcast, a multishift, a mask and a shift) for every two steps.
-// The same lookups, the same multiply-adds in the same order as row_pair_weights'.
+// 32), eight steps at a time (or four, where a block is half a group): a group's 32 bytes of
+// each row of a pair in one 512-bit vector, a row's in each half. One mask (A & 15 in every
+// byte, the second row's table bit set) makes the indices of steps 0-3 in the four bytes of
+// every lane, one shift and one mask those of steps 4-7, and a shift by 8, 16 or 24 brings a
+// step's byte down to its lane's index, where the permute reads its five low bits only: ten
+// operations for eight steps of a pair, which in order take four (a broadcast, a multishift,
+// a mask and a shift) for every two steps. The same lookups, the same multiply-adds in the
+// same order as row_pair_weights'.
 template <int TP, int TR>
 inline void nibble_pair_line(const void* const* w, const float* const* x, int64_t c0,
                              int64_t blk, const __m512* table, v16 (*acc)[TR]) {
@@ -336,9 +339,10 @@ inline void nibble_pair_line(const void* const* w, const float* const* x, int64_
                                            0x10101010, 0x10101010, 0x10101010, 0x10101010,
                                            0x10101010, 0x10101010);
   const __m512i low = _mm512_set1_epi32(0x0f0f0f0f);
-  for (int64_t c = c0; c < c0 + blk; c += kLaneGroup) {
-    const int64_t at = c / 2;
-    if (at % 64 == 0)  // as row_pair_block: once a cache line, 1024 columns ahead into L1
+  lane_pieces(c0, blk, [&](int64_t g, auto first, auto steps) __attribute__((always_inline)) {
+    constexpr int s0 = decltype(first)::value, s1 = s0 + decltype(steps)::value;
+    const int64_t at = g / 2;
+    if (at % 64 == 0 && s0 == 0)  // as row_pair_block: once a cache line, 1024 columns ahead
       for (int i = 0; i < TW; ++i)
         __builtin_prefetch(static_cast<const char*>(w[i]) + at + 512, 0, 3);
     for (int p = 0; p < TP; ++p) {
@@ -348,28 +352,31 @@ inline void nibble_pair_line(const void* const* w, const float* const* x, int64_
       };
       const __m512i both =
           _mm512_inserti64x4(_mm512_castsi256_si512(group(2 * p)), group(2 * p + 1), 1);
-      const __m512i early = _mm512_ternarylogic_epi32(both, low, second, 0xea);  // A & B | C
+      // Steps 0-3's indices (A & B | C), and 4-7's from the bytes shifted by 4: those the
+      // piece takes.
+      const __m512i early = s0 < 4 ? _mm512_ternarylogic_epi32(both, low, second, 0xea) : both;
       const __m512i late =
-          _mm512_ternarylogic_epi32(_mm512_srli_epi32(both, 4), low, second, 0xea);
+          s1 > 4 ? _mm512_ternarylogic_epi32(_mm512_srli_epi32(both, 4), low, second, 0xea)
+                 : both;
       // Every step's indices before the first permute, which may then overwrite its own.
       __m512i index[8];
 #pragma GCC unroll 8
-      for (int s = 7; s >= 0; --s) {
+      for (int s = s1 - 1; s >= s0; --s) {
         const __m512i from = s < 4 ? early : late;
         index[s] = s % 4 == 0 ? from : _mm512_srli_epi32(from, 8 * (s % 4));
       }
 #pragma GCC unroll 8
-      for (int s = 0; s < 8; ++s) {
+      for (int s = s0; s < s1; ++s) {
         const v16 wv = reinterpret_cast<v16>(
             _mm512_permutex2var_ps(table[2 * p], index[s], table[2 * p + 1]));
         for (int j = 0; j < TR; ++j)
           acc[p][j] = fma16(wv,
                             reinterpret_cast<v16>(
-                                _mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + c + 8 * s))),
+                                _mm512_broadcast_f32x8(_mm256_loadu_ps(x[j] + g + 8 * s))),
                             acc[p][j]);
       }
     }
-  }
+  });
 }
 
 #if defined(__AVX512VBMI__)
@@ -471,14 +478,14 @@ __attribute__((always_inline)) inline void byte_pair_line(const uint8_t* const* 
 }
 #endif
 
-// Columns [c0, c0 + blk) of `row_pair_dots`: table[2 p], table[2 p + 1] as row_pair_weights
-// takes them for pair p.
+// Columns [c0, c0 + blk) of `row_pair_dots` (rows of L columns): table[2 p], table[2 p + 1]
+// as row_pair_weights takes them for pair p.
 template <bool Huge, int TP, int TR, typename Q>
 inline void row_pair_block(const Q* const* w, const float* const* x, int64_t c0, int64_t blk,
-                           const __m512* table, v16 (*acc)[TR]) {
+                           int64_t L, const __m512* table, v16 (*acc)[TR]) {
   constexpr int TW = 2 * TP;
   if constexpr (kNibbles<Q>) {
-    if (lane_major(blk))
+    if (lane_major(blk, L))
       return nibble_pair_line<TP, TR>(reinterpret_cast<const void* const*>(w), x, c0, blk,
                                       table, acc);
   }
@@ -582,9 +589,9 @@ inline void row_pair_dots(const Q* const* w, const float* const* x, int64_t L, i
       }
     }
     if (huge)
-      row_pair_block<true, TP, TR>(w, x, c0, blk, table, acc);
+      row_pair_block<true, TP, TR>(w, x, c0, blk, L, table, acc);
     else
-      row_pair_block<false, TP, TR>(w, x, c0, blk, table, acc);
+      row_pair_block<false, TP, TR>(w, x, c0, blk, L, table, acc);
   }
   v8 half[TW * TR];
   for (int p = 0; p < TP; ++p)
@@ -612,14 +619,15 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   if constexpr (kNibbles<Q>) {
     const __m512 table = block_table(w, vb, nb, c0 / blk);
-    if (lane_major(blk)) {
-      for (int64_t c = c0; c < c0 + blk; c += 64) {
+    if (lane_major(blk, nb * blk)) {
+      lane_pieces(c0, blk, [&](int64_t g, auto first, auto steps) __attribute__((always_inline)) {
+        constexpr int s0 = decltype(first)::value, s1 = s0 + decltype(steps)::value;
 #pragma GCC unroll 4
-        for (int64_t s = 0; s < 64; s += 16) {
-          const v16 v = looked_up16<true>(w, group_of(c) + s, table);
-          std::memcpy(out + c + s, &v, sizeof v);
+        for (int s = s0; s < s1; s += 2) {
+          const v16 v = looked_up16<true>(w, g + 8 * s, table);
+          std::memcpy(out + g + 8 * s, &v, sizeof v);
         }
-      }
+      });
       return;
     }
     int64_t c = c0;
@@ -641,14 +649,15 @@ __attribute__((always_inline)) inline void widen_block(const Q* w, int64_t c0, i
     return;
   }
 #endif
-  if (kNibbles<Q> && lane_major(blk)) {  // int4 rows held lane by lane
-    for (int64_t c = c0; c < c0 + blk; c += kLaneGroup) {
+  if (kNibbles<Q> && lane_major(blk, nb * blk)) {  // int4 rows held lane by lane
+    lane_pieces(c0, blk, [&](int64_t g, auto first, auto steps) __attribute__((always_inline)) {
+      constexpr int s0 = decltype(first)::value, s1 = s0 + decltype(steps)::value;
 #pragma GCC unroll 8
-      for (int64_t s = 0; s < kLaneGroup; s += 8) {
-        const v8 v = scaled8<false, true>(w, group_of(c) + s, scale, offset);
-        std::memcpy(out + c + s, &v, sizeof v);
+      for (int s = s0; s < s1; ++s) {
+        const v8 v = scaled8<false, true>(w, g + 8 * s, scale, offset);
+        std::memcpy(out + g + 8 * s, &v, sizeof v);
       }
-    }
+    });
     return;
   }
   for (int64_t c = c0; c < c0 + blk; c += 8) {
