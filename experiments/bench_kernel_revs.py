@@ -1,5 +1,6 @@
 """python experiments/bench_kernel_revs.py [--base HEAD~1] [--kernel experts] [--held fp8|int4|...]
-    [--prompt 256] [--context 4096] [--dram] [--isa avx2] [--rounding] [--probe] [--out NAME]
+    [--prompt 256] [--context 4096] [--dram] [--base-lanes 64] [--isa avx2] [--rounding] [--probe]
+    [--out NAME]
 
 A kernel of colibri/kernels/cpu/ in two versions side by side, in one process: the working
 tree's and that of --base (any git revision). Both libraries are built as the engine builds
@@ -19,12 +20,14 @@ greedy steps), replayed on random weights of the same shapes held on huge pages 
 engine holds them (colibri/hugepages.py), every layer of every step per pass; with --held bf16,
 as bfloat16 bits (bf16p: for bfloat16 products); with --held fp8 (int4, awq4, int8),
 quantized and held as those rows, as experiments/bench_quantized.py holds them
-(--base must have that kernel); with --prompt N, the calls of one N-token prefill instead (its
-routes, one step a pass). --kernel linear: the same shapes' attention projections (qkv and o
-of every layer) and lm_head on --rows rows, 24 steps per pass, on huge pages as the engine
-holds its dense weights (with --held, every matrix held so); with --dram, a copy of them a
-step, 1 GB of copies in all, so that they stream from DRAM (a step's 50-75 MB stay in a
-last-level cache of 300 MiB, which overstates what a change does where they do not).
+(--base must have that kernel; --base-lanes N: int4 rows that --base holds in column order,
+where it held them lane by lane only in blocks of a multiple of N columns); with --prompt N,
+the calls of one N-token prefill instead (its routes, one step a pass). --kernel linear: the
+same shapes' attention projections (qkv and o of every layer) and lm_head on --rows rows, 24
+steps per pass, on huge pages as the engine holds its dense weights (with --held, every
+matrix held so); with --dram, a copy of them a step, 1 GB of copies in all, so that they
+stream from DRAM (a step's 50-75 MB stay in a last-level cache of 300 MiB, which overstates
+what a change does where they do not).
 --kernel attend: decode attention of every layer for --rows conversations, 24 steps after a
 prompt of --context tokens (128), the keys and values read from DRAM as in the engine.
 --kernel mla: the same for multi-head latent attention (colibri_mla_attend) over the latent
@@ -76,7 +79,7 @@ from colibri.bench.replay import (
 )
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.config import load_config
-from colibri.formats import BF16P
+from colibri.formats import BF16P, LANE_COLUMNS, LANE_GROUP, lane_major
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -285,21 +288,46 @@ def held_rows(fmt: str):
     return bf16_bits if f is None else lambda a: f["pair"](a)[0]
 
 
-def quantized_holds(calls: dict, fmt: str) -> tuple[dict, float]:
-    """For `compare`: every version holds each random matrix as held_rows does, on huge pages;
-    and the bytes a weight takes so (its value's, and its share of the block's scale and
-    offset)."""
+def in_column_order(held: np.ndarray, cols: int) -> np.ndarray:
+    """Int4 rows [..., bytes] whose values are held lane by lane (formats.LANE_COLUMNS) with
+    their values put back in column order (two a byte, the first in the low nibble); the
+    scales as they are."""
+    out = np.array(held)
+    v = out.view(np.uint8)[..., : cols // 2]
+    nib = np.stack([v & 15, v >> 4], axis=-1).reshape(*v.shape[:-1], -1, LANE_GROUP)
+    q = nib[..., np.argsort(LANE_COLUMNS)].reshape(*v.shape[:-1], cols)
+    v[...] = q[..., 0::2] | (q[..., 1::2] << 4)
+    return out
+
+
+def quantized_holds(calls: dict, fmt: str, base_lanes: int | None = None) -> tuple[dict, float]:
+    """For `compare`: every version holds each random matrix as held_rows does, on huge pages
+    (base_lanes: the first version, --base, holds int4 values lane by lane only in blocks of a
+    multiple of that many columns, 0 in none: a revision from before they were, reading the
+    others in column order); and the bytes a weight takes so (its value's, and its share of
+    the block's scale and offset)."""
     f = FORMATS.get(fmt)
     held = held_rows(fmt)
-    rows: dict[int, tuple] = {}
+    rows: dict[tuple, tuple] = {}
 
-    def hold(a):
-        if id(a) not in rows:
-            rows[id(a)] = (a, on_huge_pages(held(a)))
-        return rows[id(a)][1]
+    def holding(lanes: int | None):
+        def hold(a):
+            if (id(a), lanes) not in rows:
+                h, cols = held(a), a.shape[-1]
+                block = f["blocks"][0]
+                if lanes is not None and lane_major(cols, cols // block):
+                    if not lanes or block % lanes:
+                        h = in_column_order(np.asarray(h), cols)
+                rows[id(a), lanes] = (a, on_huge_pages(h))
+            return rows[id(a), lanes][1]
 
+        return hold
+
+    holds = dict.fromkeys(calls, holding(None))
+    if base_lanes is not None:
+        holds[next(iter(calls))] = holding(base_lanes)
     value, floats = VALUE_BYTES[fmt]
-    return dict.fromkeys(calls, hold), value + (4 * floats / f["blocks"][0] if f else 0)
+    return holds, value + (4 * floats / f["blocks"][0] if f else 0)
 
 
 def linear_holds(calls: dict, fmt: str) -> dict:
@@ -370,6 +398,15 @@ def main() -> None:
         "step, that they stream from DRAM, not from a last-level cache that holds one step's",
     )
     ap.add_argument(
+        "--base-lanes",
+        type=int,
+        default=None,
+        help="--kernel experts, int4 rows: --base holds int4 values lane by lane only in "
+        "blocks of a multiple of this many columns (64: revisions before blocks of 32 were; "
+        "0: before any were), the others in column order (the same weights, each version "
+        "reading its own layout)",
+    )
+    ap.add_argument(
         "--isa",
         choices=tuple(kernels.ISA_LEVELS),
         help="both versions built for this level of kernels.ISA_LEVELS (avx2: without AVX-512 "
@@ -400,6 +437,10 @@ def main() -> None:
         ap.error("--held is for --kernel experts and linear")
     if args.context != 128 and not attention:
         ap.error("--context is for --kernel attend and mla")
+    if args.base_lanes is not None and (
+        args.kernel != "experts" or args.held not in ("int4", "int4g32", "awq4")
+    ):
+        ap.error("--base-lanes is for --kernel experts over int4 rows")
     if args.rounding and not attention:
         ap.error("--rounding is for --kernel attend and mla")
     if args.dram and args.kernel != "linear":
@@ -431,7 +472,11 @@ def main() -> None:
                 probe.rates.clear()
             if args.kernel == "experts":
                 routes = (record_prompt_routes if args.prompt else record_routes)(ckpt, rows)
-                holds = quantized_holds(calls, args.held) if args.held != "float32" else ()
+                holds = (
+                    quantized_holds(calls, args.held, args.base_lanes)
+                    if args.held != "float32"
+                    else ()
+                )
                 res = compare(calls, cfg, routes, args.passes, *holds, before_pass=probe)
             elif args.kernel == "linear":
                 copies = -(-1_000_000_000 // (linear_params(cfg) * 4)) if args.dram else 1
@@ -475,6 +520,7 @@ def main() -> None:
         + (f" --shapes {args.shapes}" if args.shapes != ",".join(SHAPES) else "")
         + (f" --context {args.context}" if args.context != 128 else "")
         + (" --dram" if args.dram else "")
+        + (f" --base-lanes {args.base_lanes}" if args.base_lanes is not None else "")
         + (f" --isa {args.isa}" if args.isa else "")
         + (" --rounding" if args.rounding else "")
         + (" --probe" if args.probe else "")
