@@ -197,7 +197,7 @@ def _table_rows(
     lead, blocks = w.shape[:-1], (w.shape[-1] - n) // 4
     values = jnp.asarray(table)[w[..., :n]]
     if nibbles:  # int4 values, lane by lane where `lane_major`
-        values = _in_order(values.reshape(*lead, cols), cols, blocks)
+        values = in_column_order(values.reshape(*lead, cols), cols, blocks)
     values = values.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n:].reshape(*lead, blocks, 4), jnp.float32)
     return (values * scales[..., None]).reshape(*lead, cols)
@@ -212,7 +212,7 @@ def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
     shifts = jnp.arange(0, 32, bits, dtype=jnp.uint32)
     q = ((w[..., :n, None] >> shifts) & (2**bits - 1)).astype(jnp.float32)  # [..., n, 32 / bits]
     if bits == 4:
-        q = _in_order(q.reshape(*lead, cols), cols, blocks)
+        q = in_column_order(q.reshape(*lead, cols), cols, blocks)
     q = q.reshape(*lead, blocks, cols // blocks)
     scales = jax.lax.bitcast_convert_type(w[..., n : n + blocks], jnp.float32)[..., None]
     offsets = jax.lax.bitcast_convert_type(w[..., n + blocks :], jnp.float32)[..., None]
@@ -220,8 +220,9 @@ def _zero_point_rows(w: jax.Array, cols: int, bits: int) -> jax.Array:
     return ((q + zeros) * scales).reshape(*lead, cols)
 
 
-def _in_order(values: jax.Array, cols: int, blocks: int) -> jax.Array:
-    """Int4 values [..., cols] as held back in column order (`_lanes` undone)."""
+def in_column_order(values, cols: int, blocks: int):
+    """Int4 values [..., cols] (a JAX or numpy array, one value an element) as held, back in
+    column order (`_lanes` undone)."""
     if not lane_major(cols, blocks):
         return values
     lead = values.shape[:-1]

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 import pandas as pd
 
-from colibri import kernels
+from colibri import formats, kernels
 from colibri.bench.bandwidth import PassProbe
 from colibri.bench.conversations import prompt_ids
 from colibri.bench.formats import FORMATS
@@ -79,7 +79,7 @@ from colibri.bench.replay import (
 )
 from colibri.bench.shapes import SHAPES, ensure_inputs
 from colibri.config import load_config
-from colibri.formats import BF16P, LANE_COLUMNS, LANE_GROUP, lane_major
+from colibri.formats import BF16P, lane_major
 from colibri.report import markdown_table
 
 HERE = Path(__file__).parent
@@ -288,14 +288,14 @@ def held_rows(fmt: str):
     return bf16_bits if f is None else lambda a: f["pair"](a)[0]
 
 
-def in_column_order(held: np.ndarray, cols: int) -> np.ndarray:
-    """Int4 rows [..., bytes] whose values are held lane by lane (formats.LANE_COLUMNS) with
-    their values put back in column order (two a byte, the first in the low nibble); the
+def in_column_order(held: np.ndarray, cols: int, block: int) -> np.ndarray:
+    """Int4 rows [..., bytes] whose values are held lane by lane with their values put back in
+    column order (two a byte, the first in the low nibble; formats.in_column_order); the
     scales as they are."""
     out = np.array(held)
     v = out.view(np.uint8)[..., : cols // 2]
-    nib = np.stack([v & 15, v >> 4], axis=-1).reshape(*v.shape[:-1], -1, LANE_GROUP)
-    q = nib[..., np.argsort(LANE_COLUMNS)].reshape(*v.shape[:-1], cols)
+    nibbles = np.stack([v & 15, v >> 4], axis=-1).reshape(*v.shape[:-1], cols)
+    q = formats.in_column_order(nibbles, cols, cols // block)
     v[...] = q[..., 0::2] | (q[..., 1::2] << 4)
     return out
 
@@ -317,7 +317,7 @@ def quantized_holds(calls: dict, fmt: str, base_lanes: int | None = None) -> tup
                 block = f["blocks"][0]
                 if lanes is not None and lane_major(cols, cols // block):
                     if not lanes or block % lanes:
-                        h = in_column_order(np.asarray(h), cols)
+                        h = in_column_order(np.asarray(h), cols, block)
                 rows[id(a), lanes] = (a, on_huge_pages(h))
             return rows[id(a), lanes][1]
 
