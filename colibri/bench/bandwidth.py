@@ -190,14 +190,25 @@ def keep_freed_memory() -> None:
     mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: a thread's heap holds up to 64 MiB
 
 
-def widen_rate(w: jax.Array, in_features: int, calls: int = 400) -> float:
+def solo_rows(in_features: int) -> int:
+    """The most rows of `in_features` columns, in whatever format they are held, that the
+    linear kernel puts through one row on its caller alone: its work, the rows as float32
+    bytes, under kernels.solo_work() (0 when the kernels are off)."""
+    return (kernels.solo_work() - 1) // (4 * in_features)
+
+
+def widen_rate(w: jax.Array, in_features: int, calls: int = 2000) -> float:
     """GB/s at which one core puts the rows of `w` (held as the engine holds them: float32,
-    bfloat16 bits, FP8, int4 or int8 rows; [O, ...] of `in_features` columns, ~256 KiB, so that
-    they stay in L2) through colibri's linear kernel on one row: the rate of its widening and
-    multiply-adds with memory out of the way. A call of that size runs on the caller alone
-    (cpu/gang.h's kSoloWork); `calls` calls in one jitted loop, each fed the last one's output so
-    that none is hoisted; the best of three loops."""
+    bfloat16 bits, FP8, int4 or int8 rows; [O, ...] of `in_features` columns) through colibri's
+    linear kernel on one row: the rate of its widening and multiply-adds with memory out of the
+    way. Only the first `solo_rows` rows are taken, so that the call runs on the caller alone
+    (held rows count as float32 in the kernels' measure of work: ~256 KiB of int4 rows would
+    be shared out, and two cores' rate read as one's) and stays in L2; `calls` calls in one
+    jitted loop, each fed the last one's output so that none is hoisted; the best of three
+    loops."""
     import jax.lax as lax
+
+    w = w[: max(1, solo_rows(in_features))]
 
     def loop(x, w):
         def body(_, x):

@@ -38,9 +38,10 @@ def side_by_side(
     right after a bandwidth probe in a process of its own (workers.run_probe): its rate against
     the roofline of that probe, the bytes a step reads as colibri holds the weights
     (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
-    roofline its arithmetic allows: a step takes at least the time both cores need to put the
-    chosen experts' rows through the kernels from L2 (workers.expert_widen_rate), however well
-    streaming hides behind it, so it reaches at most the roofline's time over that time. And
+    roofline its arithmetic allows: a step's experts take at least the time the cores need to
+    put the chosen experts' rows through the kernels from L2 (one core's rate,
+    workers.expert_widen_rate, times the cores), however well streaming hides behind it, and
+    the rest of the step at least its reading (at most 1). And
     the most the kernels allow while they stream: the chosen experts' bytes at the rate both
     cores stream experts' rows through the expert kernel from memory at one row
     (workers.expert_stream_rate, in the same process), the rest of the step's bytes at the
@@ -66,8 +67,12 @@ def side_by_side(
                 roof = probe["gb_s"] * 1e9 / res["held_step_bytes_1"]
                 res["roofline"] = {"gb_s": probe["gb_s"], "ratio": res["decode_tok_s_1"] / roof}
                 if "widen_gb_s" in res:  # measured where the CPU kernels run
-                    widen_s = res["expert_step_bytes_1"] / (res["widen_gb_s"] * 1e9)
-                    res["roofline"]["bound"] = min(1.0, 1 / roof / widen_s)
+                    res["roofline"]["bound"] = streaming_bound(
+                        res["held_step_bytes_1"],
+                        res["expert_step_bytes_1"],
+                        res["widen_gb_s"],
+                        probe["gb_s"],
+                    )
                 if "stream_gb_s" in res:
                     res["roofline"]["stream_bound"] = streaming_bound(
                         res["held_step_bytes_1"],

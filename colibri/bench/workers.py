@@ -117,12 +117,10 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
 def expert_widen_rate(model) -> float:
     """GB/s at which one core puts rows of the routed experts, as held, through the linear
     kernel with them in L2 (bandwidth.widen_rate): the first layer's first expert's gate rows,
-    ~256 KiB of them."""
+    as many as one core's call takes."""
     import jax.numpy as jnp
 
-    gate = model.experts[0]["gate"][0]
-    rows = max(8, (256 << 10) // (gate.nbytes // gate.shape[0]))
-    return widen_rate(jnp.asarray(gate[:rows]), model.cfg.hidden)
+    return widen_rate(jnp.asarray(model.experts[0]["gate"][0]), model.cfg.hidden)
 
 
 def every_expert_call(model, rows: int = 1):

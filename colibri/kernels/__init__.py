@@ -532,6 +532,17 @@ def _probe_rate(symbol: str, argtypes: list, args: tuple, seconds: float, thread
         return sum(pool.map(lambda _: peak(*args, seconds), range(n)))
 
 
+def solo_work() -> int:
+    """The work under which a kernel call runs on its caller alone, no helper joining it
+    (cpu/gang.h's kSoloWork; work: the weights as float32 bytes, times a pass for every four
+    inputs); 0 when the kernels are off."""
+    lib = _library()
+    if lib is None:
+        return 0
+    lib.colibri_solo_work.restype = ctypes.c_int64
+    return int(lib.colibri_solo_work())
+
+
 def read_sum(a: np.ndarray) -> float:
     """The sum of a contiguous float32 array, read in eight 8-lane sums with nothing else done
     (on the calling thread; ctypes lets go of the GIL): how fast a core reads memory. Its value

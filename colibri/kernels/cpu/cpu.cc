@@ -62,6 +62,10 @@ extern "C" void colibri_int4_lanes(const uint8_t* in, uint8_t* out, int64_t grou
   int4_lanes(in, out, groups);
 }
 
+// The work (gang.h's measure) under which a call runs on its caller alone: what a probe that
+// times one core's call sizes it by (colibri/bench/bandwidth.py's widen_rate).
+extern "C" int64_t colibri_solo_work() { return kSoloWork; }
+
 // Traced builds (gang.h's COLIBRI_TRACE_CALLS): the calls timed since the last take.
 extern "C" int64_t colibri_take_traced_calls(int64_t* out, int64_t n) {
   return take_traced(out, n);
