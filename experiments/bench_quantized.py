@@ -43,8 +43,8 @@ together; best of rounds (colibri.bench.sidebyside, as experiments/bench_bf16.py
 level), and colibri's rate
 against the roofline of the bytes it holds, each round against a bandwidth probe run just
 before it, beside the most of that roofline the widening of its rows allows (the chosen
-experts' bytes at the rate of one core putting them through the kernels from L2 times the
-cores, measured in the same round, the rest at the probe's rate) and the most the
+experts' bytes at the rate the cores put them through the kernels' one-row tiles from L2,
+measured in the same round, the rest at the probe's rate) and the most the
 kernels allow while they stream (the chosen experts' bytes at the rate the expert kernel
 streams every expert's rows from memory on both cores, the rest at the probe's rate). Writes
 experiments/results/int8_peers.md (int4_peers.md) and .json (--out NAME: NAME.md and .json;
@@ -142,11 +142,11 @@ def write_peers(args, rows: list[dict]) -> None:
         "one embedding row, the chosen experts' rows with their scales) over the bandwidth "
         "probed in a process of its own just before each colibri round; colibri's rate "
         "against it, round by round. The most the widening allows: the roofline's time over "
-        "the chosen experts' bytes at the rate at which one core puts their rows through the "
-        "linear kernel with them in L2 (a call of one core's size) times the cores, plus the "
-        "rest of the step's bytes at the probe's rate (measured in each colibri round; at "
-        "most 1): the share of the roofline a step could reach "
-        "were the experts' streaming hidden entirely behind that arithmetic. The most the kernels' "
+        "the chosen experts' bytes at the rate at which the cores put their rows through the "
+        "kernels' one-row tiles with them in L2 (each core on its own, the calls' own costs "
+        "aside), plus the rest of the step's bytes at the probe's rate (measured in each "
+        "colibri round; at most 1): the share of the roofline a step could reach were the "
+        "experts' streaming hidden entirely behind that arithmetic. The most the kernels' "
         "streaming allows: the roofline's time over the chosen experts' bytes at the rate the "
         "expert kernel streams every expert's rows from memory on both cores at one row "
         "(measured in the same colibri run) plus the rest of the step's bytes at the probe's "

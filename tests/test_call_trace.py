@@ -47,34 +47,6 @@ def test_a_traced_build_records_every_call_and_gives_the_same_bits():
         assert first["enter"] <= first["helper_start"] <= first["helper_end"] <= first["done"]
 
 
-def test_the_widening_probe_sizes_its_calls_to_run_on_one_core():
-    """bandwidth.widen_rate times one core: it takes `solo_rows` rows, whose call the kernels
-    leave to the caller alone, and their measure of work counts held rows as float32, so that
-    int4 rows of a quarter of the bytes a helper would join are still shared out (and two
-    cores' rate would read as one's)."""
-    from colibri import formats
-    from colibri.bench.bandwidth import solo_rows
-
-    lib_path = kernels.build(trace=True)
-    lib = ctypes.cdll.LoadLibrary(str(lib_path))
-    traced = jax.jit(linear_call(lib_path, "colibri_solo_linear"))
-    cols, rng = 1024, np.random.default_rng(2)
-    rows = solo_rows(cols)
-    assert rows > 0
-    q = rng.integers(0, 256, (4 * rows, cols // 2), dtype=np.uint8)
-    scales = rng.uniform(0.01, 0.02, (4 * rows, cols // 128)).astype(np.float32)
-    w = formats.INT4.pack(q, scales).reshape(4 * rows, -1)
-    x = rng.standard_normal((1, cols)).astype(np.float32)
-    kernels.take_traced_calls(lib)
-    for n in (rows, rows + 1, 4 * rows):
-        np.testing.assert_array_equal(np.asarray(traced(x, w[:n])), kernels.linear(x, w[:n]))
-    solo, above, shared = kernels.take_traced_calls(lib)
-    assert solo["work"] == rows * cols * 4 < kernels.solo_work() <= above["work"]
-    assert solo["threads"] == 1 and solo["helper_start"] == 0
-    assert w[:rows].nbytes < kernels.solo_work() // 4  # held int4 rows: an eighth and scales
-    assert shared["work"] > kernels.solo_work()  # the probe's old ~256 KiB of int4 rows
-
-
 def test_a_decode_call_hands_its_work_to_the_helper_waiting_for_it_and_a_prefill_call_not():
     """A helper that has done its share of a call of up to 16 rows (a decode step's) waits for
     the next call (gang.h's `serve`; here up to 0.1 s, COLIBRI_LINGER_NS): the call after it

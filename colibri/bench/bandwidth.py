@@ -190,42 +190,17 @@ def keep_freed_memory() -> None:
     mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD: a thread's heap holds up to 64 MiB
 
 
-def solo_rows(in_features: int) -> int:
-    """The most rows of `in_features` columns, in whatever format they are held, that the
-    linear kernel puts through one row on its caller alone: its work, the rows as float32
-    bytes, under kernels.solo_work() (0 when the kernels are off)."""
-    return (kernels.solo_work() - 1) // (4 * in_features)
-
-
-def widen_rate(w: jax.Array, in_features: int, calls: int = 2000) -> float:
-    """GB/s at which one core puts the rows of `w` (held as the engine holds them: float32,
-    bfloat16 bits, FP8, int4 or int8 rows; [O, ...] of `in_features` columns) through colibri's
-    linear kernel on one row: the rate of its widening and multiply-adds with memory out of the
-    way. Only the first `solo_rows` rows are taken, so that the call runs on the caller alone
-    (held rows count as float32 in the kernels' measure of work: ~256 KiB of int4 rows would
-    be shared out, and two cores' rate read as one's) and stays in L2; `calls` calls in one
-    jitted loop, each fed the last one's output so that none is hoisted; the best of three
-    loops."""
-    import jax.lax as lax
-
-    w = w[: max(1, solo_rows(in_features))]
-
-    def loop(x, w):
-        def body(_, x):
-            y = kernels.linear(x, w)
-            return x.at[0, 0].set(y[0, 0] * 0.0 + 1.0)
-
-        return lax.fori_loop(0, calls, body, x)
-
-    run = jax.jit(loop)
-    x = jnp.ones((1, in_features), jnp.float32)
-    run(x, w).block_until_ready()
-    best = 0.0
-    for _ in range(3):
-        t = time.perf_counter()
-        run(x, w).block_until_ready()
-        best = max(best, calls * w.nbytes / (time.perf_counter() - t) / 1e9)
-    return best
+def widen_rate(w: jax.Array, in_features: int, threads: int | None = None, tries: int = 5) -> float:
+    """GB/s at which the cores (`threads` of them at once, default every core) put the rows
+    of `w` (held as the engine holds them: float32, bfloat16 bits, FP8, int4 or int8 rows;
+    [O, ...] of `in_features` columns, ~256 KiB, so that they stay in L2) through the tiles
+    of colibri's one-row calls (kernels.widen_peak): the rate of their widening and
+    multiply-adds with memory out of the way, each core on its own; the best of `tries`
+    tenths of a second (a core's rate moved by a fifth between them). Timing the linear
+    kernel's calls instead adds their own costs, and a call of ~256 KiB of held rows is
+    shared out: the kernels count its work as float32."""
+    rows = np.asarray(w)
+    return max(kernels.widen_peak(rows, in_features, 0.1, threads) for _ in range(tries))
 
 
 def pread_bandwidth(

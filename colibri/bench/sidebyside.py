@@ -39,8 +39,8 @@ def side_by_side(
     the roofline of that probe, the bytes a step reads as colibri holds the weights
     (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
     roofline its arithmetic allows: a step's experts take at least the time the cores need to
-    put the chosen experts' rows through the kernels from L2 (one core's rate,
-    workers.expert_widen_rate, times the cores), however well streaming hides behind it, and
+    put the chosen experts' rows through the kernels' tiles from L2 (workers.expert_widen_rate),
+    however well streaming hides behind it, and
     the rest of the step at least its reading (at most 1). And
     the most the kernels allow while they stream: the chosen experts' bytes at the rate both
     cores stream experts' rows through the expert kernel from memory at one row

@@ -81,7 +81,7 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
     res["held_step_bytes_1"] = held_step_bytes(model.params, model.experts, top_k)
     res["expert_step_bytes_1"] = held_step_bytes({}, model.experts, top_k)
     if kernels.available():
-        res["widen_gb_s"] = (os.cpu_count() or 1) * expert_widen_rate(model)
+        res["widen_gb_s"] = expert_widen_rate(model)
         res["stream_gb_s"] = expert_stream_rate(model)
     sizes, kinds = (1, 4, 16), ((1, "_single"), (BURST, ""))
     for rows in sizes:
@@ -115,12 +115,12 @@ def work_colibri(ckpt: Path, prompt: list[int], tokens: int) -> dict:
 
 
 def expert_widen_rate(model) -> float:
-    """GB/s at which one core puts rows of the routed experts, as held, through the linear
-    kernel with them in L2 (bandwidth.widen_rate): the first layer's first expert's gate rows,
-    as many as one core's call takes."""
-    import jax.numpy as jnp
-
-    return widen_rate(jnp.asarray(model.experts[0]["gate"][0]), model.cfg.hidden)
+    """GB/s at which the cores together put rows of the routed experts, as held, through the
+    kernels' one-row tiles with them in L2 (bandwidth.widen_rate): the first layer's first
+    expert's gate rows, ~256 KiB of them."""
+    gate = model.experts[0]["gate"][0]
+    rows = max(8, (256 << 10) // (gate.nbytes // gate.shape[0]))
+    return widen_rate(gate[:rows], model.cfg.hidden)
 
 
 def every_expert_call(model, rows: int = 1):

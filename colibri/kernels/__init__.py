@@ -532,15 +532,18 @@ def _probe_rate(symbol: str, argtypes: list, args: tuple, seconds: float, thread
         return sum(pool.map(lambda _: peak(*args, seconds), range(n)))
 
 
-def solo_work() -> int:
-    """The work under which a kernel call runs on its caller alone, no helper joining it
-    (cpu/gang.h's kSoloWork; work: the weights as float32 bytes, times a pass for every four
-    inputs); 0 when the kernels are off."""
-    lib = _library()
-    if lib is None:
-        return 0
-    lib.colibri_solo_work.restype = ctypes.c_int64
-    return int(lib.colibri_solo_work())
+def widen_peak(w: np.ndarray, cols: int, seconds: float = 0.2, threads: int | None = None) -> float:
+    """GB/s at which the cores (`threads` at once, default one a core) put rows held as
+    w.dtype's format (w [R, row elements] of `cols` weights a row; a few hundred KiB, so that
+    they stay in L2) through the tiles of one-row calls, each thread meeting the same rows with
+    one input over and over for about `seconds` (cpu.cc's colibri_widen_peak): the most the
+    widening and multiply-adds allow one-row calls where memory keeps up, the calls' own costs
+    aside. 0 when the kernels are off or the rows are not their format's."""
+    fmt = formats.of(w.dtype)
+    w = np.ascontiguousarray(w)
+    args = (w.ctypes.data, w.shape[0], cols, w[0].nbytes)
+    argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    return _probe_rate("colibri_widen_peak" + fmt.suffix, argtypes, args, seconds, threads)
 
 
 def read_sum(a: np.ndarray) -> float:

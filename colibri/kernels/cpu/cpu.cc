@@ -37,7 +37,10 @@
 // The design, and the measurements behind the choices below: docs/kernels.md.
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "attend.h"
 #include "cut.h"
@@ -61,10 +64,6 @@ extern "C" void colibri_request_cut(int32_t on) {
 extern "C" void colibri_int4_lanes(const uint8_t* in, uint8_t* out, int64_t groups) {
   int4_lanes(in, out, groups);
 }
-
-// The work (gang.h's measure) under which a call runs on its caller alone: what a probe that
-// times one core's call sizes it by (colibri/bench/bandwidth.py's widen_rate).
-extern "C" int64_t colibri_solo_work() { return kSoloWork; }
 
 // Traced builds (gang.h's COLIBRI_TRACE_CALLS): the calls timed since the last take.
 extern "C" int64_t colibri_take_traced_calls(int64_t* out, int64_t n) {
@@ -172,6 +171,60 @@ COLIBRI_HELD_FORMATS(COLIBRI_LINEAR_HANDLER)
 COLIBRI_HELD_FORMATS(COLIBRI_HEADS_HANDLERS)
 COLIBRI_HELD_FORMATS(COLIBRI_EXPERTS_HANDLER)
 
+// colibri_widen_peak##suffix: one core putting rows held as the format says through the tiles
+// of one-row calls, the rows in its caches: R rows of L weights (row_bytes each, as the linear
+// kernel takes them) met by one input over and over for about `seconds`, on the calling
+// thread. GB/s of rows as held: what the widening and the multiply-adds allow a one-row call
+// where memory keeps up, the call's own costs aside (colibri/bench/bandwidth.py's widen_rate);
+// 0 for rows that are not the format's.
+template <typename T>
+static double widen_peak(const void* w, int64_t R, int64_t L, int64_t row_bytes,
+                         double seconds) {
+  const T* W = static_cast<const T*>(w);
+  const int64_t ld = row_bytes / static_cast<int64_t>(sizeof(T));
+  int64_t blk = 0;
+  if constexpr (kScaled<T>) {
+    blk = scale_width(W, L, ld);
+    if (blk == 0) return 0;
+  } else if (ld != L || row_bytes % sizeof(T)) {
+    return 0;
+  }
+  if (R <= 0) return 0;
+  [[maybe_unused]] std::conditional_t<
+      kScaled<T>, KeepSubnormals, std::conditional_t<kProducts<T>, FlushSubnormals, int>>
+      keep{};
+  std::vector<float> xv(L), y(R);
+  for (int64_t i = 0; i < L; ++i) xv[i] = 1.0f / static_cast<float>(1 + i % 13);
+  std::vector<uint16_t> xb(kProducts<T> ? L : 0);
+  if constexpr (kProducts<T>) round_row(xv.data(), L, xb.data());
+  const float* x[1] = {xv.data()};
+  const uint16_t* xh[1] = {xb.data()};
+  float* out = y.data();
+  const auto emit = [out](int64_t o, int64_t, float v) { out[o] = v; };
+  const auto start = std::chrono::steady_clock::now();
+  int64_t passes = 0;
+  double spent = 0;
+  do {
+    if constexpr (kProducts<T>)
+      bmatvecs(W, R, L, ld, xh, 1, emit);
+    else
+      matvecs(W, R, L, x, 1, emit, ld, blk);
+    asm volatile("" : : "r"(out) : "memory");  // every pass computed and its results kept
+    ++passes;
+    spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  } while (spent < seconds);
+  return static_cast<double>(passes) * R * row_bytes / spent / 1e9;
+}
+
+#define COLIBRI_WIDEN_PEAK(Name, suffix, WT, T)                                            \
+  extern "C" double colibri_widen_peak##suffix(const void* w, int64_t R, int64_t L,        \
+                                               int64_t row_bytes, double seconds) {        \
+    return widen_peak<T>(w, R, L, row_bytes, seconds);                                     \
+  }
+
+COLIBRI_HELD_FORMATS(COLIBRI_WIDEN_PEAK)
+
 #undef COLIBRI_LINEAR_HANDLER
 #undef COLIBRI_HEADS_HANDLERS
 #undef COLIBRI_EXPERTS_HANDLER
+#undef COLIBRI_WIDEN_PEAK
