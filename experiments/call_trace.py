@@ -12,9 +12,10 @@ call, how long the caller took to schedule its helper (or to hand the call to on
 for it) and how late the helper began its share after the call began (µs; calls too small to
 share run on the caller alone), how far apart the caller and the helper ended, and the share of
 the call both threads were at work. Medians over the round's calls, with their 90th percentiles
-where a few calls differ; at up to four rows, the GB/s at which each weight call streams its
-weights (as float32), against the faster read. A thread that ends early leaves the other
-streaming alone, at what one core can read.
+where a few calls differ; at up to four rows, the GB/s at which each expert and linear call
+streams its weights as held (bfloat16 bits, int4 rows with their scales, ...), against the
+faster read. A thread that ends early leaves the other streaming alone, at what one core can
+read.
 
 Above those, per round (many short rounds say how a step fares at each speed of the memory,
 which moves minute by minute): the step against the memory roofline at the faster read, the
@@ -50,37 +51,94 @@ HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 
 
-def linear_names(params, rows: int) -> dict[int, str]:
-    """{work: "linear [O, I]"} for every matrix of the checkpoint's dense weights, as the linear
-    kernel counts a call's work (O x I float32 bytes, a pass for every four rows); matrices of
-    the same work named together ("linear [64, 96] or [96, 64]")."""
+def holds(fmt, row_bytes: int, cols: int) -> bool:
+    """Whether a row of `row_bytes` bytes holds `cols` weights in format `fmt` (colibri.formats):
+    as the kernels read it (cpu/formats.h's scale_width), scaled rows are the values, then one
+    scale (and offset) per block of a multiple of 8 columns that divides them."""
+    values = cols * fmt.value_bits // 8
+    if not fmt.scaled:
+        return row_bytes == values
+    per = 4 * (2 if fmt.zero_points else 1)
+    extra = row_bytes - values
+    if cols % 8 or extra <= 0 or extra % per or cols % (extra // per):
+        return False
+    return cols // (extra // per) % 8 == 0
+
+
+def linear_weights(params, rows: int, works) -> dict[int, tuple[str, float]]:
+    """{work: (name, bytes)} for every linear call's work in `works` (as the linear kernel
+    counts it: O x I float32 bytes, a pass for every four rows): the matrices of the
+    checkpoint's dense weights that make it, named by their shape ("linear [64, 96] or [96,
+    64]"), and the bytes a call reads of them as held (bfloat16 bits, int4 rows with their
+    scales, ...; the first matrix's where several make it)."""
     import jax
 
+    from colibri import formats
+
     passes = (rows + 3) // 4
-    shapes: dict[int, list[str]] = {}
+    matrices = []  # (O, bytes a row, format)
     for leaf in jax.tree_util.tree_leaves(params):
         if getattr(leaf, "ndim", 0) == 2:
-            o, i = leaf.shape
-            named = shapes.setdefault(o * i * 4 * passes, [])
-            if f"[{o}, {i}]" not in named:
-                named.append(f"[{o}, {i}]")
-    return {work: "linear " + " or ".join(sorted(n)) for work, n in shapes.items()}
+            fmt = formats.held(leaf.dtype) or formats.FLOAT32
+            matrices.append((leaf.shape[0], leaf.nbytes // leaf.shape[0], fmt))
+    out = {}
+    for work in {int(w) for w in works}:
+        names, held = [], None
+        for o, row_bytes, fmt in matrices:
+            cols, rest = divmod(work, 4 * passes * o)
+            if rest or not holds(fmt, row_bytes, cols) or f"[{o}, {cols}]" in names:
+                continue
+            names.append(f"[{o}, {cols}]")
+            held = o * row_bytes if held is None else held
+        if names:
+            out[work] = ("linear " + " or ".join(sorted(names)), float(held))
+    return out
+
+
+def expert_bytes_per_work(model) -> float:
+    """Bytes the routed experts' rows take as held (scales and offsets included) for every
+    byte of the expert kernel's work at one pass (their values alone: 3 F D weights an expert,
+    at the format's bits a value)."""
+    from colibri import formats
+
+    gate, up, down = (model.experts[0][k] for k in ("gate", "up", "down"))
+    held = sum(a.nbytes / a.shape[0] for a in (gate, up, down))
+    bits = formats.of(gate.dtype).value_bits
+    return held / (3 * gate.shape[1] * model.cfg.hidden * bits / 8)
+
+
+def held_bytes(calls: np.ndarray, linear: dict, per_work: float) -> np.ndarray:
+    """Bytes of weights each call reads as held, at one pass: a linear call's matrix
+    (`linear`, linear_weights'), an expert call's work times `per_work`
+    (expert_bytes_per_work); NaN for other calls and unnamed linear ones."""
+    from colibri import kernels
+
+    out = np.full(len(calls), np.nan)
+    for i, (k, w) in enumerate(zip(calls["kind"], calls["work"], strict=True)):
+        kind = kernels.TRACE_KINDS.get(int(k))
+        if kind == "linear" and int(w) in linear:
+            out[i] = linear[int(w)][1]
+        elif kind == "routed experts":
+            out[i] = w * per_work
+    return out
 
 
 def parts(
-    calls: np.ndarray, names: dict[int, str], steps: int, rows: int, read: float
+    calls: np.ndarray, linear: dict, per_work: float, steps: int, rows: int, read: float
 ) -> pd.DataFrame:
-    """Per kind of call (TRACE_KINDS; linear calls by their weights, `names`, else their work),
-    the calls a step and, in µs, the median call, the helper's lateness, the threads' end gap
-    and the share of the call both threads worked (medians; p90 beside the two gaps), and the
-    share of the shared calls handed to a helper waiting for the next call; for the
-    weight calls of up to four rows (one pass over the weights), the GB/s their weights as
-    float32 stream at over all their calls, and that against `read`."""
+    """Per kind of call (TRACE_KINDS; linear calls by their weights, `linear`, else their
+    work), the calls a step and, in µs, the median call, the helper's lateness, the threads'
+    end gap and the share of the call both threads worked (medians; p90 beside the two gaps),
+    and the share of the shared calls handed to a helper waiting for the next call; for the
+    weight calls of up to four rows (one pass over the weights), the GB/s their weights stream
+    at as held (held_bytes) over all their calls, and that against `read`."""
     from colibri import kernels
 
     kind = [kernels.TRACE_KINDS.get(int(k), f"kind {k}") for k in calls["kind"]]
     label = [
-        (names.get(int(w), f"linear ({w / 1e6:.2f} MB)") if k == "linear" else k)
+        (linear[int(w)][0] if int(w) in linear else f"linear ({w / 1e6:.2f} MB)")
+        if k == "linear"
+        else k
         for k, w in zip(kind, calls["work"], strict=True)
     ]
     us = lambda a: a / 1e3  # noqa: E731 (ns to µs)
@@ -103,13 +161,13 @@ def parts(
             "handed": calls["handed"] > 0,
         }
     )
-    df["work"] = calls["work"]
-    weights = {"routed experts", "linear", "per-head products"}
-    df["weights"] = [k in weights and rows <= 4 for k in kind]
+    df["held"] = held_bytes(calls, linear, per_work)
+    df["weights"] = [k in ("routed experts", "linear") and rows <= 4 for k in kind]
     out = []
     for part, g in df.groupby("part", sort=False):
         s = g[g.shared]
-        gb_s = g.work.sum() / g.us.sum() / 1e3 if g.weights.all() else np.nan
+        named = g.weights.all() and g.held.notna().all()
+        gb_s = g.held.sum() / g.us.sum() / 1e3 if named else np.nan
         out.append(
             {
                 "part": part,
@@ -131,21 +189,25 @@ def parts(
     return pd.DataFrame(out).sort_values("µs a step", ascending=False).set_index("part")
 
 
-def step_summary(calls: np.ndarray, tokens: int, rows: int, tok_s: float) -> dict:
+def step_summary(
+    calls: np.ndarray, linear: dict, per_work: float, tokens: int, rows: int, tok_s: float
+) -> dict:
     """A round's step: µs a step, of it µs in the kernels' traced calls (one after another: the
     decode step's ops run in order) and outside them (XLA's ops, the kernels that are not
     shared out, the executor between ops, the host between bursts), and at up to four rows the
-    routed experts' and the linear calls' GB/s (their weights as float32 over their time)."""
+    routed experts' and the named linear calls' GB/s (their weights as held, held_bytes, over
+    their time)."""
     from colibri import kernels
 
     step_us = rows / tok_s * 1e6
     in_calls = (calls["done"] - calls["enter"]).sum() / 1e3 / tokens
     kind = np.array([kernels.TRACE_KINDS.get(int(k), "") for k in calls["kind"]])
+    held = held_bytes(calls, linear, per_work)
 
     def gb_s(name: str) -> float:
-        c = calls[kind == name]
-        took = (c["done"] - c["enter"]).sum()
-        return c["work"].sum() / took if rows <= 4 and took else float("nan")
+        pick = (kind == name) & ~np.isnan(held)
+        took = (calls["done"][pick] - calls["enter"][pick]).sum()
+        return held[pick].sum() / took if rows <= 4 and took else float("nan")
 
     return {
         "step_us": step_us,
@@ -184,7 +246,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
     step_bytes = sum(b for b, _ in step.values())
     flops = sum(f for _, f in step.values())
     ceiling = fma_ceiling()
-    names = linear_names(model.params, rows)
+    per_work = expert_bytes_per_work(model)
     probe = probe_array(1.0)
     out = []
     for r in tqdm(range(rounds), desc=ckpt.name, unit="round"):
@@ -194,7 +256,8 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
         calls = kernels.take_traced_calls()
         after = max(read_rate(probe) for _ in range(3))
         tiles = tiles_rate(probe, model.cfg.hidden)
-        table = parts(calls, names, tokens, rows, max(before, after))
+        linear = linear_weights(model.params, rows, calls["work"])
+        table = parts(calls, linear, per_work, tokens, rows, max(before, after))
         out.append(
             {
                 "round": r,
@@ -207,7 +270,7 @@ def measure(ckpt: Path, rows: int, tokens: int, prompt_len: int, rounds: int) ->
                     step, max(before, after), accounting.part_rates(tiles, ceiling)
                 ),
                 "calls": len(calls),
-                **step_summary(calls, tokens, rows, rate),
+                **step_summary(calls, linear, per_work, tokens, rows, rate),
                 "parts": table.reset_index().to_dict(orient="records"),
             }
         )
@@ -323,7 +386,7 @@ def write(results: dict, args, stem: str) -> None:
         "(the traced ones, the small calls they run on the caller alone too); outside: the "
         "rest of the step (XLA's ops, the other kernels: norms, the routers' choice, the "
         "greedy choice; the executor between ops, the host between bursts); experts / read and "
-        "linear / read: those calls' weights as float32 over their time (up to four rows), "
+        "linear / read: those calls' weights as held over their time (up to four rows), "
         "against the faster read.",
         "",
         "calls a step: over the round's steps; µs a call: the median, from the call's start to "
@@ -335,7 +398,8 @@ def write(results: dict, args, stem: str) -> None:
         "ends apart: between the caller's and the helper's last work (the one that ends first "
         "waits, or leaves); both at work: the share of the call from the helper's start to the "
         "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "
-        "GB/s: the weight calls' weights as float32 over their time, all their calls together "
+        "GB/s: the expert and linear calls' weights as held over their time, all their calls "
+        "together "
         "(up to four rows: one pass over the weights); / read: against the faster read of the "
         "round.",
     ]

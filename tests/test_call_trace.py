@@ -185,6 +185,36 @@ def test_the_experiment_traces_a_tiny_model(tmp_path):
     assert "| tiles allow |" in report and "their tiles from DRAM" in report
 
 
+def test_linear_calls_are_named_by_their_matrices_and_read_as_held():
+    """The linear kernel counts a call's work as its matrix in float32 ([O, I], a pass for
+    every four rows); the trace names the matrices that make it by their shapes and reads
+    their bytes as held: int4 rows of 64 values in two blocks 32 bytes and two scales a row,
+    bfloat16 bits two bytes a weight."""
+    from colibri import formats
+
+    ct = experiment("call_trace")
+    params = {
+        "qkv": np.zeros((128, 40), formats.INT4.storage),
+        "router": np.zeros((64, 64), formats.BF16.storage),
+        "a": np.zeros((64, 96), np.float32),
+        "b": np.zeros((96, 64), np.float32),
+    }
+    got = ct.linear_weights(params, 1, [128 * 64 * 4, 64 * 64 * 4, 64 * 96 * 4, 12345])
+    assert got[128 * 64 * 4] == ("linear [128, 64]", 128 * 40)
+    assert got[64 * 64 * 4] == ("linear [64, 64]", 64 * 64 * 2)
+    assert got[64 * 96 * 4] == ("linear [64, 96] or [96, 64]", 64 * 96 * 4)
+    assert 12345 not in got
+    assert ct.linear_weights(params, 5, [2 * 128 * 64 * 4])[2 * 128 * 64 * 4][0] == (
+        "linear [128, 64]"  # five rows: two passes
+    )
+    # A row holds its columns as the kernels read them: the values, then a scale (and an
+    # offset) per block of a multiple of 8 columns that divides them.
+    assert ct.holds(formats.INT4, 40, 64) and ct.holds(formats.INT4, 36, 64)
+    assert not ct.holds(formats.INT4, 38, 64) and not ct.holds(formats.INT4, 32, 64)
+    assert ct.holds(formats.INT8, 64 + 16, 64) and not ct.holds(formats.INT8, 64 + 12, 64)
+    assert not ct.holds(formats.INT4, 32 + 9 * 4, 64)  # nine blocks do not divide 64
+
+
 def test_many_rounds_detail_the_slowest_and_fastest_read_whose_reads_agree():
     ct = experiment("call_trace")
     reads = [(30.0, 31.0), (50.0, 30.0), (45.0, 46.0), (25.0, 26.0), (60.0, 40.0)]
