@@ -399,9 +399,8 @@ def write(results: dict, args, stem: str) -> None:
         "waits, or leaves); both at work: the share of the call from the helper's start to the "
         "first of the two ends. Medians over the shared calls; p90: their 90th percentile. "
         "GB/s: the expert and linear calls' weights as held over their time, all their calls "
-        "together "
-        "(up to four rows: one pass over the weights); / read: against the faster read of the "
-        "round.",
+        "together (up to four rows: one pass over the weights); / read: against the faster "
+        "read of the round.",
     ]
     write_report(RESULTS, stem, lines, results)
 

@@ -1220,13 +1220,16 @@ def test_the_read_probe_reads_every_float():
 @pytest.mark.parametrize("f", FORMATS, ids=lambda f: f.name)
 def test_the_widening_probe_computes_every_pass_at_most_at_the_multiply_add_ceiling(f):
     """kernels.widen_peak (bandwidth.widen_rate) puts rows of each held format through the
-    one-row tiles over and over: every weight costs a lane of a multiply-add, so a rate above
-    the multiply-add ceiling would mean passes left out; rows not of the format's shape give 0."""
+    one-row tiles over and over: every weight costs a lane of a multiply-add (bfloat16
+    products: half a lane of a dot product), so a rate above that ceiling would mean passes
+    left out; rows not of the format's shape give 0."""
     rng = np.random.default_rng(0)
     cols = 1024
     w = _held_rows(f, rng, 64, cols, block=128)
     gb_s = kernels.widen_peak(w, cols, seconds=0.05, threads=1)
     weights_s = gb_s * 1e9 / w[0].nbytes * cols
     ceiling = max(kernels.fma_peak(8, seconds=0.05, threads=1), kernels.fma_peak(16, 0.05, 1))
+    if f.bf16_inputs:
+        ceiling = max(ceiling, kernels.bf16_dot_peak(seconds=0.05, threads=1))
     assert 0 < 2 * weights_s / 1e9 < 1.2 * ceiling
     assert kernels.widen_peak(w[:, :-1] if f.scaled else w, cols + 8, 0.01, 1) == 0

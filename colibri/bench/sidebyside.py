@@ -40,8 +40,8 @@ def side_by_side(
     (accounting.held_step_bytes) over the probe's rate, round by round; and the most of that
     roofline its arithmetic allows: a step's experts take at least the time the cores need to
     put the chosen experts' rows through the kernels' tiles from L2 (workers.expert_widen_rate),
-    however well streaming hides behind it, and
-    the rest of the step at least its reading (at most 1). And
+    however well streaming hides behind it, and the rest of the step at least its reading (at
+    most 1). And
     the most the kernels allow while they stream: the chosen experts' bytes at the rate both
     cores stream experts' rows through the expert kernel from memory at one row
     (workers.expert_stream_rate, in the same process), the rest of the step's bytes at the
