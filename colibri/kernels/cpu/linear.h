@@ -107,9 +107,18 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
   const bool long_rows = long_items(kind, M, I);
   call->chunk = chunk_rows(value_bytes(kind, I), O,
                            long_rows ? std::clamp(share, base, kLongItems * base) : base);
-  const int64_t items = O ? (O + call->chunk - 1) / call->chunk : 0;
   // Long items end in takes down to a quarter of the usual item; others keep theirs.
   call->least = long_rows ? chunk_rows(value_bytes(kind, I), O, base / 4) : call->chunk;
+  // Work: the weights as float32, a pass for every four inputs (held rows cost their widening,
+  // about what float32 rows cost to stream: a one-row call over 270 KB of int8 rows took a
+  // core 26 µs).
+  const int64_t work = O * I * int64_t{sizeof(float)} * ((M + 3) / 4);
+  // A call worth sharing that one item would hold (int4 rows of up to 128 KiB of values: an
+  // olmoe-sized [512, 512] took one core 12.7 µs) goes in an item a thread.
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (work >= kSoloWork && O >= 16 * threads && (O + call->chunk - 1) / call->chunk < threads)
+    call->chunk = call->least = ((O + threads - 1) / threads + 7) / 8 * 8;
+  const int64_t items = O ? (O + call->chunk - 1) / call->chunk : 0;
   call->xrow.resize(M);
   for (int64_t m = 0; m < M; ++m) call->xrow[m] = x.typed_data() + m * I;
   if constexpr (kProducts<T>) {
@@ -123,10 +132,7 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT>
     call->packed = Packed(scratch<Scratch::kLinear>(Packed::floats(M, I)), M, I);
     call->packed.pack(call->xrow.data());
   }
-  // Work: the weights as float32, a pass for every four inputs (held rows cost their widening,
-  // about what float32 rows cost to stream: a one-row call over 270 KB of int8 rows took a
-  // core 26 µs).
-  run(pool, call, items, O * I * int64_t{sizeof(float)} * ((M + 3) / 4), CallKind::kLinear, M);
+  run(pool, call, items, work, CallKind::kLinear, M);
   return ffi::Error::Success();
 }
 
