@@ -313,10 +313,10 @@ def quantized_holds(calls: dict, fmt: str, base_lanes: int | None = None) -> tup
     def holding(lanes: int | None):
         def hold(a):
             if (id(a), lanes) not in rows:
-                h, cols = held(a), a.shape[-1]
-                block = f["blocks"][0]
-                if lanes is not None and lane_major(cols, cols // block):
-                    if not lanes or block % lanes:
+                h = held(a)
+                if lanes is not None:  # (int4 rows only: they have blocks)
+                    cols, block = a.shape[-1], f["blocks"][0]
+                    if lane_major(cols, cols // block) and (not lanes or block % lanes):
                         h = in_column_order(np.asarray(h), cols, block)
                 rows[id(a), lanes] = (a, on_huge_pages(h))
             return rows[id(a), lanes][1]
